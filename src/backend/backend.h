@@ -1,0 +1,112 @@
+// The compute backend: where activations live and the operations the model code calls.
+//
+// Model code (src/models) never branches on the device: it loads its weights through
+// Backend::load_matrix / load_vector, allocates activation buffers with Backend::alloc, and runs a
+// forward pass as a list of the operations below. Each backend keeps op-level dispatch (SIMD
+// variant, weight format, kernel choice) to itself. Buffers hold float32 activations, row-major
+// [rows, cols]; one row per token.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+#include "core/tensor.h"
+
+namespace moestream {
+
+class ThreadPool;
+class ExpertStore;
+
+// A weight matrix W (out, in) in its stored format, as the backend will read it.
+struct Matrix {
+  std::string name;
+  DType dtype = DType::BF16;
+  const void* data = nullptr;
+  int64_t rows = 0, cols = 0;  // out features, in features
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// A float32 vector resident in the backend (norm weights, biases).
+struct Vector {
+  std::string name;
+  const float* data = nullptr;
+  int64_t size = 0;
+  explicit operator bool() const { return data != nullptr; }
+};
+
+// Activations [rows, cols] in backend memory.
+struct Buffer {
+  float* data = nullptr;
+  int64_t rows = 0, cols = 0;
+  Buffer rows_view(int64_t begin, int64_t count) const {
+    return Buffer{data + begin * cols, count, cols};
+  }
+};
+
+// cos/sin tables for rotary embeddings: inv_freq per rotated pair and the attention factor.
+struct RopeTable {
+  std::vector<float> inv_freq;  // [rot_dim / 2]
+  float attention_factor = 1.0f;  // multiplies cos and sin (YaRN)
+  int rot_dim = 0;               // leading dims of each head that rotate
+  bool interleaved = false;      // pairs (2i, 2i+1) instead of (i, i + rot_dim/2)
+};
+
+struct AttentionParams {
+  int n_heads = 0, n_kv_heads = 0, head_dim = 0;
+  float scale = 0;      // softmax scale, usually head_dim^-0.5
+  int64_t n_past = 0;   // positions already in the cache before this call
+};
+
+enum class RouterKind {
+  SoftmaxTopK,  // softmax over all experts, take the top k (Qwen, Mixtral, OLMoE)
+};
+
+struct MoeParams {
+  int n_experts = 0, top_k = 0;
+  RouterKind router = RouterKind::SoftmaxTopK;
+  bool norm_topk_prob = false;  // renormalize the k selected weights to sum to 1
+  int layer = 0;                // for ExpertStore::fetch
+};
+
+struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
+  Matrix gate, up, down;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+  virtual std::string name() const = 0;
+
+  virtual Matrix load_matrix(const TensorView& t) = 0;  // t: [out, in]
+  virtual Vector load_vector(const TensorView& t) = 0;  // 1-D, converted to float32
+  virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
+  virtual void free(Buffer& b) = 0;
+  virtual void to_host(const Buffer& b, float* dst) = 0;
+
+  // out[t] = table[tokens[t]]      table (vocab, dim)
+  virtual void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) = 0;
+  // RMSNorm over groups of `group` columns (group = cols: whole row; head_dim: per head).
+  virtual void rmsnorm(const Buffer& x, const Vector& w, float eps, int64_t group, Buffer& out) = 0;
+  // out (T, out) = x (T, in) @ W^T (+ bias)
+  virtual void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) = 0;
+  // Rotates each head of x (T, n_heads * head_dim) at positions n_past + t.
+  virtual void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) = 0;
+  // Appends k, v (T, kv_dim) to the caches at rows n_past.., then causal attention of q
+  // (T, n_heads * head_dim) over cache rows [0, n_past + t]: out (T, n_heads * head_dim).
+  virtual void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
+                         Buffer& v_cache, const AttentionParams& p, Buffer& out) = 0;
+  virtual void add(Buffer& x, const Buffer& y) = 0;  // x += y
+  // out = dense SwiGLU MLP of x
+  virtual void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) = 0;
+  // out = sum over the routed experts of weight * expert(x); router (n_experts, dim).
+  virtual void moe(const Buffer& x, const Matrix& router, ExpertStore& experts,
+                   const MoeParams& p, Buffer& out) = 0;
+};
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+
+}  // namespace moestream

@@ -1,0 +1,258 @@
+// The CPU backend: float32 activations in host memory, weights read in place from the mapping,
+// work split across a thread pool by output rows (linear) or by (token, head) (attention).
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <deque>
+#include <numeric>
+#include <unordered_map>
+
+#include "backend/backend.h"
+#include "backend/cpu/kernels.h"
+#include "core/error.h"
+#include "core/thread_pool.h"
+#include "experts/expert_store.h"
+
+namespace moestream {
+
+namespace {
+
+// Rows per task: enough work per chunk to amortize the hand-off.
+size_t rows_per_chunk(int64_t cols, int64_t tokens) {
+  return size_t(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols * tokens)));
+}
+
+class CpuBackend final : public Backend {
+ public:
+  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+
+  std::string name() const override { return "cpu(" + std::to_string(pool_.size()) + " threads)"; }
+
+  Matrix load_matrix(const TensorView& t) override {
+    if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
+    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
+      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");
+    return Matrix{t.name, t.dtype, t.data, t.shape[0], t.shape[1]};
+  }
+
+  Vector load_vector(const TensorView& t) override {
+    if (t.shape.size() != 1) fail("tensor ", t.name, ": expected a vector, found shape ", shape_str(t.shape));
+    std::vector<float>& v = vectors_.emplace_back(size_t(t.shape[0]));
+    Matrix as_row{t.name, t.dtype, t.data, 1, t.shape[0]};
+    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
+      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for vectors");
+    cpu::row_to_f32(as_row, 0, v.data());
+    return Vector{t.name, v.data(), t.shape[0]};
+  }
+
+  Buffer alloc(int64_t rows, int64_t cols) override {
+    auto mem = std::make_unique<float[]>(size_t(rows * cols));
+    float* p = mem.get();
+    allocations_.emplace(p, std::move(mem));
+    return Buffer{p, rows, cols};
+  }
+  void free(Buffer& b) override {
+    allocations_.erase(b.data);
+    b = Buffer{};
+  }
+  void to_host(const Buffer& b, float* dst) override {
+    std::memcpy(dst, b.data, size_t(b.rows * b.cols) * sizeof(float));
+  }
+
+  void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) override {
+    for (size_t t = 0; t < tokens.size(); ++t) {
+      if (tokens[t] < 0 || tokens[t] >= table.rows)
+        fail("token id ", tokens[t], " out of range [0, ", table.rows, ")");
+      cpu::row_to_f32(table, tokens[t], out.data + t * out.cols);
+    }
+  }
+
+  void rmsnorm(const Buffer& x, const Vector& w, float eps, int64_t group, Buffer& out) override {
+    const int64_t groups = x.rows * x.cols / group;
+    for (int64_t g = 0; g < groups; ++g) {
+      const float* src = x.data + g * group;
+      float* dst = out.data + g * group;
+      float ss = 0;
+      for (int64_t i = 0; i < group; ++i) ss += src[i] * src[i];
+      const float inv = 1.0f / std::sqrt(ss / float(group) + eps);
+      for (int64_t i = 0; i < group; ++i) dst[i] = w.data[i] * (src[i] * inv);
+    }
+  }
+
+  void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) override {
+    if (x.cols != w.cols)
+      fail("linear ", w.name, ": input has ", x.cols, " columns, weight expects ", w.cols);
+    const int64_t T = x.rows, n_out = w.rows;
+    if (T == 1) {
+      pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
+        for (size_t r = r0; r < r1; ++r) out.data[r] = cpu::dot_row(w, int64_t(r), x.data);
+      }, rows_per_chunk(w.cols, 1));
+    } else {
+      // Each weight row is converted once and reused for every token.
+      pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
+        thread_local std::vector<float> row;
+        row.resize(size_t(w.cols));
+        for (size_t r = r0; r < r1; ++r) {
+          cpu::row_to_f32(w, int64_t(r), row.data());
+          for (int64_t t = 0; t < T; ++t)
+            out.data[t * n_out + int64_t(r)] = cpu::dot_f32(row.data(), x.data + t * x.cols, w.cols);
+        }
+      }, rows_per_chunk(w.cols, T));
+    }
+    if (bias)
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t r = 0; r < n_out; ++r) out.data[t * n_out + r] += bias->data[r];
+  }
+
+  void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) override {
+    const int half = rope.rot_dim / 2;
+    std::vector<float>& cs = rope_scratch_;
+    cs.resize(size_t(2 * half));
+    for (int64_t t = 0; t < x.rows; ++t) {
+      // Angles in float32, as transformers computes them.
+      const float pos = float(n_past + t);
+      for (int i = 0; i < half; ++i) {
+        float angle = pos * rope.inv_freq[i];
+        cs[i] = std::cos(angle) * rope.attention_factor;
+        cs[half + i] = std::sin(angle) * rope.attention_factor;
+      }
+      for (int h = 0; h < n_heads; ++h) {
+        float* v = x.data + t * x.cols + int64_t(h) * head_dim;
+        for (int i = 0; i < half; ++i) {
+          const int a = rope.interleaved ? 2 * i : i;
+          const int b = rope.interleaved ? 2 * i + 1 : i + half;
+          const float x0 = v[a], x1 = v[b];
+          v[a] = x0 * cs[i] - x1 * cs[half + i];
+          v[b] = x1 * cs[i] + x0 * cs[half + i];
+        }
+      }
+    }
+  }
+
+  void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
+                 Buffer& v_cache, const AttentionParams& p, Buffer& out) override {
+    const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * p.head_dim;
+    if (p.n_past + T > k_cache.rows)
+      fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
+    std::memcpy(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float));
+    std::memcpy(v_cache.data + p.n_past * kv_dim, v.data, size_t(T * kv_dim) * sizeof(float));
+    const int group = p.n_heads / p.n_kv_heads;
+    const int hd = p.head_dim;
+    pool_.parallel_for(size_t(T * p.n_heads), [&](size_t i0, size_t i1) {
+      thread_local std::vector<float> scores;
+      for (size_t i = i0; i < i1; ++i) {
+        const int64_t t = int64_t(i) / p.n_heads;
+        const int h = int(int64_t(i) % p.n_heads), kvh = h / group;
+        const int64_t n_keys = p.n_past + t + 1;
+        scores.resize(size_t(n_keys));
+        const float* qv = q.data + t * q.cols + int64_t(h) * hd;
+        float mx = -INFINITY;
+        for (int64_t j = 0; j < n_keys; ++j) {
+          scores[j] = cpu::dot_f32(qv, k_cache.data + j * kv_dim + int64_t(kvh) * hd, hd) * p.scale;
+          mx = std::max(mx, scores[j]);
+        }
+        float sum = 0;
+        for (int64_t j = 0; j < n_keys; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
+        float* o = out.data + t * out.cols + int64_t(h) * hd;
+        std::fill(o, o + hd, 0.0f);
+        for (int64_t j = 0; j < n_keys; ++j)
+          cpu::axpy(scores[j] / sum, v_cache.data + j * kv_dim + int64_t(kvh) * hd, o, hd);
+      }
+    });
+  }
+
+  void add(Buffer& x, const Buffer& y) override {
+    const int64_t n = x.rows * x.cols;
+    for (int64_t i = 0; i < n; ++i) x.data[i] += y.data[i];
+  }
+
+  void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) override {
+    const int64_t T = x.rows, inter = w.gate.rows;
+    Buffer g = scratch(0, T, inter), u = scratch(1, T, inter);
+    linear(x, w.gate, nullptr, g);
+    linear(x, w.up, nullptr, u);
+    swiglu(g, u);
+    linear(g, w.down, nullptr, out);
+  }
+
+  void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p,
+           Buffer& out) override {
+    const int64_t T = x.rows, dim = x.cols;
+    Buffer logits = scratch(2, T, p.n_experts);
+    linear(x, router, nullptr, logits);
+
+    // Route every token; group tokens by expert so each expert's weights are read once.
+    std::vector<std::vector<std::pair<int64_t, float>>>& by_expert = by_expert_;
+    by_expert.assign(size_t(p.n_experts), {});
+    std::vector<float> probs(size_t(p.n_experts));
+    std::vector<int> order(size_t(p.n_experts));
+    for (int64_t t = 0; t < T; ++t) {
+      const float* l = logits.data + t * p.n_experts;
+      float mx = *std::max_element(l, l + p.n_experts), sum = 0;
+      for (int e = 0; e < p.n_experts; ++e) sum += (probs[e] = std::exp(l[e] - mx));
+      for (int e = 0; e < p.n_experts; ++e) probs[e] /= sum;
+      std::iota(order.begin(), order.end(), 0);
+      std::partial_sort(order.begin(), order.begin() + p.top_k, order.end(),
+                        [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
+      float norm = 1.0f;
+      if (p.norm_topk_prob) {
+        float s = 0;
+        for (int i = 0; i < p.top_k; ++i) s += probs[order[i]];
+        norm = 1.0f / s;
+      }
+      for (int i = 0; i < p.top_k; ++i)
+        by_expert[order[i]].emplace_back(t, probs[order[i]] * norm);
+    }
+    std::vector<int>& ids = expert_ids_;
+    ids.clear();
+    for (int e = 0; e < p.n_experts; ++e)
+      if (!by_expert[e].empty()) ids.push_back(e);
+    store.fetch(p.layer, ids, experts_);
+
+    std::fill(out.data, out.data + T * dim, 0.0f);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      const auto& routed = by_expert[ids[i]];
+      const int64_t n = int64_t(routed.size());
+      Buffer xe = scratch(3, n, dim), ye = scratch(4, n, dim);
+      for (int64_t j = 0; j < n; ++j)
+        std::memcpy(xe.data + j * dim, x.data + routed[j].first * dim, size_t(dim) * sizeof(float));
+      mlp(xe, experts_[i], ye);
+      for (int64_t j = 0; j < n; ++j)
+        cpu::axpy(routed[j].second, ye.data + j * dim, out.data + routed[j].first * dim, dim);
+    }
+  }
+
+ private:
+  static void swiglu(Buffer& g, const Buffer& u) {
+    const int64_t n = g.rows * g.cols;
+    for (int64_t i = 0; i < n; ++i) {
+      const float a = g.data[i];
+      g.data[i] = a / (1.0f + std::exp(-a)) * u.data[i];
+    }
+  }
+
+  // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.
+  Buffer scratch(int slot, int64_t rows, int64_t cols) {
+    if (scratch_.size() <= size_t(slot)) scratch_.resize(size_t(slot) + 1);
+    auto& s = scratch_[size_t(slot)];
+    if (s.size() < size_t(rows * cols)) s.resize(size_t(rows * cols));
+    return Buffer{s.data(), rows, cols};
+  }
+
+  ThreadPool pool_;
+  std::unordered_map<float*, std::unique_ptr<float[]>> allocations_;  // behind alloc()
+  std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
+  std::vector<std::vector<float>> scratch_;
+  std::vector<float> rope_scratch_;
+  std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
+  std::vector<int> expert_ids_;
+  std::vector<MlpWeights> experts_;
+};
+
+}  // namespace
+
+std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
+  return std::make_unique<CpuBackend>(n_threads);
+}
+
+}  // namespace moestream

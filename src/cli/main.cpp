@@ -1,0 +1,29 @@
+// moestream: run Mixture-of-Experts language models larger than the machine.
+#include <cstdio>
+
+#include "cli/cli.h"
+#include "core/error.h"
+
+int main(int argc, char** argv) {
+  CLI::App app{"moestream: Mixture-of-Experts inference with expert streaming", "moestream"};
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "moestream 0.1.0");
+  moestream::cli::add_run(app);
+  moestream::cli::add_logits(app);
+  moestream::cli::add_tokenize(app);
+  moestream::cli::add_demo(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const moestream::Error& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "moestream: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fflush(stdout);
+    std::fprintf(stderr, "moestream: internal error: %s\n", e.what());
+    return 2;
+  }
+  return 0;
+}

@@ -1,0 +1,96 @@
+// Building blocks shared by the architecture files: weight lookup, rotary tables, grouped-query
+// attention, and the decoder-only skeleton (batching, final norm, output head) every family uses.
+#pragma once
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/backend.h"
+#include "io/hf_config.h"
+#include "models/model.h"
+
+namespace moestream {
+
+class WeightSet;
+
+// Looks tensors up by name once, checks their shape, and hands them to the backend.
+class WeightLoader {
+ public:
+  WeightLoader(const WeightSet& weights, Backend& backend) : weights_(weights), backend_(backend) {}
+  Matrix matrix(const std::string& name, int64_t rows, int64_t cols);
+  Vector vector(const std::string& name, int64_t size);
+  Vector optional_vector(const std::string& name, int64_t size);  // empty when absent
+  bool has(const std::string& name) const;
+  const WeightSet& weights() const { return weights_; }
+  Backend& backend() { return backend_; }
+
+ private:
+  const WeightSet& weights_;
+  Backend& backend_;
+};
+
+// Rotary tables for the rope types transformers implements that we support; others are an Error.
+RopeTable make_rope_table(const RopeParams& params, int rot_dim, const std::string& config_path);
+
+// Activation buffers of one forward batch, preallocated for max_batch tokens.
+struct Workspace {
+  int64_t max_batch = 0;
+  Buffer x, xn, attn_out, ffn_out;  // [max_batch, hidden]
+  Buffer q, k, v;                   // [max_batch, heads * head_dim], [max_batch, kv_dim] x2
+  Buffer logits;                    // [max_batch, vocab]
+};
+
+// Grouped-query attention: q/k/v projections (optional biases), optional RMSNorm of each q and k
+// head, rotary embedding, causal softmax attention over the cache, output projection.
+struct GqaAttention {
+  Matrix q_proj, k_proj, v_proj, o_proj;
+  Vector q_bias, k_bias, v_bias, o_bias;  // empty when the checkpoint has none
+  Vector q_norm, k_norm;                  // per-head RMSNorm weights [head_dim], or empty
+  AttentionParams params;                 // heads, head_dim, scale
+  float norm_eps = 1e-6f;
+
+  static GqaAttention load(WeightLoader& w, const std::string& prefix, int64_t hidden,
+                           int n_heads, int n_kv_heads, int head_dim, float norm_eps);
+  // out (T, hidden) = attention of x (T, hidden); k/v appended to the caches at n_past.
+  void forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& k_cache, Buffer& v_cache,
+               int64_t n_past, const RopeTable& rope, Buffer& out) const;
+};
+
+// The KV cache of a decoder-only model: one K and one V buffer [capacity, kv_dim] per layer.
+class KvSequence : public SequenceState {
+ public:
+  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim);
+  ~KvSequence() override;
+  int64_t capacity() const override { return capacity_; }
+  std::vector<Buffer> k, v;
+
+ private:
+  Backend& be_;
+  int64_t capacity_;
+};
+
+// Decoder-only language model skeleton: embedding -> layers -> final norm -> output head. A
+// family implements load-time construction and run_layer; batching and logits live here.
+class DecoderModel : public Model {
+ public:
+  const ModelInfo& info() const override { return info_; }
+  Backend& backend() override { return *backend_; }
+  void forward(std::span<const int32_t> tokens, SequenceState& state,
+               std::span<float> logits) override;
+
+ protected:
+  // x (T, hidden) in ws.x is updated in place by layer l.
+  virtual void run_layer(int layer, int64_t T, SequenceState& state) = 0;
+  void init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim);
+
+  std::unique_ptr<Backend> backend_;
+  std::unique_ptr<WeightSet> weights_;
+  ModelInfo info_;
+  Workspace ws_;
+  Matrix embed_tokens, lm_head;
+  Vector final_norm;
+  float norm_eps = 1e-6f;
+};
+
+}  // namespace moestream

@@ -1,0 +1,57 @@
+// What every architecture offers: load from a model directory, start a sequence, run tokens.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace moestream {
+
+class Backend;
+
+struct ModelOptions {
+  int threads = 0;       // CPU threads; 0 = one per hardware thread
+  bool precise = false;  // keep activations in float32 everywhere (the default path may not)
+};
+
+struct ModelInfo {
+  std::string model_type;           // config.json model_type
+  std::string dir;                  // where it was loaded from
+  int64_t vocab_size = 0;           // rows of the output head
+  int n_layers = 0;
+  int64_t hidden_size = 0;
+  int64_t max_position = 0;         // max_position_embeddings
+  std::vector<int32_t> eos_token_ids;  // generation stops on any of these
+  int64_t weight_bytes = 0;         // bytes of all weights
+  int64_t active_bytes_per_token = 0;  // bytes read per decoded token (non-expert + top-k experts)
+};
+
+// Everything a sequence carries between forward calls (KV cache, recurrent state), sized for
+// `capacity` positions at creation.
+class SequenceState {
+ public:
+  virtual ~SequenceState() = default;
+  int64_t n_past = 0;       // positions already processed
+  virtual int64_t capacity() const = 0;
+};
+
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual const ModelInfo& info() const = 0;
+  virtual Backend& backend() = 0;
+  virtual std::unique_ptr<SequenceState> new_sequence(int64_t capacity) = 0;
+
+  // Processes tokens at positions state.n_past.. and advances state.n_past. Writes the logits of
+  // every token (logits.size() == tokens.size() * vocab) or, when logits.size() == vocab, of the
+  // last token only. Long inputs are split into batches internally.
+  virtual void forward(std::span<const int32_t> tokens, SequenceState& state,
+                       std::span<float> logits) = 0;
+};
+
+// Loads the model in `dir` with the architecture its config.json names (see registry.h).
+std::unique_ptr<Model> load_model(const std::string& dir, const ModelOptions& options);
+
+}  // namespace moestream

@@ -1,0 +1,188 @@
+// Qwen3-MoE (model_type "qwen3_moe"): Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B/480B.
+//
+// Each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x)), where attn is grouped-query attention
+// with a per-head RMSNorm on q and k before RoPE, and ffn is either a dense SwiGLU MLP or a
+// routed MoE: softmax over all experts, top-k, optionally renormalized (norm_topk_prob).
+#include <filesystem>
+
+#include "core/error.h"
+#include "experts/expert_store.h"
+#include "io/safetensors.h"
+#include "models/blocks.h"
+#include "models/registry.h"
+
+namespace moestream {
+
+namespace {
+
+struct Qwen3MoeConfig {
+  int64_t vocab_size;            // tokens
+  int64_t hidden_size;           // model width
+  int64_t intermediate_size;     // dense MLP width (mlp_only_layers / decoder_sparse_step layers)
+  int64_t moe_intermediate_size; // width of one expert
+  int n_layers;
+  int n_heads, n_kv_heads, head_dim;  // attention heads; head_dim may differ from hidden/heads
+  int n_experts, top_k;
+  bool norm_topk_prob;           // renormalize the top-k routing weights
+  int decoder_sparse_step;       // layer l is MoE when (l + 1) % step == 0 ...
+  std::vector<int64_t> mlp_only_layers;  // ... and l is not listed here
+  bool tie_word_embeddings;
+  float rms_norm_eps;
+  int64_t max_position;
+  RopeParams rope;
+
+  static Qwen3MoeConfig from(const HfConfig& c) {
+    Qwen3MoeConfig q;
+    q.vocab_size = c.get_int("vocab_size");
+    q.hidden_size = c.get_int("hidden_size");
+    q.intermediate_size = c.get_int("intermediate_size");
+    q.moe_intermediate_size = c.get_int("moe_intermediate_size");
+    q.n_layers = int(c.get_int("num_hidden_layers"));
+    q.n_heads = int(c.get_int("num_attention_heads"));
+    q.n_kv_heads = int(c.get_int("num_key_value_heads", q.n_heads));
+    q.head_dim = int(c.get_int("head_dim", q.hidden_size / q.n_heads));
+    q.n_experts = int(c.get_int("num_experts"));
+    q.top_k = int(c.get_int("num_experts_per_tok"));
+    q.norm_topk_prob = c.get_bool("norm_topk_prob", false);
+    q.decoder_sparse_step = int(c.get_int("decoder_sparse_step", 1));
+    q.mlp_only_layers = c.get_int_list("mlp_only_layers");
+    q.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
+    q.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
+    q.max_position = c.get_int("max_position_embeddings", 32768);
+    q.rope = c.rope();
+    const std::string act = c.get_string("hidden_act", "silu");
+    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+    if (c.get_bool("use_sliding_window", false))
+      fail(c.path(), ": use_sliding_window is not supported for qwen3_moe yet");
+    if (q.n_heads <= 0 || q.n_kv_heads <= 0 || q.n_heads % q.n_kv_heads != 0)
+      fail(c.path(), ": num_attention_heads (", q.n_heads, ") must be a positive multiple of num_key_value_heads (", q.n_kv_heads, ")");
+    if (q.head_dim <= 0 || q.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", q.head_dim);
+    if (q.top_k <= 0 || q.top_k > q.n_experts)
+      fail(c.path(), ": num_experts_per_tok (", q.top_k, ") must be in [1, num_experts = ", q.n_experts, "]");
+    if (q.decoder_sparse_step <= 0) fail(c.path(), ": decoder_sparse_step must be positive");
+    return q;
+  }
+
+  bool is_moe_layer(int l) const {
+    for (int64_t m : mlp_only_layers)
+      if (m == l) return false;
+    return n_experts > 0 && (l + 1) % decoder_sparse_step == 0;
+  }
+};
+
+struct Qwen3MoeLayer {
+  Vector input_norm, post_attention_norm;
+  GqaAttention attn;
+  bool moe = false;
+  Matrix router;     // [n_experts, hidden]   (moe layers)
+  MlpWeights dense;  // (dense layers)
+};
+
+class Qwen3Moe final : public DecoderModel {
+ public:
+  Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
+      : cfg_(Qwen3MoeConfig::from(hf)) {
+    backend_ = make_cpu_backend(options.threads);
+    weights_ = std::make_unique<WeightSet>(WeightSet::open_dir(dir));
+    info_.model_type = "qwen3_moe";
+    info_.dir = dir;
+    info_.vocab_size = cfg_.vocab_size;
+    info_.n_layers = cfg_.n_layers;
+    info_.hidden_size = cfg_.hidden_size;
+    info_.max_position = cfg_.max_position;
+    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+    norm_eps = cfg_.rms_norm_eps;
+
+    WeightLoader w(*weights_, *backend_);
+    const int64_t h = cfg_.hidden_size;
+    embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
+    final_norm = w.vector("model.norm.weight", h);
+    if (cfg_.tie_word_embeddings && !w.has("lm_head.weight"))
+      lm_head = embed_tokens;
+    else
+      lm_head = w.matrix("lm_head.weight", cfg_.vocab_size, h);
+
+    std::vector<bool> moe_layers;
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      Qwen3MoeLayer layer;
+      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
+      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
+      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
+                                      cfg_.head_dim, cfg_.rms_norm_eps);
+      layer.moe = cfg_.is_moe_layer(l);
+      if (layer.moe) {
+        layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
+      } else {
+        layer.dense.gate = w.matrix(p + "mlp.gate_proj.weight", cfg_.intermediate_size, h);
+        layer.dense.up = w.matrix(p + "mlp.up_proj.weight", cfg_.intermediate_size, h);
+        layer.dense.down = w.matrix(p + "mlp.down_proj.weight", h, cfg_.intermediate_size);
+      }
+      moe_layers.push_back(layer.moe);
+      layers_.push_back(std::move(layer));
+    }
+    experts_ = make_resident_expert_store(
+        *weights_, *backend_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size,
+        [](int l, int e) {
+          const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
+          return ExpertNames{p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
+        });
+    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
+
+    const int64_t q_dim = int64_t(cfg_.n_heads) * cfg_.head_dim;
+    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
+    init_workspace(kMaxBatch, q_dim, kv_dim_);
+
+    int64_t total = 0;
+    for (const auto& name : weights_->names()) total += int64_t(weights_->get(name).nbytes);
+    const int64_t expert_bytes = 3 * h * cfg_.moe_intermediate_size * 2;  // bf16
+    int n_moe = 0;
+    for (bool m : moe_layers) n_moe += m;
+    info_.weight_bytes = total;
+    info_.active_bytes_per_token =
+        total - int64_t(n_moe) * (cfg_.n_experts - cfg_.top_k) * expert_bytes;
+  }
+
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
+  }
+
+ protected:
+  void run_layer(int l, int64_t T, SequenceState& state) override {
+    auto& seq = static_cast<KvSequence&>(state);
+    const Qwen3MoeLayer& layer = layers_[size_t(l)];
+    Backend& be = *backend_;
+    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
+    Buffer out = ws_.ffn_out.rows_view(0, T);
+
+    be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+    layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
+    be.add(x, out);
+
+    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
+    if (layer.moe) {
+      MoeParams p{cfg_.n_experts, cfg_.top_k, RouterKind::SoftmaxTopK, cfg_.norm_topk_prob, l};
+      be.moe(xn, layer.router, *experts_, p, out);
+    } else {
+      be.mlp(xn, layer.dense, out);
+    }
+    be.add(x, out);
+  }
+
+ private:
+  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+  Qwen3MoeConfig cfg_;
+  std::vector<Qwen3MoeLayer> layers_;
+  std::unique_ptr<ExpertStore> experts_;
+  RopeTable rope_;
+  int64_t kv_dim_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_qwen3_moe(const std::string& dir, const HfConfig& config,
+                                      const ModelOptions& options) {
+  return std::make_unique<Qwen3Moe>(dir, config, options);
+}
+
+}  // namespace moestream

@@ -1,0 +1,84 @@
+#include "text/sampler.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "core/error.h"
+
+namespace moestream {
+
+void validate(const SamplingParams& p) {
+  if (!(p.temperature >= 0)) fail("temperature must be >= 0, got ", p.temperature);
+  if (p.top_k < 0) fail("top_k must be >= 0, got ", p.top_k);
+  if (!(p.top_p > 0 && p.top_p <= 1)) fail("top_p must be in (0, 1], got ", p.top_p);
+  if (!(p.min_p >= 0 && p.min_p <= 1)) fail("min_p must be in [0, 1], got ", p.min_p);
+  if (!(p.repetition_penalty > 0))
+    fail("repetition_penalty must be > 0, got ", p.repetition_penalty);
+}
+
+Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
+  validate(params);
+}
+
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> context) {
+  const int32_t n = int32_t(logits.size());
+  if (params_.repetition_penalty != 1.0f) {
+    // Each distinct context token is penalized once, as transformers does.
+    const float pen = params_.repetition_penalty;
+    seen_.assign(size_t(n), 0);
+    for (int32_t id : context) {
+      if (id < 0 || id >= n || seen_[size_t(id)]) continue;
+      seen_[size_t(id)] = 1;
+      float& l = logits[size_t(id)];
+      l = l > 0 ? l / pen : l * pen;
+    }
+  }
+  if (params_.temperature <= 0) {
+    return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  }
+
+  auto& c = candidates_;
+  c.resize(size_t(n));
+  for (int32_t i = 0; i < n; ++i) c[size_t(i)] = {logits[size_t(i)] / params_.temperature, i};
+  auto by_logit = [](const auto& a, const auto& b) {
+    return a.first > b.first || (a.first == b.first && a.second < b.second);
+  };
+  size_t keep = c.size();
+  if (params_.top_k > 0 && size_t(params_.top_k) < keep) {
+    keep = size_t(params_.top_k);
+    std::partial_sort(c.begin(), c.begin() + long(keep), c.end(), by_logit);
+  } else {
+    std::sort(c.begin(), c.end(), by_logit);
+  }
+  // Softmax over the kept candidates (sorted, most likely first).
+  const float mx = c[0].first;
+  double sum = 0;
+  for (size_t i = 0; i < keep; ++i) sum += (c[i].first = std::exp(c[i].first - mx));
+  for (size_t i = 0; i < keep; ++i) c[i].first = float(c[i].first / sum);
+  if (params_.top_p < 1.0f) {
+    double cum = 0;
+    for (size_t i = 0; i < keep; ++i) {
+      cum += c[i].first;
+      if (cum >= params_.top_p) {
+        keep = i + 1;
+        break;
+      }
+    }
+  }
+  if (params_.min_p > 0) {
+    const float floor = params_.min_p * c[0].first;
+    size_t i = 1;
+    while (i < keep && c[i].first >= floor) ++i;
+    keep = i;
+  }
+  double total = 0;
+  for (size_t i = 0; i < keep; ++i) total += c[i].first;
+  double r = std::uniform_real_distribution<double>(0.0, total)(rng_);
+  for (size_t i = 0; i < keep; ++i) {
+    r -= c[i].first;
+    if (r < 0) return c[i].second;
+  }
+  return c[keep - 1].second;
+}
+
+}  // namespace moestream

@@ -1,0 +1,123 @@
+// Qwen3-MoE against the transformers reference fixtures (tools/make_fixtures.py).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/npy.h"
+#include "models/model.h"
+#include "test_util.h"
+
+namespace moestream {
+namespace {
+
+using test::model_fixtures;
+
+struct Reference {
+  std::vector<int32_t> logit_tokens, prompt_tokens, greedy_tokens;
+  NpyArray logits;
+};
+
+Reference load_reference(const std::string& dir) {
+  auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
+  Reference r;
+  r.logit_tokens = j["logit_tokens"].get<std::vector<int32_t>>();
+  r.prompt_tokens = j["prompt_tokens"].get<std::vector<int32_t>>();
+  r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
+  r.logits = read_npy_f32(dir + "/ref_logits.npy");
+  return r;
+}
+
+// max|a - b| / max|b|
+double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+std::string join(const std::vector<int32_t>& ids, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? sep : "") + std::to_string(ids[i]);
+  return s;
+}
+
+TEST(Qwen3Moe, FixturesExist) { EXPECT_GE(model_fixtures().size(), 4u); }
+
+class Qwen3MoeFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(Qwen3MoeFixture, LogitsMatchTransformers) {
+  const std::string dir = GetParam();
+  Reference ref = load_reference(dir);
+  for (bool precise : {true, false}) {
+    ModelOptions opt;
+    opt.precise = precise;
+    opt.threads = 2;
+    auto model = load_model(dir, opt);
+    const int64_t vocab = model->info().vocab_size;
+    ASSERT_EQ(ref.logits.shape, (std::vector<int64_t>{int64_t(ref.logit_tokens.size()), vocab}));
+    std::vector<float> logits(ref.logit_tokens.size() * size_t(vocab));
+    auto seq = model->new_sequence(int64_t(ref.logit_tokens.size()));
+    model->forward(ref.logit_tokens, *seq, logits);
+    const double err = relative_error(logits, ref.logits.data);
+    EXPECT_LE(err, precise ? 1e-3 : 3e-2) << dir << (precise ? " --precise" : " default");
+  }
+}
+
+TEST_P(Qwen3MoeFixture, PrefillThenDecodeEqualsWholeSequence) {
+  const std::string dir = GetParam();
+  Reference ref = load_reference(dir);
+  ModelOptions opt;
+  opt.precise = true;
+  auto model = load_model(dir, opt);
+  const size_t n = ref.logit_tokens.size(), vocab = size_t(model->info().vocab_size);
+  std::vector<float> whole(n * vocab), stepped(n * vocab);
+  auto a = model->new_sequence(int64_t(n));
+  model->forward(ref.logit_tokens, *a, whole);
+  // First 13 tokens as one prefill, the rest one at a time.
+  auto b = model->new_sequence(int64_t(n));
+  const size_t split = 13;
+  model->forward(std::span(ref.logit_tokens).first(split), *b,
+                 std::span(stepped).first(split * vocab));
+  for (size_t i = split; i < n; ++i)
+    model->forward(std::span(ref.logit_tokens).subspan(i, 1), *b,
+                   std::span(stepped).subspan(i * vocab, vocab));
+  EXPECT_EQ(b->n_past, int64_t(n));
+  EXPECT_LE(relative_error(stepped, whole), 1e-5);
+}
+
+TEST_P(Qwen3MoeFixture, CliGreedyTokensMatchTransformers) {
+  const std::string dir = GetParam();
+  Reference ref = load_reference(dir);
+  for (const char* mode : {"--precise", ""}) {
+    auto r = test::run_cli("run -m " + dir + " --tokens " + join(ref.prompt_tokens, ",") +
+                           " -n " + std::to_string(ref.greedy_tokens.size()) +
+                           " --temp 0 --ids " + mode);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_EQ(r.out, join(ref.greedy_tokens, " ") + "\n") << mode;
+  }
+}
+
+TEST_P(Qwen3MoeFixture, CliLogitsWritesNpyOfAllPositions) {
+  const std::string dir = GetParam();
+  Reference ref = load_reference(dir);
+  const std::string out = test::temp_dir("logits") + "/out.npy";
+  auto r = test::run_cli("logits -m " + dir + " --tokens " + join(ref.logit_tokens, ",") +
+                         " -o " + out + " --precise");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  NpyArray got = read_npy_f32(out);
+  EXPECT_EQ(got.shape, ref.logits.shape);
+  EXPECT_LE(relative_error(got.data, ref.logits.data), 1e-3);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, Qwen3MoeFixture, ::testing::ValuesIn(model_fixtures()),
+                         [](const auto& info) {
+                           return std::filesystem::path(info.param).filename().string();
+                         });
+
+}  // namespace
+}  // namespace moestream
