@@ -25,7 +25,4 @@ struct ModelFlags {
   void add_to(CLI::App& cmd, bool required = true);
 };
 
-// Where generated models and packs are cached: $MOESTREAM_CACHE, else ~/.cache/moestream.
-std::string cache_dir();
-
 }  // namespace moestream::cli

@@ -21,7 +21,7 @@ void add_demo(CLI::App& app) {
   cmd->add_option("-p,--prompt", f->prompt, "Prompt text");
   cmd->add_option("--threads", f->options.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
   cmd->callback([f] {
-    const std::string dir = cache_dir() + "/demo-qwen3-moe-v1";
+    const std::string dir = default_cache_dir() + "/demo-qwen3-moe-v1";
     if (!std::filesystem::exists(dir + "/config.json")) {
       std::fprintf(stderr, "making a random-weight Qwen3-MoE in %s ...\n", dir.c_str());
       write_random_qwen3_moe(dir, SynthShape{}, 42);

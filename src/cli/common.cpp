@@ -34,10 +34,4 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_flag("--precise", options.precise, "Keep activations in float32 everywhere");
 }
 
-std::string cache_dir() {
-  if (const char* env = std::getenv("MOESTREAM_CACHE"); env && *env) return env;
-  const char* home = std::getenv("HOME");
-  return std::string(home && *home ? home : "/tmp") + "/.cache/moestream";
-}
-
 }  // namespace moestream::cli

@@ -1,58 +1,280 @@
+// The expert cache: fixed-size slots (the largest expert of the pack, 4 KiB aligned), a table
+// (layer, expert) -> slot, and an AsyncReader filling slots from the pack's expert files.
+//
+// Slot life: Free -> Loading (read in flight, pinned) -> Ready (pinned while the model computes
+// with it; evictable once released). Checksums are verified on every read, on the reader thread,
+// before the expert is handed out.
 #include "experts/expert_store.h"
 
+#include <xxhash.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <optional>
+
 #include "core/error.h"
-#include "io/safetensors.h"
+#include "experts/eviction.h"
+#include "io/async_reader.h"
+#include "io/pack.h"
 
 namespace moestream {
 
 namespace {
 
-class ResidentExpertStore final : public ExpertStore {
+using clock_type = std::chrono::steady_clock;
+
+struct AlignedFree {
+  void operator()(char* p) const { std::free(p); }
+};
+
+class StreamingExpertStore final : public ExpertStore {
  public:
-  ResidentExpertStore(std::vector<std::vector<MlpWeights>> experts, int n_experts)
-      : experts_(std::move(experts)), n_experts_(n_experts) {}
+  StreamingExpertStore(const PackManifest& pack, Backend& backend, const ExpertStoreOptions& o)
+      : pack_(pack), backend_(backend), policy_(make_eviction_policy(o.policy)) {
+    slot_bytes_ = pack.max_expert_size();
+    uint64_t total = 0;
+    for (const auto& layer : pack.layers) {
+      total += layer.size();
+      if (!layer.empty()) ++moe_layers_;
+    }
+    if (o.cache_mb < 0) {
+      max_slots_ = size_t(total);
+    } else {
+      stats_.budget_bytes = uint64_t(o.cache_mb * 1e6);
+      // At least one slot: a budget below one expert still runs, one expert at a time.
+      max_slots_ = std::max<size_t>(1, size_t(stats_.budget_bytes / slot_bytes_));
+    }
+    where_.resize(pack.layers.size());
+    use_.resize(pack.layers.size());
+    for (size_t l = 0; l < pack.layers.size(); ++l) {
+      where_[l].assign(pack.layers[l].size(), -1);
+      use_[l].resize(pack.layers[l].size());
+    }
+    std::vector<std::string> paths;
+    for (const auto& f : pack.expert_files) paths.push_back(pack.dir + "/" + f);
+    ReaderOptions ro;
+    ro.method = parse_io_method(o.io);
+    ro.direct = o.direct_io;
+    ro.threads = o.io_threads;
+    reader_ = make_async_reader(paths, ro, [this](const ReadDone& d) { on_read(d); });
+  }
 
-  int n_layers() const override { return int(experts_.size()); }
-  int n_experts() const override { return n_experts_; }
+  ~StreamingExpertStore() override {
+    // Reads still in flight (after an error) must finish before the slots go away.
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return outstanding_ == 0; });
+    lock.unlock();
+    reader_.reset();
+  }
 
-  void fetch(int layer, std::span<const int> ids, std::vector<MlpWeights>& out) override {
-    const auto& layer_experts = experts_.at(layer);
-    if (layer_experts.empty()) fail("layer ", layer, " has no routed experts");
-    out.clear();
-    for (int e : ids) {
-      if (e < 0 || e >= n_experts_) fail("layer ", layer, ": expert ", e, " out of range");
-      out.push_back(layer_experts[e]);
+  void request(int layer, std::span<const int> experts) override {
+    std::lock_guard lock(mu_);
+    if (remaining_ != 0) fail("expert store: request for layer ", layer, " before the previous one was consumed");
+    if (layer < 0 || size_t(layer) >= pack_.layers.size() || pack_.layers[size_t(layer)].empty())
+      fail("expert store: layer ", layer, " has no routed experts");
+    layer_ = layer;
+    ++tick_;
+    remaining_ = experts.size();
+    for (int e : experts) {
+      if (e < 0 || size_t(e) >= where_[size_t(layer)].size())
+        fail("expert store: layer ", layer, " has no expert ", e);
+      ExpertUse& u = use_[size_t(layer)][size_t(e)];
+      u.last_use = tick_;
+      ++u.uses;
+      const int s = where_[size_t(layer)][size_t(e)];
+      if (s >= 0 && slots_[size_t(s)].state == Slot::Ready) {
+        ++slots_[size_t(s)].pins;
+        ready_.push_back(s);
+        ++stats_.hits;
+      } else {
+        pending_.push_back(e);
+        ++stats_.misses;
+      }
+    }
+    start_loads();
+  }
+
+  bool next(int& expert, MlpWeights& weights) override {
+    std::unique_lock lock(mu_);
+    for (;;) {
+      if (error_) fail(*error_);
+      if (!ready_.empty()) {
+        const Slot& s = slots_[size_t(ready_.front())];
+        ready_.pop_front();
+        --remaining_;
+        expert = s.expert;
+        weights = s.weights;
+        return true;
+      }
+      if (remaining_ == 0) return false;
+      start_loads();
+      if (outstanding_ == 0)
+        fail("expert store: no slot free for layer ", layer_, " (release each expert before asking for the next)");
+      auto t0 = clock_type::now();
+      cv_.wait(lock, [&] { return error_ || !ready_.empty(); });
+      stats_.wait_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
     }
   }
 
+  void release(int expert) override {
+    std::lock_guard lock(mu_);
+    const int s = where_[size_t(layer_)][size_t(expert)];
+    if (s < 0 || slots_[size_t(s)].pins == 0) fail("expert store: release of expert ", expert, " that is not held");
+    --slots_[size_t(s)].pins;
+    start_loads();
+  }
+
+  ExpertStats stats() const override {
+    std::lock_guard lock(mu_);
+    ExpertStats s = stats_;
+    s.cache_bytes = uint64_t(slots_.size()) * slot_bytes_;
+    return s;
+  }
+
  private:
-  std::vector<std::vector<MlpWeights>> experts_;  // [layer][expert]; empty for dense layers
-  int n_experts_;
+  struct Slot {
+    enum State { Free, Loading, Ready } state = Free;
+    std::unique_ptr<char, AlignedFree> mem;
+    int layer = -1, expert = -1;
+    int pins = 0;
+    MlpWeights weights;  // views into mem, valid while Ready
+  };
+
+  // Starts reads for pending experts while slots can be found. Called with mu_ held.
+  void start_loads() {
+    while (!pending_.empty()) {
+      const int s = acquire_slot();
+      if (s < 0) return;
+      const int e = pending_.front();
+      pending_.pop_front();
+      Slot& slot = slots_[size_t(s)];
+      slot.state = Slot::Loading;
+      slot.layer = layer_;
+      slot.expert = e;
+      slot.pins = 1;
+      where_[size_t(layer_)][size_t(e)] = s;
+      const PackedExpert& pe = pack_.expert(layer_, e);
+      if (outstanding_++ == 0) busy_since_ = clock_type::now();
+      reader_->submit(pe.file, pe.offset, pe.size, slot.mem.get(), uint64_t(s));
+    }
+  }
+
+  // A free slot, a new one while under the bound, or the cached expert of lowest priority.
+  int acquire_slot() {
+    for (size_t i = 0; i < slots_.size(); ++i)
+      if (slots_[i].state == Slot::Free) return int(i);
+    if (slots_.size() < max_slots_) {
+      Slot& s = slots_.emplace_back();
+      s.mem.reset(static_cast<char*>(std::aligned_alloc(kPackAlignment, slot_bytes_)));
+      if (!s.mem) fail("expert store: out of memory allocating a ", slot_bytes_, "-byte slot");
+      return int(slots_.size() - 1);
+    }
+    int victim = -1;
+    double best = 0;
+    const double ticks_per_token = std::max(1, moe_layers_);
+    for (size_t i = 0; i < slots_.size(); ++i) {
+      const Slot& s = slots_[i];
+      if (s.state != Slot::Ready || s.pins > 0) continue;
+      const double p = policy_->priority(use_[size_t(s.layer)][size_t(s.expert)], tick_, ticks_per_token);
+      if (victim < 0 || p < best) {
+        victim = int(i);
+        best = p;
+      }
+    }
+    if (victim >= 0) {
+      Slot& s = slots_[size_t(victim)];
+      where_[size_t(s.layer)][size_t(s.expert)] = -1;
+      s.state = Slot::Free;
+    }
+    return victim;
+  }
+
+  // Reader thread: check the bytes, then hand the expert to the compute side.
+  void on_read(const ReadDone& d) {
+    Slot* slot_ptr;
+    {
+      std::lock_guard lock(mu_);  // the deque's index may be growing; element addresses are stable
+      slot_ptr = &slots_[size_t(d.tag)];
+    }
+    Slot& slot = *slot_ptr;  // pinned and Loading: nothing else touches it until it is Ready
+    const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
+    const std::string& file = pack_.expert_files[size_t(pe.file)];
+    std::optional<std::string> err;
+    if (d.bytes < 0) {
+      err = file + ": read failed for layer " + std::to_string(slot.layer) + " expert " +
+            std::to_string(slot.expert) + ": " + std::strerror(int(-d.bytes));
+    } else if (uint64_t(d.bytes) != pe.size) {
+      err = file + ": short read for layer " + std::to_string(slot.layer) + " expert " +
+            std::to_string(slot.expert) + " (" + std::to_string(d.bytes) + " of " +
+            std::to_string(pe.size) + " bytes; truncated file?)";
+    } else if (XXH64(slot.mem.get(), pe.size, 0) != pe.checksum) {
+      err = file + ": checksum mismatch for layer " + std::to_string(slot.layer) + " expert " +
+            std::to_string(slot.expert) + " (corrupted pack)";
+    } else {
+      slot.weights = views(pe, slot.mem.get());
+    }
+    {
+      std::lock_guard lock(mu_);
+      if (--outstanding_ == 0)
+        stats_.io_busy_seconds += std::chrono::duration<double>(clock_type::now() - busy_since_).count();
+      if (d.bytes > 0) stats_.bytes_read += uint64_t(d.bytes);
+      if (err) {
+        if (!error_) error_ = *err;
+        where_[size_t(slot.layer)][size_t(slot.expert)] = -1;
+        slot.state = Slot::Free;
+        slot.pins = 0;
+      } else {
+        slot.state = Slot::Ready;
+        ready_.push_back(int(d.tag));
+      }
+    }
+    cv_.notify_all();
+  }
+
+  MlpWeights views(const PackedExpert& pe, const char* base) {
+    MlpWeights w;
+    for (const PackedTensor& t : pe.tensors) {
+      Matrix m{t.role, t.dtype, base + t.offset, t.shape[0], t.shape[1]};
+      if (t.role == "gate") w.gate = m;
+      else if (t.role == "up") w.up = m;
+      else if (t.role == "down") w.down = m;
+    }
+    return w;
+  }
+
+  const PackManifest& pack_;
+  Backend& backend_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  std::unique_ptr<AsyncReader> reader_;
+  uint64_t slot_bytes_ = 0;
+  size_t max_slots_ = 0;
+  int moe_layers_ = 0;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Slot> slots_;                  // deque: growing keeps addresses stable
+  std::vector<std::vector<int>> where_;     // [layer][expert] -> slot, -1 when not cached
+  std::vector<std::vector<ExpertUse>> use_;
+  uint64_t tick_ = 0;
+  int layer_ = -1;
+  size_t remaining_ = 0;                    // experts of the request not yet handed out
+  std::deque<int> pending_;                 // experts of the request waiting for a slot
+  std::deque<int> ready_;                   // slots ready to hand out
+  int outstanding_ = 0;                     // reads in flight
+  clock_type::time_point busy_since_;
+  std::optional<std::string> error_;
+  ExpertStats stats_;
 };
 
 }  // namespace
 
-std::unique_ptr<ExpertStore> make_resident_expert_store(const WeightSet& weights, Backend& backend,
-                                                        const std::vector<bool>& moe_layers,
-                                                        int n_experts, int64_t hidden,
-                                                        int64_t intermediate,
-                                                        const ExpertNaming& names) {
-  std::vector<std::vector<MlpWeights>> experts(moe_layers.size());
-  for (size_t l = 0; l < moe_layers.size(); ++l) {
-    if (!moe_layers[l]) continue;
-    for (int e = 0; e < n_experts; ++e) {
-      ExpertNames n = names(int(l), e);
-      const TensorView& gate = weights.get(n.gate);
-      const TensorView& up = weights.get(n.up);
-      const TensorView& down = weights.get(n.down);
-      check_shape(gate, {intermediate, hidden});
-      check_shape(up, {intermediate, hidden});
-      check_shape(down, {hidden, intermediate});
-      experts[l].push_back(MlpWeights{backend.load_matrix(gate), backend.load_matrix(up),
-                                      backend.load_matrix(down)});
-    }
-  }
-  return std::make_unique<ResidentExpertStore>(std::move(experts), n_experts);
+std::unique_ptr<ExpertStore> make_expert_store(const PackManifest& pack, Backend& backend,
+                                               const ExpertStoreOptions& options) {
+  return std::make_unique<StreamingExpertStore>(pack, backend, options);
 }
 
 }  // namespace moestream

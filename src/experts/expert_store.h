@@ -1,43 +1,57 @@
 // ExpertStore: the only path from model code to routed-expert weights. An expert is addressed by
-// (layer, expert); the model asks for the experts a layer needs and never learns whether they
-// came from a resident mapping, a RAM cache or disk.
+// (layer, expert); the model never learns whether it came from the cache or from disk.
+//
+// Protocol for one MoE layer:
+//   store.request(layer, ids);                 // hits are ready at once; misses go to I/O together
+//   while (store.next(e, weights)) { compute(e, weights); store.release(e); }
+// next() hands out experts as they become ready (cached ones first, so compute overlaps the reads
+// still in flight). Releasing before the next call lets a cache smaller than the layer's set of
+// experts cycle its slots.
 #pragma once
 
-#include <functional>
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
-#include <vector>
 
 #include "backend/backend.h"
 
 namespace moestream {
 
-class WeightSet;
+struct PackManifest;
+
+struct ExpertStoreOptions {
+  double cache_mb = -1;        // memory for expert weights in MB (1e6 bytes); < 0: unbounded
+  std::string policy = "lru";  // eviction: lru | lfu | lcp
+  std::string io = "pread";    // pread | uring
+  bool direct_io = false;      // O_DIRECT reads into aligned buffers
+  int io_threads = 4;          // reads in flight
+};
+
+struct ExpertStats {
+  uint64_t hits = 0, misses = 0;  // experts found in the cache / read from disk
+  uint64_t bytes_read = 0;        // from the pack's expert files
+  double io_busy_seconds = 0;     // wall time with at least one read in flight
+  double wait_seconds = 0;        // time compute spent waiting for a read
+  uint64_t cache_bytes = 0;       // memory held for expert slots (allocated so far)
+  uint64_t budget_bytes = 0;      // the configured bound (0 = unbounded)
+  double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0; }
+  double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
+};
 
 class ExpertStore {
  public:
   virtual ~ExpertStore() = default;
-  virtual int n_layers() const = 0;
-  virtual int n_experts() const = 0;
-  // Makes `experts` of `layer` available, in the same order. The views stay valid until the next
-  // fetch call (a streaming store reuses the memory then).
-  virtual void fetch(int layer, std::span<const int> experts, std::vector<MlpWeights>& out) = 0;
+  virtual void request(int layer, std::span<const int> experts) = 0;
+  // The next ready expert of the current request; false once all were handed out. Throws Error
+  // naming layer and expert on a failed read or a checksum mismatch.
+  virtual bool next(int& expert, MlpWeights& weights) = 0;
+  virtual void release(int expert) = 0;
+  virtual ExpertStats stats() const = 0;
 };
 
-// Tensor names of one expert's gate/up/down weights in a checkpoint.
-struct ExpertNames {
-  std::string gate, up, down;
-};
-// Returns the names for (layer, expert); layers without routed experts are not asked.
-using ExpertNaming = std::function<ExpertNames(int layer, int expert)>;
-
-// All experts resident: views into the memory-mapped checkpoint, checked once at load.
-// moe_layers[l] is false for dense layers (never fetched).
-std::unique_ptr<ExpertStore> make_resident_expert_store(const WeightSet& weights, Backend& backend,
-                                                        const std::vector<bool>& moe_layers,
-                                                        int n_experts, int64_t hidden,
-                                                        int64_t intermediate,
-                                                        const ExpertNaming& names);
+// The store over a pack's expert files, with a cache bounded by options.cache_mb.
+std::unique_ptr<ExpertStore> make_expert_store(const PackManifest& pack, Backend& backend,
+                                               const ExpertStoreOptions& options);
 
 }  // namespace moestream

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "experts/expert_store.h"
+
 namespace moestream {
 
 class Backend;
@@ -14,7 +16,12 @@ class Backend;
 struct ModelOptions {
   int threads = 0;       // CPU threads; 0 = one per hardware thread
   bool precise = false;  // keep activations in float32 everywhere (the default path may not)
+  ExpertStoreOptions experts;  // expert cache budget, eviction policy, I/O method
+  std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
 };
+
+// $MOESTREAM_CACHE, else ~/.cache/moestream.
+std::string default_cache_dir();
 
 struct ModelInfo {
   std::string model_type;           // config.json model_type
@@ -43,6 +50,7 @@ class Model {
   virtual const ModelInfo& info() const = 0;
   virtual Backend& backend() = 0;
   virtual std::unique_ptr<SequenceState> new_sequence(int64_t capacity) = 0;
+  virtual ExpertStats expert_stats() const = 0;
 
   // Processes tokens at positions state.n_past.. and advances state.n_past. Writes the logits of
   // every token (logits.size() == tokens.size() * vocab) or, when logits.size() == vocab, of the
@@ -51,7 +59,12 @@ class Model {
                        std::span<float> logits) = 0;
 };
 
-// Loads the model in `dir` with the architecture its config.json names (see registry.h).
+// Loads the model in `dir` with the architecture its config.json names (see registry.h). `dir` is
+// a pack, or a Hugging Face directory that is packed into the cache on first use (ensure_pack).
 std::unique_ptr<Model> load_model(const std::string& dir, const ModelOptions& options);
+
+// The pack for `dir`: dir itself when it is a pack; for a Hugging Face directory, a pack under
+// cache_dir/packs (made on first use, reused while the source files are unchanged).
+std::string ensure_pack(const std::string& dir, const std::string& cache_dir);
 
 }  // namespace moestream

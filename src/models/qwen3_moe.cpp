@@ -3,10 +3,12 @@
 // Each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x)), where attn is grouped-query attention
 // with a per-head RMSNorm on q and k before RoPE, and ffn is either a dense SwiGLU MLP or a
 // routed MoE: softmax over all experts, top-k, optionally renormalized (norm_topk_prob).
+#include <algorithm>
 #include <filesystem>
 
 #include "core/error.h"
 #include "experts/expert_store.h"
+#include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
 #include "models/registry.h"
@@ -83,7 +85,8 @@ class Qwen3Moe final : public DecoderModel {
   Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
       : cfg_(Qwen3MoeConfig::from(hf)) {
     backend_ = make_cpu_backend(options.threads);
-    weights_ = std::make_unique<WeightSet>(WeightSet::open_dir(dir));
+    pack_ = PackManifest::load(dir);
+    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
     info_.model_type = "qwen3_moe";
     info_.dir = dir;
     info_.vocab_size = cfg_.vocab_size;
@@ -121,27 +124,24 @@ class Qwen3Moe final : public DecoderModel {
       moe_layers.push_back(layer.moe);
       layers_.push_back(std::move(layer));
     }
-    experts_ = make_resident_expert_store(
-        *weights_, *backend_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size,
-        [](int l, int e) {
-          const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
-          return ExpertNames{p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"};
-        });
+    check_experts(moe_layers);
+    experts_ = make_expert_store(pack_, *backend_, options.experts);
     rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
 
     const int64_t q_dim = int64_t(cfg_.n_heads) * cfg_.head_dim;
     kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
     init_workspace(kMaxBatch, q_dim, kv_dim_);
 
-    int64_t total = 0;
-    for (const auto& name : weights_->names()) total += int64_t(weights_->get(name).nbytes);
-    const int64_t expert_bytes = 3 * h * cfg_.moe_intermediate_size * 2;  // bf16
-    int n_moe = 0;
-    for (bool m : moe_layers) n_moe += m;
-    info_.weight_bytes = total;
+    int64_t dense_bytes = 0;
+    for (const auto& name : weights_->names()) dense_bytes += int64_t(weights_->get(name).nbytes);
+    const int64_t expert_bytes = int64_t(pack_.total_expert_bytes());
+    const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
+    info_.weight_bytes = dense_bytes + expert_bytes;
     info_.active_bytes_per_token =
-        total - int64_t(n_moe) * (cfg_.n_experts - cfg_.top_k) * expert_bytes;
+        dense_bytes + (n_moe ? expert_bytes / (n_moe * cfg_.n_experts) * n_moe * cfg_.top_k : 0);
   }
+
+  ExpertStats expert_stats() const override { return experts_->stats(); }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
     return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
@@ -171,7 +171,30 @@ class Qwen3Moe final : public DecoderModel {
 
  private:
   static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+  // Every MoE layer of the pack holds n_experts experts with gate/up/down of the config's shape.
+  void check_experts(const std::vector<bool>& moe_layers) const {
+    const int64_t h = cfg_.hidden_size, inter = cfg_.moe_intermediate_size;
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      const bool packed = size_t(l) < pack_.layers.size() && !pack_.layers[size_t(l)].empty();
+      if (packed != moe_layers[size_t(l)])
+        fail(pack_.dir, ": layer ", l, moe_layers[size_t(l)] ? " needs routed experts, the pack has none"
+                                                             : " is dense in config.json but the pack has experts for it");
+      if (!packed) continue;
+      if (int(pack_.layers[size_t(l)].size()) != cfg_.n_experts)
+        fail(pack_.dir, ": layer ", l, " has ", pack_.layers[size_t(l)].size(), " experts, config.json says ", cfg_.n_experts);
+      for (int e = 0; e < cfg_.n_experts; ++e)
+        for (const PackedTensor& t : pack_.expert(l, e).tensors) {
+          const std::vector<int64_t> want = t.role == "down" ? std::vector<int64_t>{h, inter}
+                                                              : std::vector<int64_t>{inter, h};
+          if (t.shape != want)
+            fail("tensor model.layers.", l, ".mlp.experts.", e, ".", t.role, "_proj.weight: expected shape ",
+                 shape_str(want), ", found ", shape_str(t.shape));
+        }
+    }
+  }
+
   Qwen3MoeConfig cfg_;
+  PackManifest pack_;
   std::vector<Qwen3MoeLayer> layers_;
   std::unique_ptr<ExpertStore> experts_;
   RopeTable rope_;

@@ -1,32 +1,97 @@
 #include "models/registry.h"
 
+#include <xxhash.h>
+
+#include <cstdlib>
 #include <filesystem>
+#include <regex>
 
 #include "core/error.h"
 #include "io/hf_config.h"
 
 namespace moestream {
 
+namespace fs = std::filesystem;
+
 const std::vector<Architecture>& architectures() {
   static const std::vector<Architecture> table = {
       {"qwen3_moe", "Qwen3-30B-A3B, Qwen3-235B-A22B, Qwen3-Coder-30B-A3B, Qwen3-Coder-480B",
-       load_qwen3_moe},
+       load_qwen3_moe, parse_qwen_expert_tensor},
   };
   return table;
 }
 
-std::unique_ptr<Model> load_model(const std::string& dir, const ModelOptions& options) {
-  if (!std::filesystem::is_directory(dir)) fail(dir, ": not a model directory");
-  const std::string config_path = dir + "/config.json";
-  if (!std::filesystem::exists(config_path)) fail(config_path, ": not found (is ", dir, " a model directory?)");
-  HfConfig config = HfConfig::load(config_path).text();
-  const std::string type = config.model_type();
+const Architecture& find_architecture(const std::string& model_type, const std::string& where) {
   std::string supported;
   for (const auto& arch : architectures()) {
-    if (arch.model_type == type) return arch.load(dir, config, options);
+    if (arch.model_type == model_type) return arch;
     supported += (supported.empty() ? "" : ", ") + arch.model_type;
   }
-  fail(config_path, ": model_type '", type, "' is not supported (supported: ", supported, ")");
+  fail(where, ": model_type '", model_type, "' is not supported (supported: ", supported, ")");
+}
+
+std::optional<ExpertTensorRef> parse_qwen_expert_tensor(const std::string& name) {
+  static const std::regex re(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
+  std::smatch m;
+  if (!std::regex_match(name, m, re)) return std::nullopt;
+  return ExpertTensorRef{std::stoi(m[1]), std::stoi(m[2]), m[3]};
+}
+
+std::string default_cache_dir() {
+  if (const char* env = std::getenv("MOESTREAM_CACHE"); env && *env) return env;
+  const char* home = std::getenv("HOME");
+  return std::string(home && *home ? home : "/tmp") + "/.cache/moestream";
+}
+
+namespace {
+
+HfConfig load_config(const std::string& dir) {
+  if (!fs::is_directory(dir)) fail(dir, ": not a model directory");
+  const std::string path = dir + "/config.json";
+  if (!fs::exists(path)) fail(path, ": not found (is ", dir, " a model directory?)");
+  return HfConfig::load(path).text();
+}
+
+// Identifies a source directory's contents: path, and every file's name, size and mtime.
+uint64_t source_key(const std::string& dir) {
+  std::string key = fs::canonical(dir).string();
+  std::vector<std::string> entries;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    entries.push_back(e.path().filename().string() + ":" + std::to_string(e.file_size()) + ":" +
+                      std::to_string(e.last_write_time().time_since_epoch().count()));
+  }
+  std::sort(entries.begin(), entries.end());
+  for (const auto& s : entries) key += "\n" + s;
+  return XXH64(key.data(), key.size(), 0);
+}
+
+}  // namespace
+
+std::string ensure_pack(const std::string& dir, const std::string& cache_dir) {
+  if (is_pack_dir(dir)) return dir;
+  const HfConfig config = load_config(dir);
+  const Architecture& arch = find_architecture(config.model_type(), config.path());
+  char hex[17];
+  std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)source_key(dir));
+  const std::string name = fs::path(fs::canonical(dir)).filename().string();
+  const std::string out = (cache_dir.empty() ? default_cache_dir() : cache_dir) + "/packs/" + name + "-" + hex;
+  if (is_pack_dir(out)) return out;
+  fs::create_directories(fs::path(out).parent_path());
+  try {
+    write_pack(dir, out, arch.expert_tensors, PackOptions{});
+  } catch (const std::exception&) {
+    if (is_pack_dir(out)) return out;  // another process packed it at the same time
+    throw;
+  }
+  return out;
+}
+
+std::unique_ptr<Model> load_model(const std::string& dir, const ModelOptions& options) {
+  load_config(dir);  // a clear error for a missing directory before anything else
+  const std::string pack = ensure_pack(dir, options.cache_dir);
+  const HfConfig config = load_config(pack);
+  return find_architecture(config.model_type(), config.path()).load(pack, config, options);
 }
 
 }  // namespace moestream

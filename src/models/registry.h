@@ -2,10 +2,12 @@
 #pragma once
 
 #include <functional>
+#include <optional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "io/pack.h"
 #include "models/model.h"
 
 namespace moestream {
@@ -19,8 +21,14 @@ using ModelLoader = std::function<std::unique_ptr<Model>(const std::string& dir,
 struct Architecture {
   std::string model_type;  // config.json model_type
   std::string examples;    // published models of this family
-  ModelLoader load;
+  ModelLoader load;        // from a pack directory
+  ExpertTensorParser expert_tensors;  // which checkpoint tensors are routed experts
 };
+
+const Architecture& find_architecture(const std::string& model_type, const std::string& where);
+
+// Per-expert tensors named "model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight".
+std::optional<ExpertTensorRef> parse_qwen_expert_tensor(const std::string& name);
 
 const std::vector<Architecture>& architectures();
 

@@ -205,20 +205,38 @@ class CpuBackend final : public Backend {
     }
     std::vector<int>& ids = expert_ids_;
     ids.clear();
-    for (int e = 0; e < p.n_experts; ++e)
-      if (!by_expert[e].empty()) ids.push_back(e);
-    store.fetch(p.layer, ids, experts_);
+    int64_t routed_rows = 0;
+    first_row_.assign(size_t(p.n_experts), 0);
+    for (int e = 0; e < p.n_experts; ++e) {
+      if (by_expert[e].empty()) continue;
+      ids.push_back(e);
+      first_row_[size_t(e)] = routed_rows;
+      routed_rows += int64_t(by_expert[e].size());
+    }
 
-    std::fill(out.data, out.data + T * dim, 0.0f);
-    for (size_t i = 0; i < ids.size(); ++i) {
-      const auto& routed = by_expert[ids[i]];
+    // Experts arrive in the order the store has them ready; each one's output rows go to their
+    // own place, and the combine below runs in expert order, so the sum does not depend on what
+    // was cached.
+    Buffer routed_out = scratch(5, routed_rows, dim);
+    store.request(p.layer, ids);
+    int e;
+    MlpWeights w;
+    while (store.next(e, w)) {
+      const auto& routed = by_expert[size_t(e)];
       const int64_t n = int64_t(routed.size());
-      Buffer xe = scratch(3, n, dim), ye = scratch(4, n, dim);
+      Buffer xe = scratch(3, n, dim);
       for (int64_t j = 0; j < n; ++j)
         std::memcpy(xe.data + j * dim, x.data + routed[j].first * dim, size_t(dim) * sizeof(float));
-      mlp(xe, experts_[i], ye);
-      for (int64_t j = 0; j < n; ++j)
-        cpu::axpy(routed[j].second, ye.data + j * dim, out.data + routed[j].first * dim, dim);
+      Buffer ye = routed_out.rows_view(first_row_[size_t(e)], n);
+      mlp(xe, w, ye);
+      store.release(e);
+    }
+    std::fill(out.data, out.data + T * dim, 0.0f);
+    for (int id : ids) {
+      const auto& routed = by_expert[size_t(id)];
+      for (size_t j = 0; j < routed.size(); ++j)
+        cpu::axpy(routed[j].second, routed_out.data + (first_row_[size_t(id)] + int64_t(j)) * dim,
+                  out.data + routed[j].first * dim, dim);
     }
   }
 
@@ -246,7 +264,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_scratch_;
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
   std::vector<int> expert_ids_;
-  std::vector<MlpWeights> experts_;
+  std::vector<int64_t> first_row_;
 };
 
 }  // namespace

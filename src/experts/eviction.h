@@ -1,0 +1,28 @@
+// Eviction policies for the expert cache: which unpinned cached expert gives up its slot.
+// Each cached expert is described by when it was last used and how often it has been used
+// (counted since the start, also across evictions); the lowest priority is evicted.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace moestream {
+
+struct ExpertUse {
+  uint64_t last_use = 0;  // request tick of the last use
+  uint64_t uses = 0;      // number of requests that included the expert
+};
+
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  // Higher keeps; `now` is the current request tick, ticks_per_token the MoE layers per token.
+  virtual double priority(const ExpertUse& use, uint64_t now, double ticks_per_token) const = 0;
+};
+
+// lru: most recent use; lfu: use count (recency breaks ties);
+// lcp: uses * 0.25^(age_in_tokens / 128), mlx-moe's frequency-times-recency rule.
+std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& name);
+
+}  // namespace moestream

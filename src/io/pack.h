@@ -1,0 +1,73 @@
+// moestream's packed model layout (docs/FORMATS.md): non-expert weights in one safetensors file
+// that is memory-mapped, and the routed experts of each layer in one file per layer, each expert's
+// tensors contiguous and 4 KiB aligned so that one read fetches one expert. A JSON manifest gives
+// every expert's offset, size, storage format and xxh64 checksum, so experts of different
+// precision can live side by side.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/dtype.h"
+
+namespace moestream {
+
+constexpr uint64_t kPackAlignment = 4096;
+constexpr const char* kPackManifestName = "moestream-pack.json";
+
+// One tensor inside an expert's block, e.g. role "gate" (later "gate.scales", ...).
+struct PackedTensor {
+  std::string role;             // gate | up | down (+ ".scales" / ".biases" for quantized formats)
+  DType dtype = DType::BF16;
+  std::vector<int64_t> shape;
+  uint64_t offset = 0;          // bytes from the start of the expert's block
+  uint64_t nbytes = 0;
+};
+
+struct PackedExpert {
+  int file = 0;                 // index into PackManifest::expert_files
+  uint64_t offset = 0;          // 4 KiB aligned, in that file
+  uint64_t size = 0;            // bytes of the block (a multiple of 4 KiB, padding included)
+  uint64_t checksum = 0;        // xxh64 (seed 0) of the whole block
+  std::string format;           // "bf16", "f16", "f32" (quantized formats later)
+  std::vector<PackedTensor> tensors;
+};
+
+struct PackManifest {
+  std::string dir;                          // the pack directory
+  std::string model_type;
+  std::string weights_file;                 // non-expert tensors (safetensors), relative to dir
+  std::vector<std::string> expert_files;    // relative to dir
+  std::vector<std::vector<PackedExpert>> layers;  // [layer][expert]; empty for layers without experts
+  int n_experts = 0;                        // routed experts per MoE layer
+
+  static PackManifest load(const std::string& dir);  // validates; Error names the field
+  uint64_t total_expert_bytes() const;
+  uint64_t max_expert_size() const;
+  const PackedExpert& expert(int layer, int expert) const;  // Error when out of range
+};
+
+bool is_pack_dir(const std::string& dir);
+
+// Which tensors of a checkpoint are routed-expert weights, and what they are.
+struct ExpertTensorRef {
+  int layer = 0, expert = 0;
+  std::string role;  // gate | up | down
+};
+using ExpertTensorParser = std::function<std::optional<ExpertTensorRef>(const std::string& name)>;
+
+struct PackOptions {
+  std::string quant = "keep";  // keep | bf16 (quantized formats with the quantization issue)
+  bool progress = true;        // progress bar on stderr when it is a terminal
+};
+
+// Converts the Hugging Face model directory `src` into a pack at `out` (which must not exist),
+// through a temporary directory renamed into place at the end; `src` is never modified.
+// `experts` says which tensors are routed-expert weights (the architecture knows).
+void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& experts,
+                const PackOptions& options);
+
+}  // namespace moestream
