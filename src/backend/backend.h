@@ -21,12 +21,27 @@ namespace moestream {
 class ThreadPool;
 class ExpertStore;
 
+// Group-wise affine quantization as MLX stores it: for each group of group_size consecutive
+// input elements a scale and a bias (scale_dtype), value = q * scale + bias, q of `bits` bits
+// packed little-endian into uint32 words. bits == 0 means not quantized.
+struct QuantFormat {
+  int bits = 0;              // 2, 3, 4, 6, 8
+  int group_size = 0;        // 32, 64, 128
+  DType scale_dtype = DType::BF16;  // BF16 or F16
+  bool operator==(const QuantFormat&) const = default;
+};
+
 // A weight matrix W (out, in) in its stored format, as the backend will read it.
+// Plain: dtype F32/BF16/F16, data rows*cols elements. Quantized (quant.bits > 0): dtype U32,
+// data rows * (cols * bits / 32) words, scales and biases rows * (cols / group_size) values.
 struct Matrix {
   std::string name;
   DType dtype = DType::BF16;
   const void* data = nullptr;
-  int64_t rows = 0, cols = 0;  // out features, in features
+  int64_t rows = 0, cols = 0;  // out features, in features (logical, unpacked)
+  QuantFormat quant;
+  const void* scales = nullptr;
+  const void* biases = nullptr;
   explicit operator bool() const { return data != nullptr; }
 };
 
@@ -107,6 +122,7 @@ class Backend {
                    const MoeParams& p, Buffer& out) = 0;
 };
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads);
+// precise: float32 activations everywhere (the default may quantize activations for speed).
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise);
 
 }  // namespace moestream

@@ -84,7 +84,7 @@ class Qwen3Moe final : public DecoderModel {
  public:
   Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
       : cfg_(Qwen3MoeConfig::from(hf)) {
-    backend_ = make_cpu_backend(options.threads);
+    backend_ = make_cpu_backend(options.threads, options.precise);
     pack_ = PackManifest::load(dir);
     weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
     info_.model_type = "qwen3_moe";

@@ -24,7 +24,7 @@ size_t rows_per_chunk(int64_t cols, int64_t tokens) {
 
 class CpuBackend final : public Backend {
  public:
-  explicit CpuBackend(int n_threads) : pool_(n_threads) {}
+  CpuBackend(int n_threads, bool precise) : pool_(n_threads), precise_(precise) {}
 
   std::string name() const override { return "cpu(" + std::to_string(pool_.size()) + " threads)"; }
 
@@ -83,22 +83,10 @@ class CpuBackend final : public Backend {
     if (x.cols != w.cols)
       fail("linear ", w.name, ": input has ", x.cols, " columns, weight expects ", w.cols);
     const int64_t T = x.rows, n_out = w.rows;
-    if (T == 1) {
-      pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
-        for (size_t r = r0; r < r1; ++r) out.data[r] = cpu::dot_row(w, int64_t(r), x.data);
-      }, rows_per_chunk(w.cols, 1));
-    } else {
-      // Each weight row is converted once and reused for every token.
-      pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
-        thread_local std::vector<float> row;
-        row.resize(size_t(w.cols));
-        for (size_t r = r0; r < r1; ++r) {
-          cpu::row_to_f32(w, int64_t(r), row.data());
-          for (int64_t t = 0; t < T; ++t)
-            out.data[t * n_out + int64_t(r)] = cpu::dot_f32(row.data(), x.data + t * x.cols, w.cols);
-        }
-      }, rows_per_chunk(w.cols, T));
-    }
+    cpu::prepare_input(w, x.data, T, precise_, input_);
+    pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
+      cpu::matmul_rows(w, input_, out.data, n_out, int64_t(r0), int64_t(r1));
+    }, rows_per_chunk(w.cols, T));
     if (bias)
       for (int64_t t = 0; t < T; ++t)
         for (int64_t r = 0; r < n_out; ++r) out.data[t * n_out + r] += bias->data[r];
@@ -258,6 +246,8 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  bool precise_;                 // float32 activations everywhere
+  cpu::PreparedInput input_;     // reused by every linear call
   std::unordered_map<float*, std::unique_ptr<float[]>> allocations_;  // behind alloc()
   std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
   std::vector<std::vector<float>> scratch_;
@@ -269,8 +259,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads) {
-  return std::make_unique<CpuBackend>(n_threads);
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise) {
+  return std::make_unique<CpuBackend>(n_threads, precise);
 }
 
 }  // namespace moestream

@@ -119,4 +119,26 @@ void axpy(float a, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
 }
 
+void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in) {
+  in.x = x;
+  in.T = T;
+  in.cols = w.cols;
+  in.precise = precise;
+}
+
+void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
+                 int64_t r1) {
+  if (in.T == 1) {
+    for (int64_t r = r0; r < r1; ++r) y[r] = dot_row(w, r, in.x);
+    return;
+  }
+  // Each weight row is converted once and reused for every token.
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    row_to_f32(w, r, row.data());
+    for (int64_t t = 0; t < in.T; ++t) y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  }
+}
+
 }  // namespace moestream::cpu
