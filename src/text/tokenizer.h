@@ -1,11 +1,14 @@
-// Tokenizer loaded from a Hugging Face tokenizer.json (+ tokenizer_config.json).
+// Tokenizer loaded from a Hugging Face tokenizer.json (+ tokenizer_config.json), giving the same
+// ids as the `tokenizers` library.
 //
 // Pipeline for encode: added/special tokens are matched first and split the text into segments;
-// each remaining segment goes through the declared normalizer (NFC, ...), the declared
-// pre-tokenizer (Sequence of Split regexes via PCRE2, ByteLevel with or without its GPT-2 regex,
-// ...), and the model (byte-level BPE by merge rank). decode concatenates token pieces and runs
-// the declared decoder (ByteLevel maps its 256 printable stand-ins back to bytes), so the exact
-// input text comes back. Unsupported components are an Error naming the component, never a guess.
+// each remaining segment goes through the declared normalizer (NFC, NFD, NFKC, NFKD, Lowercase,
+// Strip, Prepend, Replace, Sequence), the declared pre-tokenizer (Split by PCRE2 regex or literal,
+// ByteLevel with or without its GPT-2 regex, Metaspace, Digits, Sequence) and the model (BPE by
+// merge rank, with byte_fallback / unk_token / ignore_merges). decode maps ids to token strings
+// and runs the declared decoder (ByteLevel, Metaspace, ByteFallback, Fuse, Strip, Replace,
+// Sequence). Unsupported components are an Error naming the component and the file, never a guess.
+// The pieces live in tokenizer_components.h and the files it lists.
 #pragma once
 
 #include <cstdint>
@@ -24,17 +27,20 @@ class Tokenizer {
   virtual ~Tokenizer() = default;
 
   // No special tokens are added (no BOS); special tokens written in the text are recognized.
+  // The text must be valid UTF-8 (an Error otherwise). Safe to call from several threads.
   virtual std::vector<int32_t> encode(std::string_view text) const = 0;
   // Special tokens are rendered as their text. Invalid UTF-8 produced by byte tokens is kept
-  // as raw bytes (callers that print may replace it).
+  // as raw bytes where `tokenizers` would write U+FFFD (callers that print may replace it).
+  // An id outside the vocabulary is an Error.
   virtual std::string decode(const std::vector<int32_t>& ids) const = 0;
 
   virtual int32_t vocab_size() const = 0;  // 1 + the largest id (model vocab and added tokens)
   virtual std::optional<int32_t> token_id(std::string_view token) const = 0;  // exact piece
-  virtual std::string piece(int32_t id) const = 0;  // raw vocab string of a token
+  virtual std::string piece(int32_t id) const = 0;  // raw vocab string of a token (or Error)
   virtual bool is_special(int32_t id) const = 0;
 
-  // From tokenizer_config.json: whether to prepend BOS, and the bos/eos token strings.
+  // From tokenizer_config.json: whether to prepend BOS (false when not stated), and the ids of
+  // its bos_token / eos_token (nullopt when not stated).
   virtual bool add_bos() const = 0;
   virtual std::optional<int32_t> bos_id() const = 0;
   virtual std::optional<int32_t> eos_id() const = 0;
