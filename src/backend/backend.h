@@ -15,6 +15,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "core/timing.h"
 
 namespace moestream {
 
@@ -95,6 +96,9 @@ class Backend {
  public:
   virtual ~Backend() = default;
   virtual std::string name() const = 0;
+  // Time per phase since creation: the backend adds routing and expert compute, the model and
+  // the generation loop add theirs.
+  PhaseTimes& times() { return times_; }
 
   virtual Matrix load_matrix(const TensorView& t) = 0;  // t: [out, in]
   virtual Vector load_vector(const TensorView& t) = 0;  // 1-D, converted to float32
@@ -120,6 +124,9 @@ class Backend {
   // out = sum over the routed experts of weight * expert(x); router (n_experts, dim).
   virtual void moe(const Buffer& x, const Matrix& router, ExpertStore& experts,
                    const MoeParams& p, Buffer& out) = 0;
+
+ protected:
+  PhaseTimes times_;
 };
 
 // precise: float32 activations everywhere (the default may quantize activations for speed).

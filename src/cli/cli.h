@@ -14,6 +14,9 @@ void add_run(CLI::App& app);
 void add_logits(CLI::App& app);
 void add_tokenize(CLI::App& app);  // tokenize and detokenize
 void add_demo(CLI::App& app);
+void add_pack(CLI::App& app);
+void add_synth(CLI::App& app);
+void add_bench(CLI::App& app);
 
 // "1,2,3" -> {1, 2, 3}; throws Error naming the flag on anything else.
 std::vector<int32_t> parse_token_list(const std::string& text, const std::string& flag);
@@ -22,7 +25,18 @@ std::vector<int32_t> parse_token_list(const std::string& text, const std::string
 struct ModelFlags {
   std::string dir;
   ModelOptions options;
+  bool stats = false, timing = false;
   void add_to(CLI::App& cmd, bool required = true);
 };
+
+// Counters of a run, printed at the end: --stats as one JSON line on stderr, --timing as a
+// per-phase table on stderr.
+struct RunCounters {
+  int64_t prompt_tokens = 0, generated_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+void report(const ModelFlags& flags, Model& model, const RunCounters& c);
+
+uint64_t peak_rss_bytes();  // VmHWM of this process
 
 }  // namespace moestream::cli

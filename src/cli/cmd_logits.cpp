@@ -1,4 +1,5 @@
 // moestream logits: the logits at every position of a token sequence, as float32 .npy.
+#include <chrono>
 #include <cstdio>
 
 #include "cli/cli.h"
@@ -23,9 +24,12 @@ void add_logits(CLI::App& app) {
     const int64_t vocab = model->info().vocab_size;
     std::vector<float> logits(ids.size() * size_t(vocab));
     auto state = model->new_sequence(int64_t(ids.size()));
+    auto t0 = std::chrono::steady_clock::now();
     model->forward(ids, *state, logits);
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     write_npy_f32(f->out, logits.data(), {int64_t(ids.size()), vocab});
     std::fprintf(stderr, "wrote %s: [%zu, %lld]\n", f->out.c_str(), ids.size(), (long long)vocab);
+    report(f->model, *model, {int64_t(ids.size()), 0, seconds, 0});
   });
 }
 

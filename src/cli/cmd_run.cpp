@@ -84,6 +84,7 @@ void run(const RunFlags& f) {
   std::fprintf(stderr, "prompt: %lld tokens, %.1f tok/s | generated: %zu tokens, %.2f tok/s%s\n",
                (long long)r.prompt_tokens, r.prefill_tok_per_s(), r.tokens.size(),
                r.decode_tok_per_s(), r.stopped_on_eos ? " (stopped at end of sequence)" : "");
+  report(f.model, *model, {r.prompt_tokens, int64_t(r.tokens.size()), r.prefill_seconds, r.decode_seconds});
 }
 
 }  // namespace

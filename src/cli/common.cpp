@@ -1,5 +1,7 @@
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "cli/cli.h"
 #include "core/error.h"
@@ -27,11 +29,71 @@ std::vector<int32_t> parse_token_list(const std::string& text, const std::string
 }
 
 void ModelFlags::add_to(CLI::App& cmd, bool required) {
-  auto* m = cmd.add_option("-m,--model", dir, "Model directory (Hugging Face layout)");
+  auto* m = cmd.add_option("-m,--model", dir, "Model directory: a pack, or Hugging Face layout (packed into the cache on first use)");
   if (required) m->required();
   cmd.add_option("--threads", options.threads, "CPU threads (default: all hardware threads)")
       ->check(CLI::NonNegativeNumber);
   cmd.add_flag("--precise", options.precise, "Keep activations in float32 everywhere");
+  ExpertStoreOptions& e = options.experts;
+  cmd.add_option("--expert-cache-mb", e.cache_mb, "Memory for expert weights in MB (default: unbounded)")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--cache-policy", e.policy, "Expert cache eviction: lru | lfu | lcp (default lru)")
+      ->check(CLI::IsMember({"lru", "lfu", "lcp"}));
+  cmd.add_option("--io", e.io, "Expert reads: pread | uring (default pread)")
+      ->check(CLI::IsMember({"pread", "uring"}));
+  cmd.add_flag("--direct-io", e.direct_io, "Read experts with O_DIRECT (bypass the page cache)");
+  cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(CLI::PositiveNumber);
+  cmd.add_flag("--stats", stats, "Print one JSON line of statistics on stderr at the end");
+  cmd.add_flag("--timing", timing, "Print time per phase on stderr at the end");
+}
+
+uint64_t peak_rss_bytes() {
+  std::ifstream in("/proc/self/status");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  return 0;
+}
+
+void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
+  const ExpertStats s = model.expert_stats();
+  if (flags.stats) {
+    nlohmann::json j = {
+        {"tokens", c.generated_tokens},
+        {"prompt_tokens", c.prompt_tokens},
+        {"tok_per_s", c.decode_seconds > 0 && c.generated_tokens > 1 ? (c.generated_tokens - 1) / c.decode_seconds : 0.0},
+        {"prefill_tok_per_s", c.prefill_seconds > 0 ? c.prompt_tokens / c.prefill_seconds : 0.0},
+        {"expert_hits", s.hits},
+        {"expert_misses", s.misses},
+        {"hit_rate", s.hit_rate()},
+        {"bytes_read", s.bytes_read},
+        {"read_gb_per_s", s.read_gb_per_s()},
+        {"io_wait_s", s.wait_seconds},
+        {"peak_rss_bytes", peak_rss_bytes()},
+        {"expert_cache_bytes", s.cache_bytes},
+        {"expert_budget_bytes", s.budget_bytes},
+        {"weight_bytes", model.info().weight_bytes}};
+    std::fprintf(stderr, "%s\n", j.dump().c_str());
+  }
+  if (flags.timing) {
+    const PhaseTimes& t = model.backend().times();
+    const double compute = std::max(0.0, t.expert_compute - s.wait_seconds);
+    const double total = t.embed + t.attention + t.routing + t.expert_compute + t.dense_mlp +
+                         t.output_head + t.sampling;
+    auto row = [&](const char* name, double v) {
+      std::fprintf(stderr, "  %-22s %9.3f s  %5.1f%%\n", name, v, total > 0 ? 100 * v / total : 0);
+    };
+    std::fprintf(stderr, "time per phase:\n");
+    row("attention", t.attention);
+    row("routing", t.routing);
+    row("expert compute", compute);
+    row("waiting on expert I/O", s.wait_seconds);
+    row("dense MLP", t.dense_mlp);
+    row("embedding", t.embed);
+    row("output head", t.output_head);
+    row("sampling", t.sampling);
+    row("total", total);
+  }
 }
 
 }  // namespace moestream::cli

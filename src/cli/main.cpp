@@ -12,6 +12,9 @@ int main(int argc, char** argv) {
   moestream::cli::add_logits(app);
   moestream::cli::add_tokenize(app);
   moestream::cli::add_demo(app);
+  moestream::cli::add_pack(app);
+  moestream::cli::add_synth(app);
+  moestream::cli::add_bench(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -235,15 +235,21 @@ class StreamingExpertStore final : public ExpertStore {
     cv_.notify_all();
   }
 
-  MlpWeights views(const PackedExpert& pe, const char* base) {
-    MlpWeights w;
-    for (const PackedTensor& t : pe.tensors) {
-      Matrix m{t.role, t.dtype, base + t.offset, t.shape[0], t.shape[1]};
-      if (t.role == "gate") w.gate = m;
-      else if (t.role == "up") w.up = m;
-      else if (t.role == "down") w.down = m;
+  static Matrix view(const PackedExpert& pe, const std::string& role, const char* base) {
+    const PackedTensor& t = *pe.find(role);
+    const std::vector<int64_t> shape = pe.logical_shape(role);
+    Matrix m{role, t.dtype, base + t.offset, shape[0], shape[1]};
+    if (pe.bits) {
+      const PackedTensor& scales = *pe.find(role + ".scales");
+      m.quant = QuantFormat{pe.bits, pe.group_size, scales.dtype};
+      m.scales = base + scales.offset;
+      m.biases = base + pe.find(role + ".biases")->offset;
     }
-    return w;
+    return m;
+  }
+
+  static MlpWeights views(const PackedExpert& pe, const char* base) {
+    return MlpWeights{view(pe, "gate", base), view(pe, "up", base), view(pe, "down", base)};
   }
 
   const PackManifest& pack_;

@@ -106,6 +106,19 @@ std::string format_name(DType t) {
 
 }  // namespace
 
+const PackedTensor* PackedExpert::find(const std::string& role) const {
+  for (const auto& t : tensors)
+    if (t.role == role) return &t;
+  return nullptr;
+}
+
+std::vector<int64_t> PackedExpert::logical_shape(const std::string& role) const {
+  const PackedTensor* t = find(role);
+  if (!t) return {};
+  if (bits == 0) return t->shape;
+  return {t->shape[0], t->shape[1] * 32 / bits};
+}
+
 bool is_pack_dir(const std::string& dir) { return fs::exists(dir + "/" + kPackManifestName); }
 
 uint64_t PackManifest::total_expert_bytes() const {
@@ -173,6 +186,12 @@ PackManifest PackManifest::load(const std::string& dir) {
       pe.size = member<uint64_t>(x, "size", w);
       pe.checksum = parse_hex64(member<std::string>(x, "xxh64", w), w);
       pe.format = member<std::string>(x, "format", w);
+      if (!pe.format.empty() && pe.format[0] == 'q') {
+        if (std::sscanf(pe.format.c_str(), "q%dg%d", &pe.bits, &pe.group_size) != 2 ||
+            (pe.bits != 2 && pe.bits != 3 && pe.bits != 4 && pe.bits != 6 && pe.bits != 8) ||
+            pe.group_size <= 0)
+          fail(w, ": unknown format '", pe.format, "'");
+      }
       if (pe.file < 0 || size_t(pe.file) >= m.expert_files.size()) fail(w, ": file index ", pe.file, " out of range");
       if (pe.offset % kPackAlignment || pe.size % kPackAlignment || pe.size == 0)
         fail(w, ": offset and size must be positive multiples of ", kPackAlignment);
@@ -196,15 +215,105 @@ PackManifest PackManifest::load(const std::string& dir) {
           fail(w, ": tensor ", pt.role, " has an inconsistent shape, size or offset");
         pe.tensors.push_back(std::move(pt));
       }
-      for (const char* role : {"gate", "up", "down"}) {
-        bool found = false;
-        for (const auto& t : pe.tensors) found |= t.role == role;
-        if (!found) fail(w, ": no '", role, "' tensor");
+      for (const std::string role : {"gate", "up", "down"}) {
+        if (!pe.find(role)) fail(w, ": no '", role, "' tensor");
+        if (pe.bits && (!pe.find(role + ".scales") || !pe.find(role + ".biases") ||
+                        pe.find(role)->dtype != DType::U32))
+          fail(w, ": quantized '", role, "' needs U32 words, scales and biases");
       }
       experts.push_back(std::move(pe));
     }
   }
   return m;
+}
+
+PackWriter::PackWriter(const std::string& out, const std::string& model_type,
+                       const std::string& source)
+    : out_(out), tmp_(out + ".tmp-" + std::to_string(getpid())), model_type_(model_type),
+      source_(source) {
+  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
+  fs::remove_all(tmp_);
+  fs::create_directories(tmp_ + "/experts");
+}
+
+PackWriter::~PackWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!finished_) {
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+}
+
+void PackWriter::close_layer() {
+  if (fd_ < 0) return;
+  if (::close(fd_) != 0) fail(tmp_, "/", files_.back(), ": close failed: ", std::strerror(errno));
+  fd_ = -1;
+}
+
+void PackWriter::add_expert(int layer, const std::string& format, const std::vector<Part>& parts) {
+  if (layer < layer_) fail("pack writer: layer ", layer, " after layer ", layer_);
+  if (layer != layer_) {
+    close_layer();
+    if (layer_ >= 0 && int(layers_json_[size_t(layer_)].size()) != n_experts_ && n_experts_ > 0)
+      fail("pack writer: layer ", layer_, " has ", layers_json_[size_t(layer_)].size(), " experts, expected ", n_experts_);
+    if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
+    layer_ = layer;
+    layers_json_.resize(size_t(layer) + 1);
+    files_.push_back("experts/layer-" + std::to_string(layer) + ".bin");
+    const std::string path = tmp_ + "/" + files_.back();
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    MS_CHECK_SYS(fd_ >= 0, "open", path);
+    pos_ = 0;
+  }
+  json tensors = json::array();
+  block_.clear();
+  for (const Part& p : parts) {
+    const uint64_t at = align_up(block_.size(), kTensorAlignment);
+    block_.resize(at);
+    const char* bytes = static_cast<const char*>(p.data);
+    block_.insert(block_.end(), bytes, bytes + p.nbytes);
+    tensors.push_back({{"role", p.role}, {"dtype", dtype_name(p.dtype)}, {"shape", p.shape},
+                       {"offset", at}, {"nbytes", p.nbytes}});
+  }
+  block_.resize(align_up(block_.size(), kPackAlignment));
+  const uint64_t sum = XXH64(block_.data(), block_.size(), 0);
+  for (size_t done = 0; done < block_.size();) {
+    ssize_t n = ::write(fd_, block_.data() + done, block_.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    MS_CHECK_SYS(n > 0, "write", tmp_ + "/" + files_.back());
+    done += size_t(n);
+  }
+  json entry = {{"file", files_.size() - 1}, {"offset", pos_}, {"size", block_.size()},
+                {"xxh64", hex64(sum)}, {"format", format}, {"tensors", tensors}};
+  layers_json_[size_t(layer)].push_back(entry.dump());
+  pos_ += block_.size();
+}
+
+void PackWriter::finish(int n_layers) {
+  close_layer();
+  if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
+  if (int(layers_json_.size()) > n_layers) fail("pack writer: experts for layer ", layers_json_.size() - 1, " of ", n_layers);
+  layers_json_.resize(size_t(n_layers));
+  json layers = json::array();
+  for (const auto& list : layers_json_) {
+    if (!list.empty() && int(list.size()) != n_experts_)
+      fail("pack writer: a layer has ", list.size(), " experts, expected ", n_experts_);
+    json arr = json::array();
+    for (const auto& e : list) arr.push_back(json::parse(e));
+    layers.push_back(arr);
+  }
+  json manifest = {{"format", "moestream-pack"},   {"version", kFormatVersion},
+                   {"created_by", "moestream"},    {"source", source_},
+                   {"model_type", model_type_},    {"weights", "weights.safetensors"},
+                   {"expert_files", files_},       {"n_experts", n_experts_},
+                   {"layers", layers}};
+  const std::string path = tmp_ + "/" + kPackManifestName;
+  std::ofstream mf(path);
+  mf << manifest.dump(1) << "\n";
+  mf.close();
+  if (!mf) fail(path, ": write failed");
+  fs::rename(tmp_, out_);
+  finished_ = true;
 }
 
 void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
@@ -229,11 +338,8 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
       others.push_back(&t);
     }
   }
-  int n_experts = 0, n_layers = 0;
-  for (const auto& [layer, list] : experts) {
-    n_experts = std::max(n_experts, list.rbegin()->first + 1);
-    n_layers = std::max(n_layers, layer + 1);
-  }
+  int n_experts = 0;
+  for (const auto& [layer, list] : experts) n_experts = std::max(n_experts, list.rbegin()->first + 1);
   for (const auto& [layer, list] : experts) {
     if (int(list.size()) != n_experts || list.begin()->first != 0)
       fail(src, ": layer ", layer, " has ", list.size(), " experts, other layers have ", n_experts);
@@ -242,102 +348,54 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         if (!parts.count(role)) fail(src, ": layer ", layer, " expert ", e, " has no ", role, " weight");
   }
 
-  const std::string tmp = out + ".tmp-" + std::to_string(getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp + "/experts");
-  try {
-    Progress progress(options.progress, total_bytes);
-    std::vector<TensorToWrite> rest;
-    for (const TensorView* t : others) {
-      rest.push_back({t->name, t->dtype, t->shape, t->data});
-      progress.add(t->nbytes);
+  std::string model_type;
+  int n_layers = experts.empty() ? 0 : experts.rbegin()->first + 1;
+  {
+    std::ifstream cfg(src + "/config.json");
+    json c = json::parse(cfg, nullptr, false);
+    if (c.is_object()) {
+      const json& text = c.contains("text_config") ? c["text_config"] : c;
+      model_type = text.value("model_type", c.value("model_type", ""));
+      n_layers = std::max(n_layers, text.value("num_hidden_layers", 0));
     }
-    write_safetensors(tmp + "/weights.safetensors", rest, {{"format", "pt"}});
-
-    json layers_json = json::array();
-    json files = json::array();
-    for (int l = 0; l < n_layers; ++l) {
-      json list = json::array();
-      auto it = experts.find(l);
-      if (it == experts.end()) {
-        layers_json.push_back(list);
-        continue;
-      }
-      const std::string file = "experts/layer-" + std::to_string(l) + ".bin";
-      std::ofstream f(tmp + "/" + file, std::ios::binary);
-      uint64_t pos = 0;
-      std::vector<char> block;
-      for (const auto& [e, parts] : it->second) {
-        json tensors = json::array();
-        block.clear();
-        std::string format;
-        for (const char* role : {"gate", "up", "down"}) {
-          const TensorView& t = *parts.at(role);
-          const DType to = options.quant == "bf16" ? DType::BF16 : t.dtype;
-          if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found ", shape_str(t.shape));
-          std::vector<char> bytes = convert(t, to);
-          const uint64_t at = align_up(block.size(), kTensorAlignment);
-          block.resize(at);
-          block.insert(block.end(), bytes.begin(), bytes.end());
-          tensors.push_back({{"role", role}, {"dtype", dtype_name(to)}, {"shape", t.shape},
-                             {"offset", at}, {"nbytes", bytes.size()}});
-          if (format.empty()) format = format_name(to);
-          else if (format != format_name(to)) format = "mixed";
-          progress.add(t.nbytes);
-        }
-        block.resize(align_up(block.size(), kPackAlignment));
-        const uint64_t sum = XXH64(block.data(), block.size(), 0);
-        f.write(block.data(), std::streamsize(block.size()));
-        list.push_back({{"file", files.size()}, {"offset", pos}, {"size", block.size()},
-                        {"xxh64", hex64(sum)}, {"format", format}, {"tensors", tensors}});
-        pos += block.size();
-      }
-      f.close();
-      if (!f) fail(tmp, "/", file, ": write failed");
-      files.push_back(file);
-      layers_json.push_back(list);
-    }
-
-    // Configs, tokenizer and template files travel with the pack.
-    for (const auto& entry : fs::directory_iterator(src)) {
-      const std::string name = entry.path().filename().string();
-      const std::string ext = entry.path().extension().string();
-      if (!entry.is_regular_file() || name == "model.safetensors.index.json") continue;
-      if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
-        fs::copy_file(entry.path(), tmp + "/" + name);
-    }
-
-    json manifest = {{"format", "moestream-pack"},
-                     {"version", kFormatVersion},
-                     {"created_by", "moestream pack"},
-                     {"source", fs::absolute(src).string()},
-                     {"model_type", ""},
-                     {"weights", "weights.safetensors"},
-                     {"expert_files", files},
-                     {"n_experts", n_experts},
-                     {"layers", layers_json}};
-    {
-      std::ifstream cfg(src + "/config.json");
-      if (cfg) {
-        json c = json::parse(cfg, nullptr, false);
-        if (c.is_object()) {
-          if (c.contains("text_config") && c["text_config"].contains("model_type"))
-            manifest["model_type"] = c["text_config"]["model_type"];
-          else if (c.contains("model_type"))
-            manifest["model_type"] = c["model_type"];
-        }
-      }
-    }
-    std::ofstream mf(tmp + "/" + kPackManifestName);
-    mf << manifest.dump(1) << "\n";
-    mf.close();
-    if (!mf) fail(tmp, "/", kPackManifestName, ": write failed");
-    fs::rename(tmp, out);
-  } catch (...) {
-    std::error_code ec;
-    fs::remove_all(tmp, ec);
-    throw;
   }
+  PackWriter writer(out, model_type, fs::absolute(src).string());
+  Progress progress(options.progress, total_bytes);
+  std::vector<TensorToWrite> rest;
+  for (const TensorView* t : others) {
+    rest.push_back({t->name, t->dtype, t->shape, t->data});
+    progress.add(t->nbytes);
+  }
+  write_safetensors(writer.tmp_dir() + "/weights.safetensors", rest, {{"format", "pt"}});
+
+  for (const auto& [layer, list] : experts) {
+    for (const auto& [e, parts] : list) {
+      std::vector<std::vector<char>> bytes;
+      std::vector<PackWriter::Part> out_parts;
+      std::string format;
+      for (const char* role : {"gate", "up", "down"}) {
+        const TensorView& t = *parts.at(role);
+        if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found ", shape_str(t.shape));
+        const DType to = options.quant == "bf16" ? DType::BF16 : t.dtype;
+        bytes.push_back(convert(t, to));
+        out_parts.push_back({role, to, t.shape, bytes.back().data(), bytes.back().size()});
+        if (format.empty()) format = format_name(to);
+        else if (format != format_name(to)) format = "mixed";
+        progress.add(t.nbytes);
+      }
+      writer.add_expert(layer, format, out_parts);
+    }
+  }
+
+  // Configs, tokenizer and template files travel with the pack.
+  for (const auto& entry : fs::directory_iterator(src)) {
+    const std::string name = entry.path().filename().string();
+    const std::string ext = entry.path().extension().string();
+    if (!entry.is_regular_file() || name == "model.safetensors.index.json") continue;
+    if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
+      fs::copy_file(entry.path(), writer.tmp_dir() + "/" + name);
+  }
+  writer.finish(n_layers);
 }
 
 }  // namespace moestream

@@ -32,8 +32,13 @@ struct PackedExpert {
   uint64_t offset = 0;          // 4 KiB aligned, in that file
   uint64_t size = 0;            // bytes of the block (a multiple of 4 KiB, padding included)
   uint64_t checksum = 0;        // xxh64 (seed 0) of the whole block
-  std::string format;           // "bf16", "f16", "f32" (quantized formats later)
+  std::string format;           // "bf16", "f16", "f32", or "q<bits>g<group>" (affine, MLX layout)
+  int bits = 0, group_size = 0; // parsed from a quantized format
   std::vector<PackedTensor> tensors;
+
+  const PackedTensor* find(const std::string& role) const;
+  // Logical [out, in] of a weight role ("gate", "up", "down"), unpacking quantized words.
+  std::vector<int64_t> logical_shape(const std::string& role) const;
 };
 
 struct PackManifest {
@@ -62,6 +67,36 @@ using ExpertTensorParser = std::function<std::optional<ExpertTensorRef>(const st
 struct PackOptions {
   std::string quant = "keep";  // keep | bf16 (quantized formats with the quantization issue)
   bool progress = true;        // progress bar on stderr when it is a terminal
+};
+
+// Writes a pack: non-expert weights, then experts layer by layer (experts of a layer in order),
+// then finish() writes the manifest and renames the temporary directory into place. Destroyed
+// before finish(), it removes the temporary directory: an interrupted write leaves nothing.
+class PackWriter {
+ public:
+  struct Part {  // one tensor of an expert
+    std::string role;  // gate | up | down (+ ".scales" / ".biases")
+    DType dtype;
+    std::vector<int64_t> shape;
+    const void* data;
+    uint64_t nbytes;
+  };
+  PackWriter(const std::string& out, const std::string& model_type, const std::string& source);
+  ~PackWriter();
+  const std::string& tmp_dir() const { return tmp_; }  // configs and tokenizer files go here
+  void add_expert(int layer, const std::string& format, const std::vector<Part>& parts);
+  void finish(int n_layers);
+
+ private:
+  void close_layer();
+  std::string out_, tmp_, model_type_, source_;
+  std::vector<std::string> files_;
+  std::vector<std::vector<std::string>> layers_json_;  // [layer] serialized expert entries
+  int layer_ = -1, n_experts_ = 0;
+  int fd_ = -1;
+  uint64_t pos_ = 0;
+  std::vector<char> block_;
+  bool finished_ = false;
 };
 
 // Converts the Hugging Face model directory `src` into a pack at `out` (which must not exist),

@@ -123,12 +123,16 @@ void DecoderModel::forward(std::span<const int32_t> tokens, SequenceState& state
   for (int64_t begin = 0; begin < n; begin += ws_.max_batch) {
     const int64_t T = std::min(ws_.max_batch, n - begin);
     Buffer x = ws_.x.rows_view(0, T);
-    be.embed(tokens.subspan(size_t(begin), size_t(T)), embed_tokens, x);
+    {
+      ScopedTimer timer(be.times().embed);
+      be.embed(tokens.subspan(size_t(begin), size_t(T)), embed_tokens, x);
+    }
     for (int l = 0; l < info_.n_layers; ++l) run_layer(l, T, state);
     state.n_past += T;
     const bool last_batch = begin + T == n;
     if (!all && !last_batch) continue;
     // Only the rows whose logits are wanted go through the norm and the output head.
+    ScopedTimer timer(be.times().output_head);
     const int64_t first = all ? 0 : T - 1, rows = all ? T : 1;
     Buffer xs = ws_.x.rows_view(first, rows), xn = ws_.xn.rows_view(0, rows);
     be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);

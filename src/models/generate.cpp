@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 
+#include "backend/backend.h"
 #include "core/error.h"
 
 namespace moestream {
@@ -25,7 +26,11 @@ GenerationResult generate(Model& model, const std::vector<int32_t>& prompt, int 
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   for (int i = 0; i < max_tokens; ++i) {
-    const int32_t next = sampler.sample(logits, context);
+    int32_t next;
+    {
+      ScopedTimer timer(model.backend().times().sampling);
+      next = sampler.sample(logits, context);
+    }
     if (std::find(info.eos_token_ids.begin(), info.eos_token_ids.end(), next) !=
         info.eos_token_ids.end()) {
       r.stopped_on_eos = true;

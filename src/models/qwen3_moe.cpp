@@ -155,15 +155,18 @@ class Qwen3Moe final : public DecoderModel {
     Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
     Buffer out = ws_.ffn_out.rows_view(0, T);
 
-    be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
-    layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
-    be.add(x, out);
-
+    {
+      ScopedTimer timer(be.times().attention);
+      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+      layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
+      be.add(x, out);
+    }
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
     if (layer.moe) {
       MoeParams p{cfg_.n_experts, cfg_.top_k, RouterKind::SoftmaxTopK, cfg_.norm_topk_prob, l};
       be.moe(xn, layer.router, *experts_, p, out);
     } else {
+      ScopedTimer timer(be.times().dense_mlp);
       be.mlp(xn, layer.dense, out);
     }
     be.add(x, out);
@@ -183,12 +186,13 @@ class Qwen3Moe final : public DecoderModel {
       if (int(pack_.layers[size_t(l)].size()) != cfg_.n_experts)
         fail(pack_.dir, ": layer ", l, " has ", pack_.layers[size_t(l)].size(), " experts, config.json says ", cfg_.n_experts);
       for (int e = 0; e < cfg_.n_experts; ++e)
-        for (const PackedTensor& t : pack_.expert(l, e).tensors) {
-          const std::vector<int64_t> want = t.role == "down" ? std::vector<int64_t>{h, inter}
-                                                              : std::vector<int64_t>{inter, h};
-          if (t.shape != want)
-            fail("tensor model.layers.", l, ".mlp.experts.", e, ".", t.role, "_proj.weight: expected shape ",
-                 shape_str(want), ", found ", shape_str(t.shape));
+        for (const std::string role : {"gate", "up", "down"}) {
+          const std::vector<int64_t> want = role == "down" ? std::vector<int64_t>{h, inter}
+                                                            : std::vector<int64_t>{inter, h};
+          const std::vector<int64_t> got = pack_.expert(l, e).logical_shape(role);
+          if (got != want)
+            fail("tensor model.layers.", l, ".mlp.experts.", e, ".", role, "_proj.weight: expected shape ",
+                 shape_str(want), ", found ", shape_str(got));
         }
     }
   }

@@ -1,16 +1,14 @@
 #include "models/synth.h"
 
-#include <unistd.h>
-
 #include <cmath>
-#include <filesystem>
+#include <cstring>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <random>
-#include <vector>
+#include <set>
 
 #include "core/dtype.h"
 #include "core/error.h"
+#include "io/pack.h"
 #include "io/safetensors.h"
 
 namespace moestream {
@@ -20,6 +18,23 @@ namespace {
 using json = nlohmann::json;
 
 const char* const kSpecialTokens[] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+constexpr int64_t kByteTokens = 256;
+
+// Fast deterministic random numbers (splitmix64); normals by Box-Muller.
+struct Rng {
+  uint64_t s;
+  uint64_t next() {
+    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+  }
+  float uniform() { return float(next() >> 40) * (1.0f / 16777216.0f); }
+  float normal() {
+    float u = std::max(uniform(), 1e-7f), v = uniform();
+    return std::sqrt(-2.0f * std::log(u)) * std::cos(6.2831853f * v);
+  }
+};
 
 // GPT-2's printable stand-ins for the 256 byte values, as UTF-8 strings.
 std::vector<std::string> byte_level_alphabet() {
@@ -40,15 +55,27 @@ std::vector<std::string> byte_level_alphabet() {
   return out;
 }
 
-json tokenizer_json() {
+// Byte tokens, then special tokens, then filler word pieces ("Ġab", "cd", ...) up to vocab.
+json tokenizer_json(int64_t vocab_size) {
   json vocab = json::object();
   const auto alphabet = byte_level_alphabet();
   for (int b = 0; b < 256; ++b) vocab[alphabet[size_t(b)]] = b;
   json added = json::array();
-  int id = 256;
+  int64_t id = kByteTokens;
   for (const char* t : kSpecialTokens)
     added.push_back({{"id", id++}, {"content", t}, {"single_word", false}, {"lstrip", false},
                      {"rstrip", false}, {"normalized", false}, {"special", true}});
+  for (int64_t n = 0; id < vocab_size; ++n) {
+    std::string piece = n % 2 ? "" : "\xc4\xa0";  // "Ġ": a leading space
+    int64_t k = n / 2;
+    do {
+      piece += char('a' + k % 26);
+      k /= 26;
+    } while (k > 0);
+    if (piece.size() < 2 + (n % 2 ? 0 : 2)) piece += 'e';  // avoid clashing with byte tokens
+    if (vocab.contains(piece)) continue;
+    vocab[piece] = id++;
+  }
   json byte_level = {{"type", "ByteLevel"}, {"add_prefix_space", false}, {"trim_offsets", false},
                      {"use_regex", true}};
   return {{"version", "1.0"},
@@ -68,60 +95,136 @@ json tokenizer_json() {
 
 void write_json(const std::string& path, const json& j) {
   std::ofstream out(path);
-  out << j.dump(2) << "\n";
+  out << j.dump(1) << "\n";
+  out.close();
   if (!out) fail(path, ": write failed");
+}
+
+int quant_bits(const std::string& quant) {
+  if (quant == "bf16") return 0;
+  if (quant == "q8") return 8;
+  if (quant == "q4") return 4;
+  if (quant == "q2") return 2;
+  fail("--quant: '", quant, "' is not available for synth (bf16, q8, q4, q2)");
+}
+
+// A random expert matrix [rows, cols] in the requested storage, appended to parts/storage.
+void random_matrix(Rng& rng, const std::string& role, int64_t rows, int64_t cols, int bits,
+                   int group, std::vector<std::vector<char>>& storage,
+                   std::vector<PackWriter::Part>& parts) {
+  const float std = 1.0f / std::sqrt(float(cols));
+  if (bits == 0) {
+    std::vector<char>& b = storage.emplace_back(size_t(rows * cols) * 2);
+    auto* w = reinterpret_cast<uint16_t*>(b.data());
+    for (int64_t i = 0; i < rows * cols; ++i) w[i] = f32_to_bf16(std * rng.normal());
+    parts.push_back({role, DType::BF16, {rows, cols}, b.data(), b.size()});
+    return;
+  }
+  // Uniform random codes; scale and bias make the values zero-mean with about the same spread.
+  const int64_t words = rows * cols * bits / 32, groups = rows * (cols / group);
+  std::vector<char>& q = storage.emplace_back(size_t(words) * 4);
+  auto* qw = reinterpret_cast<uint64_t*>(q.data());
+  for (int64_t i = 0; i < words / 2; ++i) qw[i] = rng.next();
+  if (words % 2) reinterpret_cast<uint32_t*>(q.data())[words - 1] = uint32_t(rng.next());
+  const float levels = float((1 << bits) - 1);
+  const float step = std * std::sqrt(12.0f) / levels;  // uniform over levels steps has std * 1
+  std::vector<char>& sc = storage.emplace_back(size_t(groups) * 2);
+  std::vector<char>& bi = storage.emplace_back(size_t(groups) * 2);
+  auto* s = reinterpret_cast<uint16_t*>(sc.data());
+  auto* bb = reinterpret_cast<uint16_t*>(bi.data());
+  for (int64_t g = 0; g < groups; ++g) {
+    const float scale = step * (0.8f + 0.4f * rng.uniform());
+    s[g] = f32_to_bf16(scale);
+    bb[g] = f32_to_bf16(-scale * levels / 2);
+  }
+  parts.push_back({role, DType::U32, {rows, cols * bits / 32}, q.data(), q.size()});
+  parts.push_back({role + ".scales", DType::BF16, {rows, cols / group}, sc.data(), sc.size()});
+  parts.push_back({role + ".biases", DType::BF16, {rows, cols / group}, bi.data(), bi.size()});
 }
 
 }  // namespace
 
-void write_random_qwen3_moe(const std::string& dir, const SynthShape& s, uint64_t seed) {
-  namespace fs = std::filesystem;
-  const int64_t vocab = 256 + int64_t(std::size(kSpecialTokens));
-  const std::string tmp = dir + ".tmp-" + std::to_string(getpid());
-  fs::remove_all(tmp);
-  fs::create_directories(tmp);
+std::vector<std::string> synth_preset_names() {
+  return {"tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b"};
+}
 
+SynthShape synth_preset(const std::string& name) {
+  SynthShape s;
+  if (name == "tiny") {
+    s = {512, 64, 2, 4, 2, 16, 8, 2, 32, 96, 0};
+  } else if (name == "small") {
+    s = {2048, 256, 4, 4, 2, 64, 32, 4, 256, 512, 0};
+  } else if (name == "qwen3-30b-a3b") {
+    s = {151936, 2048, 48, 32, 4, 128, 128, 8, 768, 6144, 0};
+  } else if (name == "qwen3-235b-a22b") {
+    s = {151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 12288, 0};
+  } else {
+    std::string names;
+    for (const auto& n : synth_preset_names()) names += (names.empty() ? "" : ", ") + n;
+    fail("--preset: unknown preset '", name, "' (known: ", names, ")");
+  }
+  return s;
+}
+
+void write_synthetic_pack(const std::string& dir, const SynthShape& s, const SynthOptions& o) {
+  const int bits = quant_bits(o.quant);
+  if (bits && (s.hidden % o.group_size || s.moe_intermediate % o.group_size))
+    fail("--group-size ", o.group_size, " must divide hidden (", s.hidden, ") and moe-intermediate (", s.moe_intermediate, ")");
+  if (s.vocab < kByteTokens + 3) fail("--vocab must be at least ", kByteTokens + 3);
+  if (s.heads % s.kv_heads) fail("--heads must be a multiple of --kv-heads");
+  if (s.top_k > s.experts || s.top_k < 1) fail("--top-k must be in [1, --experts]");
+
+  PackWriter writer(dir, "qwen3_moe", "moestream synth");
+  const std::string tmp = writer.tmp_dir();
   json mlp_only = json::array();
   for (int l = 0; l < s.first_dense; ++l) mlp_only.push_back(l);
   const int32_t eos = 258;  // <|im_end|>
   write_json(tmp + "/config.json",
              {{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"},
-              {"vocab_size", vocab}, {"hidden_size", s.hidden},
+              {"vocab_size", s.vocab}, {"hidden_size", s.hidden},
               {"intermediate_size", s.intermediate}, {"moe_intermediate_size", s.moe_intermediate},
               {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
               {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
               {"num_experts", s.experts}, {"num_experts_per_tok", s.top_k},
               {"norm_topk_prob", true}, {"decoder_sparse_step", 1}, {"mlp_only_layers", mlp_only},
               {"tie_word_embeddings", false}, {"rms_norm_eps", 1e-6},
-              {"max_position_embeddings", 4096}, {"rope_theta", 1000000.0},
+              {"max_position_embeddings", 40960}, {"rope_theta", 1000000.0},
               {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}, {"eos_token_id", eos},
-              {"bos_token_id", nullptr}});
+              {"bos_token_id", nullptr},
+              {"moestream_synth", {{"seed", o.seed}, {"quant", o.quant}, {"zipf", o.zipf}}}});
   write_json(tmp + "/generation_config.json",
              {{"eos_token_id", {256, eos}}, {"do_sample", true}, {"temperature", 0.8},
               {"top_k", 40}, {"top_p", 0.95}});
-  write_json(tmp + "/tokenizer.json", tokenizer_json());
+  write_json(tmp + "/tokenizer.json", tokenizer_json(s.vocab));
   write_json(tmp + "/tokenizer_config.json",
              {{"add_bos_token", false}, {"bos_token", nullptr}, {"eos_token", "<|im_end|>"},
               {"tokenizer_class", "Qwen2Tokenizer"}});
 
-  // Weights: unit-variance embeddings, norms near 1, projections scaled by 1/sqrt(fan_in).
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 1.0f);
+  // Non-expert weights (bf16): unit-variance embeddings, norms near 1, projections scaled by
+  // 1/sqrt(fan_in). With --zipf, every embedding carries a constant in dimension 0 and each
+  // router row reads it with a bias that falls with the expert's rank, so that (as with the
+  // Gumbel-max trick) expert e is chosen about rank^-zipf as often as the first.
+  Rng rng{o.seed};
+  const float marker = o.zipf > 0 ? 4.0f : 0.0f;
   std::vector<std::vector<uint16_t>> storage;
   std::vector<TensorToWrite> tensors;
   auto add = [&](const std::string& name, std::vector<int64_t> shape, float scale, float offset) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     std::vector<uint16_t>& data = storage.emplace_back(size_t(n));
-    for (auto& v : data) v = f32_to_bf16(offset + scale * normal(rng));
+    for (auto& v : data) v = f32_to_bf16(offset + scale * rng.normal());
     tensors.push_back({name, DType::BF16, std::move(shape), nullptr});
+    return &data;
   };
   auto matrix = [&](const std::string& name, int64_t rows, int64_t cols, float gain = 1.0f) {
-    add(name, {rows, cols}, gain / std::sqrt(float(cols)), 0.0f);
+    return add(name, {rows, cols}, gain / std::sqrt(float(cols)), 0.0f);
   };
   const int64_t h = s.hidden, q_dim = int64_t(s.heads) * s.head_dim,
                 kv_dim = int64_t(s.kv_heads) * s.head_dim;
-  add("model.embed_tokens.weight", {vocab, h}, 1.0f, 0.0f);
+  auto* embed = add("model.embed_tokens.weight", {s.vocab, h}, 1.0f, 0.0f);
+  if (marker > 0)
+    for (int64_t v = 0; v < s.vocab; ++v) (*embed)[size_t(v * h)] = f32_to_bf16(marker);
+  const float router_gain = 3.0f;
   for (int l = 0; l < s.layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
     add(p + "input_layernorm.weight", {h}, 0.1f, 1.0f);
@@ -138,22 +241,36 @@ void write_random_qwen3_moe(const std::string& dir, const SynthShape& s, uint64_
       matrix(p + "mlp.down_proj.weight", h, s.intermediate);
       continue;
     }
-    matrix(p + "mlp.gate.weight", s.experts, h, 3.0f);
-    for (int e = 0; e < s.experts; ++e) {
-      const std::string x = p + "mlp.experts." + std::to_string(e) + ".";
-      matrix(x + "gate_proj.weight", s.moe_intermediate, h);
-      matrix(x + "up_proj.weight", s.moe_intermediate, h);
-      matrix(x + "down_proj.weight", h, s.moe_intermediate);
+    auto* router = matrix(p + "mlp.gate.weight", s.experts, h, router_gain);
+    if (marker > 0) {
+      // The marker's share of the normalized hidden state shrinks as layers add to the residual.
+      const float marker_in = marker / std::sqrt(1.0f + marker * marker / float(h) + 2.0f * float(l));
+      for (int e = 0; e < s.experts; ++e) {
+        const float bias = -float(o.zipf) * router_gain * std::log(float(e + 1));
+        (*router)[size_t(e * h)] = f32_to_bf16(bias / marker_in);
+      }
     }
   }
   add("model.norm.weight", {h}, 0.1f, 1.0f);
-  matrix("lm_head.weight", vocab, h);
+  matrix("lm_head.weight", s.vocab, h);
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = storage[i].data();
-  write_safetensors(tmp + "/model.safetensors", tensors, {{"format", "pt"}});
+  write_safetensors(tmp + "/weights.safetensors", tensors, {{"format", "pt"}});
+  storage.clear();
 
-  fs::remove_all(dir);
-  fs::create_directories(fs::path(dir).parent_path());
-  fs::rename(tmp, dir);
+  const std::string format = bits ? "q" + std::to_string(bits) + "g" + std::to_string(o.group_size) : "bf16";
+  std::vector<std::vector<char>> bytes;
+  std::vector<PackWriter::Part> parts;
+  for (int l = s.first_dense; l < s.layers; ++l) {
+    for (int e = 0; e < s.experts; ++e) {
+      bytes.clear();
+      parts.clear();
+      random_matrix(rng, "gate", s.moe_intermediate, h, bits, o.group_size, bytes, parts);
+      random_matrix(rng, "up", s.moe_intermediate, h, bits, o.group_size, bytes, parts);
+      random_matrix(rng, "down", h, s.moe_intermediate, bits, o.group_size, bytes, parts);
+      writer.add_expert(l, format, parts);
+    }
+  }
+  writer.finish(s.layers);
 }
 
 }  // namespace moestream

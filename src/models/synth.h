@@ -1,25 +1,38 @@
-// Random-weight models written in Hugging Face layout, for the demo and tests that need a model
-// of a given shape without downloading one. The tokenizer is byte-level BPE over the 256 bytes
-// plus chat special tokens, so any text round-trips.
+// Random-weight models written directly in packed form (no full-precision intermediate), for the
+// demo, the benchmarks and tests that need a model of a given shape without a download. The
+// tokenizer is byte-level BPE over the 256 bytes, chat special tokens, and filler word pieces up
+// to the vocabulary size, so any text round-trips.
 #pragma once
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace moestream {
 
 struct SynthShape {
+  int64_t vocab = 512;
   int64_t hidden = 256;
   int layers = 4;
   int heads = 4, kv_heads = 2, head_dim = 64;
   int experts = 16, top_k = 4;
   int64_t moe_intermediate = 128;
-  int64_t intermediate = 512;  // dense layers (none unless first_dense > 0)
-  int first_dense = 0;         // layers [0, first_dense) use a dense MLP (mlp_only_layers)
+  int64_t intermediate = 512;  // dense layers (mlp_only_layers)
+  int first_dense = 0;         // layers [0, first_dense) use a dense MLP
 };
 
-// Writes config.json, generation_config.json, model.safetensors, tokenizer.json and
-// tokenizer_config.json into `dir` (created through a temporary directory renamed into place).
-void write_random_qwen3_moe(const std::string& dir, const SynthShape& shape, uint64_t seed);
+struct SynthOptions {
+  std::string quant = "bf16";  // expert storage: bf16 | q8 | q4 | q2 (group size below)
+  int group_size = 64;
+  double zipf = 0;             // > 0: expert popularity ~ rank^-zipf (router bias)
+  uint64_t seed = 42;
+};
+
+// Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b. Error lists them when unknown.
+SynthShape synth_preset(const std::string& name);
+std::vector<std::string> synth_preset_names();
+
+// Writes the pack to `dir` (which must not exist) through a temporary directory.
+void write_synthetic_pack(const std::string& dir, const SynthShape& shape, const SynthOptions& options);
 
 }  // namespace moestream

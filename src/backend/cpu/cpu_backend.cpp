@@ -1,6 +1,7 @@
 // The CPU backend: float32 activations in host memory, weights read in place from the mapping,
 // work split across a thread pool by output rows (linear) or by (token, head) (attention).
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <deque>
@@ -166,6 +167,7 @@ class CpuBackend final : public Backend {
   void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p,
            Buffer& out) override {
     const int64_t T = x.rows, dim = x.cols;
+    auto t_start = std::chrono::steady_clock::now();
     Buffer logits = scratch(2, T, p.n_experts);
     linear(x, router, nullptr, logits);
 
@@ -206,6 +208,9 @@ class CpuBackend final : public Backend {
     // own place, and the combine below runs in expert order, so the sum does not depend on what
     // was cached.
     Buffer routed_out = scratch(5, routed_rows, dim);
+    auto t_routed = std::chrono::steady_clock::now();
+    times_.routing += std::chrono::duration<double>(t_routed - t_start).count();
+    ScopedTimer compute(times_.expert_compute);  // includes waiting; the model subtracts it
     store.request(p.layer, ids);
     int e;
     MlpWeights w;

@@ -1,103 +1,157 @@
 #include "backend/cpu/kernels.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define MS_AVX2 1
-#endif
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <limits>
+#include <string>
 
+#include "backend/cpu/quant_kernels.h"
 #include "core/error.h"
+#include "core/quant.h"
 
 namespace moestream::cpu {
 
 namespace {
 
-#ifdef MS_AVX2
-inline float hsum(__m256 v) {
-  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-  lo = _mm_add_ps(lo, hi);
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
-}
-inline __m256 load_bf16(const uint16_t* p) {
-  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-}
-inline __m256 load_f16(const uint16_t* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-#endif
-
-float dot_bf16(const uint16_t* w, const float* x, int64_t n) {
-  int64_t i = 0;
-  float sum = 0;
-#ifdef MS_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(load_bf16(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load_bf16(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+bool cpu_has(KernelLevel level) {
+  switch (level) {
+    case KernelLevel::Scalar:
+      return true;
+    case KernelLevel::Avx2:
+      return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    case KernelLevel::Avx512:
+      return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl") &&
+             __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vbmi") &&
+             cpu_has(KernelLevel::Avx2);
   }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load_bf16(w + i), _mm256_loadu_ps(x + i), a0);
-  sum = hsum(_mm256_add_ps(a0, a1));
-#endif
-  for (; i < n; ++i) sum += bf16_to_f32(w[i]) * x[i];
-  return sum;
+  return false;
 }
 
-float dot_f16(const uint16_t* w, const float* x, int64_t n) {
-  int64_t i = 0;
-  float sum = 0;
-#ifdef MS_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(load_f16(w + i), _mm256_loadu_ps(x + i), a0);
-    a1 = _mm256_fmadd_ps(load_f16(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+KernelLevel initial_level() {
+  KernelLevel level = best_kernel_level();
+  const char* env = std::getenv("MOESTREAM_KERNELS");
+  if (env && *env) {
+    const std::string want = env;
+    KernelLevel asked;
+    if (want == "scalar") {
+      asked = KernelLevel::Scalar;
+    } else if (want == "avx2") {
+      asked = KernelLevel::Avx2;
+    } else if (want == "avx512") {
+      asked = KernelLevel::Avx512;
+    } else {
+      fail("MOESTREAM_KERNELS='", want, "': expected scalar, avx2 or avx512");
+    }
+    if (!cpu_has(asked))
+      fail("MOESTREAM_KERNELS=", want, ": this CPU does not support it (best: ",
+           kernel_level_name(level), ")");
+    level = asked;
   }
-  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load_f16(w + i), _mm256_loadu_ps(x + i), a0);
-  sum = hsum(_mm256_add_ps(a0, a1));
-#endif
-  for (; i < n; ++i) sum += f16_to_f32(w[i]) * x[i];
-  return sum;
+  return level;
+}
+
+std::atomic<KernelLevel>& current_level() {
+  static std::atomic<KernelLevel> level{initial_level()};
+  return level;
+}
+
+const detail::LevelKernels& kernels_for(KernelLevel level) {
+  switch (level) {
+    case KernelLevel::Avx512: return detail::avx512_kernels();
+    case KernelLevel::Avx2: return detail::avx2_kernels();
+    default: return detail::scalar_kernels();
+  }
+}
+const detail::LevelKernels& active() { return kernels_for(kernel_level()); }
+
+void check_matrix(const Matrix& w) {
+  if (w.quant.bits == 0) {
+    if (w.dtype != DType::F32 && w.dtype != DType::BF16 && w.dtype != DType::F16)
+      fail("weight ", w.name, ": dtype ", dtype_name(w.dtype), " has no CPU kernel");
+    return;
+  }
+  check_quant_shape(w.quant, w.cols, w.name);
+  if (w.dtype != DType::U32)
+    fail("weight ", w.name, ": quantized weights must be U32 words, found ", dtype_name(w.dtype));
+  if (!w.scales || !w.biases)
+    fail("weight ", w.name, ": quantized weights need scales and biases");
+}
+
+int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
+
+// Quantizes one token's activations to int8 per block of 32, laid out for the kernel level.
+void quantize_activations(const float* x, int64_t cols, int group_size, detail::CodeOrder order,
+                          int8_t* q, float* lane_scale, float* group_sum) {
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::abs(xb[i]));
+      finite = finite && std::isfinite(xb[i]);
+    }
+    // A block with Inf or NaN gets codes 0 and scale NaN, so the outputs it feeds become NaN.
+    const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && amax > 0 ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int e = 0; e < 32; ++e) {
+      const int v = finite ? int(std::nearbyint(std::clamp(xb[e] * inv, -127.0f, 127.0f))) : 0;
+      q[b * 32 + detail::position_in_block(order, e)] = int8_t(v);
+      sum += v;
+    }
+    std::fill(lane_scale + b * 8, lane_scale + b * 8 + 8, dx);
+    group_sum[b * 32 / group_size] += dx * float(sum);
+  }
 }
 
 }  // namespace
 
-float dot_f32(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float sum = 0;
-#ifdef MS_AVX2
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for (; i + 16 <= n; i += 16) {
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+std::string_view kernel_level_name(KernelLevel level) {
+  switch (level) {
+    case KernelLevel::Scalar: return "scalar";
+    case KernelLevel::Avx2: return "avx2";
+    case KernelLevel::Avx512: return "avx512";
   }
-  for (; i + 8 <= n; i += 8)
-    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
-  sum = hsum(_mm256_add_ps(a0, a1));
-#endif
-  for (; i < n; ++i) sum += a[i] * b[i];
-  return sum;
+  return "?";
 }
 
-float dot_row(const Matrix& w, int64_t row, const float* x) {
-  switch (w.dtype) {
-    case DType::F32:
-      return dot_f32(static_cast<const float*>(w.data) + row * w.cols, x, w.cols);
-    case DType::BF16:
-      return dot_bf16(static_cast<const uint16_t*>(w.data) + row * w.cols, x, w.cols);
-    case DType::F16:
-      return dot_f16(static_cast<const uint16_t*>(w.data) + row * w.cols, x, w.cols);
-    default:
-      fail("weight ", w.name, ": dtype ", dtype_name(w.dtype), " has no CPU kernel");
-  }
+bool kernel_level_supported(KernelLevel level) { return cpu_has(level); }
+
+KernelLevel best_kernel_level() {
+  if (cpu_has(KernelLevel::Avx512)) return KernelLevel::Avx512;
+  if (cpu_has(KernelLevel::Avx2)) return KernelLevel::Avx2;
+  return KernelLevel::Scalar;
 }
+
+KernelLevel kernel_level() { return current_level().load(std::memory_order_relaxed); }
+
+void set_kernel_level(KernelLevel level) {
+  if (!cpu_has(level))
+    fail("kernel level ", kernel_level_name(level), " is not supported by this CPU (best: ",
+         kernel_level_name(best_kernel_level()), ")");
+  current_level().store(level, std::memory_order_relaxed);
+}
+
+float dot_f32(const float* a, const float* b, int64_t n) { return active().dot_f32(a, b, n); }
+
+void axpy(float a, const float* x, float* y, int64_t n) { active().axpy(a, x, y, n); }
 
 void row_to_f32(const Matrix& w, int64_t row, float* dst) {
+  check_matrix(w);
   const int64_t n = w.cols;
+  if (w.quant.bits > 0) {
+    dequantize_row(w.quant, n, static_cast<const uint32_t*>(w.data) +
+                                   row * quant_words_per_row(w.quant, n),
+                   detail::row_scales(w, row), detail::row_biases(w, row), dst);
+    return;
+  }
   switch (w.dtype) {
     case DType::F32: {
       const float* src = static_cast<const float*>(w.data) + row * n;
-      for (int64_t i = 0; i < n; ++i) dst[i] = src[i];
+      std::copy(src, src + n, dst);
       return;
     }
     case DType::BF16: {
@@ -105,39 +159,65 @@ void row_to_f32(const Matrix& w, int64_t row, float* dst) {
       for (int64_t i = 0; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
       return;
     }
-    case DType::F16: {
+    default: {
       const uint16_t* src = static_cast<const uint16_t*>(w.data) + row * n;
       for (int64_t i = 0; i < n; ++i) dst[i] = f16_to_f32(src[i]);
       return;
     }
-    default:
-      fail("weight ", w.name, ": dtype ", dtype_name(w.dtype), " has no CPU kernel");
   }
 }
 
-void axpy(float a, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+float dot_row(const Matrix& w, int64_t row, const float* x) {
+  PreparedInput in;
+  prepare_input(w, x, 1, /*precise=*/true, in);
+  float y = 0;
+  matmul_rows(w, in, &y, 1, row, row + 1);
+  return y;
 }
 
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in) {
+  check_matrix(w);
   in.x = x;
   in.T = T;
   in.cols = w.cols;
   in.precise = precise;
+  in.level = kernel_level();
+  in.bits = w.quant.bits;
+  if (in.bits == 0) return;
+
+  const int64_t cols = w.cols;
+  const int gs = w.quant.group_size;
+  const detail::CodeOrder order = detail::code_order(in.level, in.bits);
+  in.stride = round_up(cols, 64);
+  in.group_stride = round_up(cols / gs, 16);
+  if (precise) {
+    in.xf.assign(size_t(T * in.stride), 0.0f);
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t i = 0; i < cols; ++i)
+        in.xf[size_t(t * in.stride + i / 32 * 32 + detail::position_in_block(order, int(i % 32)))] =
+            x[t * cols + i];
+    return;
+  }
+  in.q.assign(size_t(T * in.stride), 0);
+  in.q_scale.assign(size_t(T * in.stride / 4), 0.0f);
+  in.group_sum.assign(size_t(T * in.group_stride), 0.0f);
+  for (int64_t t = 0; t < T; ++t)
+    quantize_activations(x + t * cols, cols, gs, order, in.q.data() + t * in.stride,
+                         in.q_scale.data() + t * in.stride / 4,
+                         in.group_sum.data() + t * in.group_stride);
 }
 
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1) {
-  if (in.T == 1) {
-    for (int64_t r = r0; r < r1; ++r) y[r] = dot_row(w, r, in.x);
-    return;
-  }
-  // Each weight row is converted once and reused for every token.
-  thread_local std::vector<float> row;
-  row.resize(size_t(w.cols));
-  for (int64_t r = r0; r < r1; ++r) {
-    row_to_f32(w, r, row.data());
-    for (int64_t t = 0; t < in.T; ++t) y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  if (in.bits != w.quant.bits || in.cols != w.cols)
+    fail("weight ", w.name, ": activations were prepared for another matrix");
+  const detail::LevelKernels& k = kernels_for(in.level);
+  if (w.quant.bits == 0) {
+    k.matmul_plain(w, in, y, ldy, r0, r1);
+  } else if (in.precise) {
+    k.matmul_quant_precise(w, in, y, ldy, r0, r1);
+  } else {
+    k.matmul_quant_int8(w, in, y, ldy, r0, r1);
   }
 }
 

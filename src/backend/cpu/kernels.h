@@ -1,34 +1,69 @@
-// CPU inner kernels: dot products of a stored weight row with float32 activations.
-// AVX2+FMA when the compiler targets it, a scalar loop otherwise; both sum in float32.
+// CPU inner kernels: products of stored weight rows (F32, BF16, F16 or MLX-style affine
+// quantized, see core/quant.h) with float32 activations.
+//
+// Each kernel exists at three levels, picked at run time from what the CPU offers:
+//   Scalar  plain C++; the reference the others are tested against.
+//   Avx2    AVX2 + FMA + F16C.
+//   Avx512  AVX-512 F/BW/DQ/VL with VNNI and VBMI (Ice Lake, Sapphire Rapids, Zen 4 and
+//           later; older AVX-512 parts run Avx2).
+// The best level is the default; MOESTREAM_KERNELS=scalar|avx2|avx512 in the environment or
+// set_kernel_level() lower it (for tests and benchmarks). Asking for a level the CPU lacks fails.
+//
+// A linear layer runs as prepare_input once per call, then matmul_rows on disjoint row ranges,
+// possibly from several threads. For quantized weights the activations take one of two paths:
+//   precise  float32 activations; each weight is dequantized (q * scale + bias, one fma) and
+//            multiplied in float32.
+//   default  activations quantized to int8 per block of 32 (scale = max|x| / 127, round to
+//            nearest); per block an exact integer dot product with the weight codes, then
+//            y = sum_g scale_g * sum_b dx_b * isum_b + sum_g bias_g * sum_(i in g) x^_i.
+//            The only approximation is x^ (the int8 activations) in place of x.
 #pragma once
 
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 #include "backend/backend.h"
 
 namespace moestream::cpu {
 
+enum class KernelLevel : uint8_t { Scalar, Avx2, Avx512 };
+
+std::string_view kernel_level_name(KernelLevel level);   // "scalar", "avx2", "avx512"
+KernelLevel best_kernel_level();                         // the best this CPU supports
+bool kernel_level_supported(KernelLevel level);
+KernelLevel kernel_level();                              // the level in use
+void set_kernel_level(KernelLevel level);                // fails if the CPU lacks it
+
 float dot_f32(const float* a, const float* b, int64_t n);
-// dot(W[row, :], x) for W in its stored format (f32, bf16, f16).
+// dot(W[row, :], x), float32 throughout, for W in any stored format.
 float dot_row(const Matrix& w, int64_t row, const float* x);
-// W[row, :] converted to float32.
+// W[row, :] converted (dequantized) to float32.
 void row_to_f32(const Matrix& w, int64_t row, float* dst);
 // y += a * x
 void axpy(float a, const float* x, float* y, int64_t n);
 
-// Activations prepared once per linear call for the weight's format: float32 as they are, or
-// (default path, quantized weights) quantized per group for integer dot products.
+// Activations prepared once per linear call for the weight's format and the kernel level.
+// Plain weights read x as it is. Quantized weights read copies padded with zeros to a multiple
+// of 64 columns per token, in the element order the level's unpacking produces (a permutation
+// inside each block of 32, so block scales are unaffected).
 struct PreparedInput {
-  const float* x = nullptr;  // [T, cols] float32
+  const float* x = nullptr;  // [T, cols] float32 as given
   int64_t T = 0, cols = 0;
   bool precise = true;
-  std::vector<int8_t> q;       // int8 activations when !precise (format-specific layout)
-  std::vector<float> q_scale;  // their per-group scales
+  KernelLevel level = KernelLevel::Scalar;  // layout below is for this level
+  int bits = 0;                             // weight bits the layout is for (0: plain weights)
+  int64_t stride = 0;          // padded columns per token in xf / q
+  int64_t group_stride = 0;    // weight groups per token in group_sum (padded to 16)
+  std::vector<float> xf;       // precise: [T, stride] float32 activations
+  std::vector<int8_t> q;       // default: [T, stride] int8 activations
+  std::vector<float> q_scale;  // default: [T, stride / 4] scale of each 4-element lane's block
+  std::vector<float> group_sum;  // default: [T, group_stride] sum of x^ over each weight group
 };
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in);
 
 // y[t * ldy + r] = dot(W[r, :], x[t, :]) for rows r in [r0, r1) and every token t.
+// For T > 1 each weight row is unpacked once and reused for all tokens.
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1);
 

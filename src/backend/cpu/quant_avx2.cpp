@@ -1,0 +1,405 @@
+// AVX2 + FMA + F16C kernels. Every function carries the target attribute, so this file builds
+// for a baseline x86-64 too; kernels.cpp only calls it after checking the CPU.
+//
+// Quantized rows are unpacked one block of 32 codes at a time into a ymm of bytes:
+//   8 bits  the 32 bytes as they are;
+//   4 bits  the block's 16 bytes in both halves, the upper half shifted right by 4, & 0x0f
+//           (CodeOrder::Nibbles);
+//   2 bits  the 8 bytes in all four quarters, shifted right by 0, 2, 4, 6, & 0x03
+//           (CodeOrder::Crumbs);
+//   3, 6    8 codes per b bytes. Each code is cut from the 16-bit window starting at the byte
+//           that holds its first bit (pshufb), shifted into the high byte by a multiply with
+//           2^(8 - bit offset), and the high bytes packed back to bytes: natural order.
+// The int8 path multiplies codes (u8) by activations (s8) with maddubs + madd. 8-bit codes
+// would overflow maddubs's int16 pairs, so they are used as q - 128 (signed) and the lost
+// 128 * sum(x^) is added back through the group bias (bias + 128 * scale).
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backend/cpu/quant_kernels.h"
+
+#define MS_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
+
+namespace moestream::cpu::detail {
+
+namespace {
+
+MS_AVX2 inline float hsum(__m256 v) {
+  __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+  lo = _mm_add_ps(lo, hi);
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+MS_AVX2 inline __m256 load_bf16(const uint16_t* p) {
+  __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+MS_AVX2 inline __m256 load_f16(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+MS_AVX2 inline __m256 load_half(const uint16_t* p, DType dt) {
+  return dt == DType::F16 ? load_f16(p) : load_bf16(p);
+}
+// n (<= 8) stored scales or biases as floats, zeros after them.
+MS_AVX2 inline __m256 load_half_n(const uint16_t* p, int64_t n, DType dt) {
+  if (n >= 8) return load_half(p, dt);
+  alignas(16) uint16_t tmp[8] = {};
+  std::memcpy(tmp, p, size_t(n) * 2);
+  return load_half(tmp, dt);
+}
+
+// ---- plain weights --------------------------------------------------------------------------
+
+MS_AVX2 float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), a1);
+    a2 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 16), _mm256_loadu_ps(b + i + 16), a2);
+    a3 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 24), _mm256_loadu_ps(b + i + 24), a3);
+  }
+  for (; i + 8 <= n; i += 8)
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), a0);
+  float sum = hsum(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+MS_AVX2 void axpy(float a, const float* x, float* y, int64_t n) {
+  int64_t i = 0;
+  const __m256 va = _mm256_set1_ps(a);
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(y + i, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+MS_AVX2 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
+  int64_t i = 0;
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  if (dt == DType::BF16) {
+    for (; i + 16 <= n; i += 16) {
+      a0 = _mm256_fmadd_ps(load_bf16(w + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load_bf16(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+  } else {
+    for (; i + 16 <= n; i += 16) {
+      a0 = _mm256_fmadd_ps(load_f16(w + i), _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(load_f16(w + i + 8), _mm256_loadu_ps(x + i + 8), a1);
+    }
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_fmadd_ps(load_half(w + i, dt), _mm256_loadu_ps(x + i), a0);
+  float sum = hsum(_mm256_add_ps(a0, a1));
+  for (; i < n; ++i) sum += (dt == DType::BF16 ? bf16_to_f32(w[i]) : f16_to_f32(w[i])) * x[i];
+  return sum;
+}
+
+MS_AVX2 float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
+  if (w.dtype == DType::F32)
+    return dot_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols);
+  return dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, w.dtype);
+}
+
+MS_AVX2 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
+  const int64_t n = w.cols;
+  if (w.dtype == DType::F32) {
+    std::memcpy(dst, static_cast<const float*>(w.data) + r * n, size_t(n) * 4);
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(w.data) + r * n;
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_half(src + i, w.dtype));
+  for (; i < n; ++i) dst[i] = w.dtype == DType::BF16 ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
+}
+
+MS_AVX2 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+  if (in.T == 1) {
+    for (int64_t r = r0; r < r1; ++r) y[r] = dot_plain_row(w, r, in.x);
+    return;
+  }
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    plain_row_to_f32(w, r, row.data());
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  }
+}
+
+// ---- quantized weights ----------------------------------------------------------------------
+
+// pshufb selectors and multipliers for 3- and 6-bit codes (see the file comment). Word j of a
+// 128-bit lane takes bytes lo, lo + 1 with lo = j * b / 8 (plus b for the second group of 8),
+// and is multiplied by 2^(8 - j * b % 8).
+struct Straddle {
+  alignas(32) int8_t first[32], second[32];
+  alignas(32) int16_t mul[16];
+};
+constexpr Straddle make_straddle(int b) {
+  Straddle s{};
+  for (int lane = 0; lane < 2; ++lane)
+    for (int j = 0; j < 8; ++j) {
+      const int lo = j * b / 8;
+      s.first[lane * 16 + 2 * j] = int8_t(lo);
+      s.first[lane * 16 + 2 * j + 1] = int8_t(lo + 1);
+      s.second[lane * 16 + 2 * j] = int8_t(lo + b);
+      s.second[lane * 16 + 2 * j + 1] = int8_t(lo + b + 1);
+      s.mul[lane * 8 + j] = int16_t(1 << (8 - j * b % 8));
+    }
+  return s;
+}
+constexpr Straddle kStraddle3 = make_straddle(3);
+constexpr Straddle kStraddle6 = make_straddle(6);
+
+// 32 codes from the packed block at p. For BITS 3 and 6, 32 bytes at p must be readable.
+template <int BITS>
+MS_AVX2 inline __m256i unpack32(const uint8_t* p) {
+  if constexpr (BITS == 8) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  } else if constexpr (BITS == 4) {
+    __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    v = _mm256_srlv_epi64(v, _mm256_setr_epi64x(0, 0, 4, 4));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x0f));
+  } else if constexpr (BITS == 2) {
+    int64_t bytes;
+    std::memcpy(&bytes, p, 8);
+    __m256i v = _mm256_srlv_epi64(_mm256_set1_epi64x(bytes), _mm256_setr_epi64x(0, 2, 4, 6));
+    return _mm256_and_si256(v, _mm256_set1_epi8(0x03));
+  } else {
+    static_assert(BITS == 3 || BITS == 6);
+    const Straddle& s = BITS == 3 ? kStraddle3 : kStraddle6;
+    const __m256i src = _mm256_inserti128_si256(
+        _mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+        _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * BITS)), 1);
+    const __m256i mul = _mm256_load_si256(reinterpret_cast<const __m256i*>(s.mul));
+    __m256i a = _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.first)));
+    __m256i b = _mm256_shuffle_epi8(src, _mm256_load_si256(reinterpret_cast<const __m256i*>(s.second)));
+    a = _mm256_srli_epi16(_mm256_mullo_epi16(a, mul), 8);
+    b = _mm256_srli_epi16(_mm256_mullo_epi16(b, mul), 8);
+    return _mm256_and_si256(_mm256_packus_epi16(a, b), _mm256_set1_epi8((1 << BITS) - 1));
+  }
+}
+
+// Reads the packed blocks of one row; for 3 and 6 bits the last block comes from a zero-padded
+// copy, since unpack32 reads past the block it decodes.
+template <int BITS>
+struct PackedRow {
+  static constexpr int kBlockBytes = 4 * BITS;
+  static constexpr bool kPadLast = BITS == 3 || BITS == 6;
+  const uint8_t* p;
+  int64_t last;
+  alignas(32) uint8_t tail[32];
+  MS_AVX2 PackedRow(const uint8_t* row, int64_t blocks) : p(row), last(blocks - 1) {
+    if constexpr (kPadLast) {
+      std::memset(tail, 0, sizeof tail);
+      std::memcpy(tail, row + last * kBlockBytes, kBlockBytes);
+    }
+  }
+  MS_AVX2 __m256i block(int64_t b) const {
+    if constexpr (kPadLast)
+      if (b == last) return unpack32<BITS>(tail);
+    return unpack32<BITS>(p + b * kBlockBytes);
+  }
+};
+
+// Codes already unpacked to bytes (a row reused for several tokens).
+struct UnpackedRow {
+  const uint8_t* p;
+  MS_AVX2 __m256i block(int64_t b) const {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + b * 32));
+  }
+};
+
+// Eight int32 sums of 4 products each: codes (u8) times activations (s8).
+template <int BITS>
+MS_AVX2 inline __m256i dot_u8s8(__m256i codes, __m256i x) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (BITS == 8) {
+    const __m256i w = _mm256_xor_si256(codes, _mm256_set1_epi8(char(0x80)));  // q - 128
+    return _mm256_madd_epi16(
+        _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w)), ones);
+  } else {
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(codes, x), ones);
+  }
+}
+
+struct TokenInt8 {
+  const int8_t* q;
+  const float* lane_scale;
+  const float* group_sum;
+};
+
+template <int BITS, int GS, class Row>
+MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases, DType dt,
+                       int64_t cols, const TokenInt8& x) {
+  constexpr int kBlocksPerGroup = GS / 32;
+  const int64_t groups = cols / GS;
+  __m256 acc = _mm256_setzero_ps(), acc_bias = _mm256_setzero_ps();
+  alignas(32) float sf[8];
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t n = std::min<int64_t>(8, groups - g0);
+    const __m256 s = load_half_n(scales + g0, n, dt);
+    __m256 b = load_half_n(biases + g0, n, dt);
+    if constexpr (BITS == 8) b = _mm256_fmadd_ps(s, _mm256_set1_ps(128.0f), b);
+    acc_bias = _mm256_fmadd_ps(b, _mm256_loadu_ps(x.group_sum + g0), acc_bias);
+    _mm256_store_ps(sf, s);
+    for (int64_t k = 0; k < n; ++k) {
+      const int64_t first = (g0 + k) * kBlocksPerGroup;
+      __m256 acc_group = _mm256_setzero_ps();
+      for (int64_t blk = first; blk < first + kBlocksPerGroup; ++blk) {
+        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + blk * 32));
+        const __m256i isum = dot_u8s8<BITS>(row.block(blk), xq);
+        acc_group = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
+                                    _mm256_loadu_ps(x.lane_scale + blk * 8), acc_group);
+      }
+      acc = _mm256_fmadd_ps(acc_group, _mm256_set1_ps(sf[k]), acc);
+    }
+  }
+  return hsum(_mm256_add_ps(acc, acc_bias));
+}
+
+template <int BITS, int GS>
+MS_AVX2 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                         int64_t r0, int64_t r1) {
+  const int64_t blocks = w.cols / 32;
+  const DType dt = w.quant.scale_dtype;
+  auto token = [&](int64_t t) {
+    return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
+                     in.group_sum.data() + t * in.group_stride};
+  };
+  if (in.T == 1) {
+    const TokenInt8 x = token(0);
+    for (int64_t r = r0; r < r1; ++r)
+      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>(row_codes(w, r), blocks), row_scales(w, r),
+                                row_biases(w, r), dt, w.cols, x);
+    return;
+  }
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    const PackedRow<BITS> packed(row_codes(w, r), blocks);
+    for (int64_t b = 0; b < blocks; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + b * 32), packed.block(b));
+    const UnpackedRow row{codes.data()};
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] =
+          dot_int8<BITS, GS>(row, row_scales(w, r), row_biases(w, r), dt, w.cols, token(t));
+  }
+}
+
+// Calls f(s, b, codes, k) for every block of 32 codes of a row: the block's group scale and
+// bias broadcast, its codes, and its index.
+template <int BITS, int GS, class F>
+MS_AVX2 inline void for_each_block(const uint8_t* packed, const uint16_t* scales,
+                                   const uint16_t* biases, DType dt, int64_t cols, F&& f) {
+  constexpr int kBlocksPerGroup = GS / 32;
+  const int64_t groups = cols / GS;
+  const PackedRow<BITS> row(packed, cols / 32);
+  alignas(32) float sf[8], bf[8];
+  for (int64_t g0 = 0; g0 < groups; g0 += 8) {
+    const int64_t n = std::min<int64_t>(8, groups - g0);
+    _mm256_store_ps(sf, load_half_n(scales + g0, n, dt));
+    _mm256_store_ps(bf, load_half_n(biases + g0, n, dt));
+    for (int64_t k = 0; k < n; ++k) {
+      const __m256 s = _mm256_set1_ps(sf[k]), b = _mm256_set1_ps(bf[k]);
+      const int64_t first = (g0 + k) * kBlocksPerGroup;
+      for (int64_t blk = first; blk < first + kBlocksPerGroup; ++blk) f(s, b, row.block(blk), blk);
+    }
+  }
+}
+
+// The 32 codes of a ymm as four ymm of floats (codes 0-7, 8-15, 16-23, 24-31).
+MS_AVX2 inline void codes_to_f32(__m256i c, __m256 out[4]) {
+  const __m128i lo = _mm256_castsi256_si128(c), hi = _mm256_extracti128_si256(c, 1);
+  out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
+  out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
+  out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
+  out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+}
+
+template <int BITS, int GS>
+MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                            int64_t r0, int64_t r1) {
+  const DType dt = w.quant.scale_dtype;
+  if (in.T == 1) {
+    const float* x = in.xf.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
+                       _mm256_setzero_ps()};
+      for_each_block<BITS, GS>(
+          row_codes(w, r), row_scales(w, r), row_biases(w, r), dt, w.cols,
+          [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+            __m256 q[4];
+            codes_to_f32(c, q);
+            for (int i = 0; i < 4; ++i)
+              acc[i] = _mm256_fmadd_ps(_mm256_fmadd_ps(q[i], s, b),
+                                       _mm256_loadu_ps(x + blk * 32 + 8 * i), acc[i]);
+          });
+      y[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    }
+    return;
+  }
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    float* out = row.data();
+    for_each_block<BITS, GS>(row_codes(w, r), row_scales(w, r), row_biases(w, r), dt, w.cols,
+                             [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+                               __m256 q[4];
+                               codes_to_f32(c, q);
+                               for (int i = 0; i < 4; ++i)
+                                 _mm256_storeu_ps(out + blk * 32 + 8 * i,
+                                                  _mm256_fmadd_ps(q[i], s, b));
+                             });
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] = dot_f32(out, in.xf.data() + t * in.stride, w.cols);
+  }
+}
+
+template <template <int, int> class Pick>
+MatmulFn pick_format(const Matrix& w) {
+  const int b = w.quant.bits, g = w.quant.group_size;
+#define MS_CASE(B)                                       \
+  if (b == B) {                                          \
+    if (g == 32) return Pick<B, 32>::fn;                 \
+    if (g == 64) return Pick<B, 64>::fn;                 \
+    return Pick<B, 128>::fn;                             \
+  }
+  MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
+#undef MS_CASE
+  return nullptr;
+}
+template <int B, int G>
+struct PickInt8 {
+  static constexpr MatmulFn fn = matmul_int8<B, G>;
+};
+template <int B, int G>
+struct PickPrecise {
+  static constexpr MatmulFn fn = matmul_precise<B, G>;
+};
+
+void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                       int64_t r0, int64_t r1) {
+  pick_format<PickInt8>(w)(w, in, y, ldy, r0, r1);
+}
+void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+  pick_format<PickPrecise>(w)(w, in, y, ldy, r0, r1);
+}
+
+}  // namespace
+
+const LevelKernels& avx2_kernels() {
+  static const LevelKernels k{dot_f32, axpy, matmul_plain, matmul_quant_precise,
+                              matmul_quant_int8};
+  return k;
+}
+
+}  // namespace moestream::cpu::detail

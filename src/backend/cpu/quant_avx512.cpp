@@ -1,0 +1,372 @@
+// AVX-512 kernels (F, BW, DQ, VL, VNNI, VBMI). Every function carries the target attribute, so
+// this file builds for any x86-64; kernels.cpp only calls it after checking the CPU.
+//
+// Quantized rows are unpacked 64 codes at a time, the same way for every bit width b:
+// a masked load of the chunk's 8 * b bytes; vpermb gives qword k the b bytes that hold codes
+// 8k .. 8k+7; vpmultishiftqb pulls byte j of each qword from bit offset j * b; & (2^b - 1).
+// Codes stay in natural order. The int8 path multiplies them (u8) with the activations (s8)
+// by vpdpbusd, which sums four products into int32 without intermediate saturation.
+// GCC 12's AVX-512 headers initialise "undefined" vectors from themselves, which its own
+// -Wuninitialized then reports wherever such an intrinsic is inlined (GCC bug 105593, fixed in
+// 13). The pragma has to precede the header for the warnings to be attributed to it.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "backend/cpu/quant_kernels.h"
+
+#define MS_AVX512                                                                         \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma," \
+                        "f16c,bmi,bmi2")))
+
+namespace moestream::cpu::detail {
+
+namespace {
+
+MS_AVX512 inline __m512 load_bf16(const uint16_t* p) {
+  __m512i v = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));
+}
+MS_AVX512 inline __m512 load_f16(const uint16_t* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+// The first n (<= 16) values at p (BF16 or F16) as floats, zeros after them.
+MS_AVX512 inline __m512 load_half_n(const uint16_t* p, int64_t n, DType dt) {
+  const __m256i v = _mm256_maskz_loadu_epi16(__mmask16((1u << n) - 1), p);
+  if (dt == DType::F16) return _mm512_cvtph_ps(v);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+MS_AVX512 inline __m512 load_half(const uint16_t* p, DType dt) {
+  return dt == DType::F16 ? load_f16(p) : load_bf16(p);
+}
+
+// ---- plain weights --------------------------------------------------------------------------
+
+MS_AVX512 float dot_f32(const float* a, const float* b, int64_t n) {
+  int64_t i = 0;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+    a1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), a1);
+    a2 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 32), _mm512_loadu_ps(b + i + 32), a2);
+    a3 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 48), _mm512_loadu_ps(b + i + 48), a3);
+  }
+  for (; i + 16 <= n; i += 16)
+    a0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), a0);
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + i), _mm512_maskz_loadu_ps(m, b + i), a1);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+MS_AVX512 void axpy(float a, const float* x, float* y, int64_t n) {
+  const __m512 va = _mm512_set1_ps(a);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  if (i < n) {
+    const __mmask16 m = __mmask16((1u << (n - i)) - 1);
+    _mm512_mask_storeu_ps(
+        y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
+  }
+}
+
+MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
+  int64_t i = 0;
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  if (dt == DType::BF16) {
+    for (; i + 32 <= n; i += 32) {
+      a0 = _mm512_fmadd_ps(load_bf16(w + i), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(load_bf16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    }
+  } else {
+    for (; i + 32 <= n; i += 32) {
+      a0 = _mm512_fmadd_ps(load_f16(w + i), _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(load_f16(w + i + 16), _mm512_loadu_ps(x + i + 16), a1);
+    }
+  }
+  for (; i < n; i += 16) {
+    const int64_t left = std::min<int64_t>(16, n - i);
+    const __mmask16 m = __mmask16((1u << left) - 1);
+    a0 = _mm512_fmadd_ps(load_half_n(w + i, left, dt), _mm512_maskz_loadu_ps(m, x + i), a0);
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+}
+
+MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
+  const int64_t n = w.cols;
+  if (w.dtype == DType::F32) {
+    std::memcpy(dst, static_cast<const float*>(w.data) + r * n, size_t(n) * 4);
+    return;
+  }
+  const uint16_t* src = static_cast<const uint16_t*>(w.data) + r * n;
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t left = std::min<int64_t>(16, n - i);
+    _mm512_mask_storeu_ps(dst + i, __mmask16((1u << left) - 1), load_half_n(src + i, left, w.dtype));
+  }
+}
+
+MS_AVX512 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                            int64_t r0, int64_t r1) {
+  if (in.T == 1) {
+    for (int64_t r = r0; r < r1; ++r)
+      y[r] = w.dtype == DType::F32
+                 ? dot_f32(static_cast<const float*>(w.data) + r * w.cols, in.x, w.cols)
+                 : dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, in.x, w.cols,
+                            w.dtype);
+    return;
+  }
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    plain_row_to_f32(w, r, row.data());
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  }
+}
+
+// ---- quantized weights ----------------------------------------------------------------------
+
+// vpermb and vpmultishiftqb controls for b-bit codes (see the file comment).
+struct Spread {
+  alignas(64) uint8_t perm[64];
+  alignas(64) uint8_t shift[64];
+};
+constexpr Spread make_spread(int b) {
+  Spread s{};
+  for (int k = 0; k < 8; ++k)
+    for (int j = 0; j < 8; ++j) {
+      s.perm[8 * k + j] = uint8_t(std::min(63, k * b + j));
+      s.shift[8 * k + j] = uint8_t(j * b);
+    }
+  return s;
+}
+constexpr Spread kSpread[9] = {{}, {}, make_spread(2), make_spread(3), make_spread(4),
+                               {}, make_spread(6), {}, make_spread(8)};
+
+template <int BITS>
+MS_AVX512 inline __m512i unpack64(const uint8_t* p, __mmask64 bytes) {
+  const __m512i v = _mm512_maskz_loadu_epi8(bytes, p);
+  if constexpr (BITS == 8) {
+    return v;
+  } else {
+    const Spread& s = kSpread[BITS];
+    const __m512i spread =
+        _mm512_permutexvar_epi8(_mm512_load_si512(reinterpret_cast<const __m512i*>(s.perm)), v);
+    const __m512i codes = _mm512_multishift_epi64_epi8(
+        _mm512_load_si512(reinterpret_cast<const __m512i*>(s.shift)), spread);
+    return _mm512_and_si512(codes, _mm512_set1_epi8(char((1 << BITS) - 1)));
+  }
+}
+
+// Chunks of 64 codes of one packed row. When cols is an odd multiple of 32 the last chunk
+// holds 32 codes; the rest of it reads as zeros.
+template <int BITS>
+struct PackedRow {
+  static constexpr int kChunkBytes = 8 * BITS;
+  const uint8_t* p;
+  int64_t half;  // index of the half chunk, or -1
+  MS_AVX512 PackedRow(const uint8_t* row, int64_t cols)
+      : p(row), half(cols % 64 ? cols / 64 : -1) {}
+  MS_AVX512 __m512i chunk(int64_t c) const {
+    constexpr __mmask64 full = BITS == 8 ? ~__mmask64(0) : (__mmask64(1) << kChunkBytes) - 1;
+    constexpr __mmask64 part = (__mmask64(1) << (kChunkBytes / 2)) - 1;
+    return unpack64<BITS>(p + c * kChunkBytes, c == half ? part : full);
+  }
+};
+
+// Codes already unpacked to bytes, padded to a multiple of 64 (a row reused for many tokens).
+struct UnpackedRow {
+  const uint8_t* p;
+  MS_AVX512 __m512i chunk(int64_t c) const {
+    return _mm512_loadu_si512(reinterpret_cast<const __m512i*>(p + c * 64));
+  }
+};
+
+struct TokenInt8 {
+  const int8_t* q;
+  const float* lane_scale;
+  const float* group_sum;
+};
+
+template <int BITS, int GS, class Row>
+MS_AVX512 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases,
+                         DType dt, int64_t cols, const TokenInt8& x) {
+  const int64_t groups = cols / GS;
+  __m512 acc = _mm512_setzero_ps(), acc_bias = _mm512_setzero_ps();
+  alignas(64) float sf[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    const __m512 s = load_half_n(scales + g0, n, dt);
+    acc_bias = _mm512_fmadd_ps(load_half_n(biases + g0, n, dt), _mm512_loadu_ps(x.group_sum + g0),
+                               acc_bias);
+    if constexpr (GS == 32) {
+      // A chunk spans two groups: lanes 0-7 (codes 0-31) and lanes 8-15 (codes 32-63).
+      __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+      const __m512i two = _mm512_set1_epi32(2);
+      for (int64_t c = g0 / 2; c < (g0 + n + 1) / 2; ++c) {
+        const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
+        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row.chunk(c), xq);
+        const __m512 f =
+            _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(x.lane_scale + c * 16));
+        acc = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(pick, s), acc);
+        pick = _mm512_add_epi32(pick, two);
+      }
+    } else {
+      constexpr int kChunksPerGroup = GS / 64;
+      _mm512_store_ps(sf, s);
+      for (int64_t k = 0; k < n; ++k) {
+        const int64_t first = (g0 + k) * kChunksPerGroup;
+        __m512 acc_group = _mm512_setzero_ps();
+        for (int64_t c = first; c < first + kChunksPerGroup; ++c) {
+          const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
+          const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row.chunk(c), xq);
+          acc_group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                      _mm512_loadu_ps(x.lane_scale + c * 16), acc_group);
+        }
+        acc = _mm512_fmadd_ps(acc_group, _mm512_set1_ps(sf[k]), acc);
+      }
+    }
+  }
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_bias));
+}
+
+template <int BITS, int GS>
+MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                           int64_t r0, int64_t r1) {
+  const DType dt = w.quant.scale_dtype;
+  auto token = [&](int64_t t) {
+    return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
+                     in.group_sum.data() + t * in.group_stride};
+  };
+  if (in.T == 1) {
+    const TokenInt8 x = token(0);
+    for (int64_t r = r0; r < r1; ++r)
+      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>(row_codes(w, r), w.cols), row_scales(w, r),
+                                row_biases(w, r), dt, w.cols, x);
+    return;
+  }
+  const int64_t chunks = (w.cols + 63) / 64;
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(size_t(chunks * 64));
+  for (int64_t r = r0; r < r1; ++r) {
+    const PackedRow<BITS> packed(row_codes(w, r), w.cols);
+    for (int64_t c = 0; c < chunks; ++c)
+      _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes.data() + c * 64), packed.chunk(c));
+    const UnpackedRow row{codes.data()};
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] =
+          dot_int8<BITS, GS>(row, row_scales(w, r), row_biases(w, r), dt, w.cols, token(t));
+  }
+}
+
+// Codes 16 I .. 16 I + 15 of a chunk as floats.
+template <int I>
+MS_AVX512 inline __m512 quarter_f32(__m512i codes) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, I)));
+}
+
+// Calls f(w, i) with w the dequantized floats of codes [16 i, 16 i + 16) of a row, for every i.
+template <int BITS, int GS, class F>
+MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
+  const DType dt = w.quant.scale_dtype;
+  const uint16_t* scales = row_scales(w, r);
+  const uint16_t* biases = row_biases(w, r);
+  const int64_t groups = w.cols / GS;
+  const PackedRow<BITS> row(row_codes(w, r), w.cols);
+  alignas(64) float sf[16], bf[16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    _mm512_store_ps(sf, load_half_n(scales + g0, n, dt));
+    _mm512_store_ps(bf, load_half_n(biases + g0, n, dt));
+    const int64_t c_end = ((g0 + n) * GS + 63) / 64;
+    for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
+      const __m512i codes = row.chunk(c);
+      const __m512 q[4] = {quarter_f32<0>(codes), quarter_f32<1>(codes), quarter_f32<2>(codes),
+                           quarter_f32<3>(codes)};
+      for (int i = 0; i < 4; ++i) {
+        const int64_t first = c * 64 + 16 * i;
+        if (first >= w.cols) break;
+        const int64_t k = first / GS - g0;
+        const __m512 qf = q[i];
+        f(_mm512_fmadd_ps(qf, _mm512_set1_ps(sf[k]), _mm512_set1_ps(bf[k])), first / 16);
+      }
+    }
+  }
+}
+
+template <int BITS, int GS>
+MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                              int64_t r0, int64_t r1) {
+  if (in.T == 1) {
+    const float* x = in.xf.data();
+    for (int64_t r = r0; r < r1; ++r) {
+      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
+                       _mm512_setzero_ps()};
+      for_each_dequantized<BITS, GS>(w, r, [&](__m512 v, int64_t i) MS_AVX512 {
+        acc[i & 3] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + 16 * i), acc[i & 3]);
+      });
+      y[r] = _mm512_reduce_add_ps(
+          _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+    }
+    return;
+  }
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    float* out = row.data();
+    for_each_dequantized<BITS, GS>(
+        w, r, [&](__m512 v, int64_t i) MS_AVX512 { _mm512_storeu_ps(out + 16 * i, v); });
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] = dot_f32(out, in.xf.data() + t * in.stride, w.cols);
+  }
+}
+
+template <template <int, int> class Pick>
+MatmulFn pick_format(const Matrix& w) {
+  const int b = w.quant.bits, g = w.quant.group_size;
+#define MS_CASE(B)                       \
+  if (b == B) {                          \
+    if (g == 32) return Pick<B, 32>::fn; \
+    if (g == 64) return Pick<B, 64>::fn; \
+    return Pick<B, 128>::fn;             \
+  }
+  MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
+#undef MS_CASE
+  return nullptr;
+}
+template <int B, int G>
+struct PickInt8 {
+  static constexpr MatmulFn fn = matmul_int8<B, G>;
+};
+template <int B, int G>
+struct PickPrecise {
+  static constexpr MatmulFn fn = matmul_precise<B, G>;
+};
+
+void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                       int64_t r0, int64_t r1) {
+  pick_format<PickInt8>(w)(w, in, y, ldy, r0, r1);
+}
+void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+  pick_format<PickPrecise>(w)(w, in, y, ldy, r0, r1);
+}
+
+}  // namespace
+
+const LevelKernels& avx512_kernels() {
+  static const LevelKernels k{dot_f32, axpy, matmul_plain, matmul_quant_precise,
+                              matmul_quant_int8};
+  return k;
+}
+
+}  // namespace moestream::cpu::detail

@@ -1,0 +1,63 @@
+// Private to the CPU kernels: the table of functions each SIMD level provides, the element order
+// its unpacked weight codes come in, and accessors for the parts of a stored row.
+// kernels.cpp picks a table and prepares activations; quant_scalar.cpp, quant_avx2.cpp and
+// quant_avx512.cpp implement one table each.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cpu/kernels.h"
+
+namespace moestream::cpu::detail {
+
+using MatmulFn = void (*)(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                          int64_t r0, int64_t r1);
+
+struct LevelKernels {
+  float (*dot_f32)(const float* a, const float* b, int64_t n);
+  void (*axpy)(float a, const float* x, float* y, int64_t n);
+  MatmulFn matmul_plain;           // F32 / BF16 / F16 weights, float activations (in.x)
+  MatmulFn matmul_quant_precise;   // quantized weights, float activations (in.xf)
+  MatmulFn matmul_quant_int8;      // quantized weights, int8 activations (in.q ...)
+};
+
+const LevelKernels& scalar_kernels();
+const LevelKernels& avx2_kernels();
+const LevelKernels& avx512_kernels();
+
+// Where element e (0..31) of a block of 32 lands in a level's unpacked codes.
+//   Natural  e -> e.
+//   Nibbles  (AVX2, 4-bit) low nibbles of the block's 16 bytes, then high nibbles:
+//            e -> e / 2 + 16 * (e % 2).
+//   Crumbs   (AVX2, 2-bit) the 8 bytes shifted by 0, 2, 4, 6 bits in turn:
+//            e -> 8 * (e % 4) + e / 4.
+enum class CodeOrder : uint8_t { Natural, Nibbles, Crumbs };
+inline CodeOrder code_order(KernelLevel level, int bits) {
+  if (level != KernelLevel::Avx2) return CodeOrder::Natural;
+  if (bits == 4) return CodeOrder::Nibbles;
+  if (bits == 2) return CodeOrder::Crumbs;
+  return CodeOrder::Natural;
+}
+inline int position_in_block(CodeOrder order, int e) {
+  switch (order) {
+    case CodeOrder::Nibbles: return e / 2 + 16 * (e % 2);
+    case CodeOrder::Crumbs: return 8 * (e % 4) + e / 4;
+    default: return e;
+  }
+}
+
+// Parts of row r of a quantized matrix (see core/quant.h for the layout). Code bytes are read
+// straight from the uint32 words, which assumes a little-endian CPU (x86-64).
+inline int64_t row_code_bytes(const Matrix& w) { return w.cols * w.quant.bits / 8; }
+inline const uint8_t* row_codes(const Matrix& w, int64_t r) {
+  return static_cast<const uint8_t*>(w.data) + r * row_code_bytes(w);
+}
+inline int64_t row_groups(const Matrix& w) { return w.cols / w.quant.group_size; }
+inline const uint16_t* row_scales(const Matrix& w, int64_t r) {
+  return static_cast<const uint16_t*>(w.scales) + r * row_groups(w);
+}
+inline const uint16_t* row_biases(const Matrix& w, int64_t r) {
+  return static_cast<const uint16_t*>(w.biases) + r * row_groups(w);
+}
+
+}  // namespace moestream::cpu::detail

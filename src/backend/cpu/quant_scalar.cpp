@@ -1,0 +1,87 @@
+// Scalar kernels: the reference every SIMD level is tested against. Plain loops, float32 sums,
+// codes in natural order.
+#include <vector>
+
+#include "backend/cpu/quant_kernels.h"
+#include "core/quant.h"
+
+namespace moestream::cpu::detail {
+
+namespace {
+
+float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+void axpy(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += a * x[i];
+}
+
+void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
+                  int64_t r1) {
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    row_to_f32(w, r, row.data());
+    for (int64_t t = 0; t < in.T; ++t) y[t * ldy + r] = dot(row.data(), in.x + t * in.cols, w.cols);
+  }
+}
+
+// Codes of row r, one byte each, natural order.
+void unpack_codes(const Matrix& w, int64_t r, uint8_t* codes) {
+  const uint32_t* words =
+      static_cast<const uint32_t*>(w.data) + r * quant_words_per_row(w.quant, w.cols);
+  for (int64_t i = 0; i < w.cols; ++i) codes[i] = uint8_t(quant_code(words, i, w.quant.bits));
+}
+
+void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                          int64_t r0, int64_t r1) {
+  thread_local std::vector<float> row;
+  row.resize(size_t(w.cols));
+  for (int64_t r = r0; r < r1; ++r) {
+    row_to_f32(w, r, row.data());
+    for (int64_t t = 0; t < in.T; ++t)
+      y[t * ldy + r] = dot(row.data(), in.xf.data() + t * in.stride, w.cols);
+  }
+}
+
+void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
+                       int64_t r0, int64_t r1) {
+  thread_local std::vector<uint8_t> codes;
+  codes.resize(size_t(w.cols));
+  const int gs = w.quant.group_size;
+  const int64_t groups = row_groups(w);
+  for (int64_t r = r0; r < r1; ++r) {
+    unpack_codes(w, r, codes.data());
+    const uint16_t* scales = row_scales(w, r);
+    const uint16_t* biases = row_biases(w, r);
+    for (int64_t t = 0; t < in.T; ++t) {
+      const int8_t* q = in.q.data() + t * in.stride;
+      const float* lane_scale = in.q_scale.data() + t * in.stride / 4;
+      const float* group_sum = in.group_sum.data() + t * in.group_stride;
+      float acc = 0, acc_bias = 0;
+      for (int64_t g = 0; g < groups; ++g) {
+        float acc_group = 0;
+        for (int64_t b = g * gs / 32; b < (g + 1) * gs / 32; ++b) {
+          int32_t isum = 0;
+          for (int64_t i = b * 32; i < b * 32 + 32; ++i) isum += int32_t(codes[i]) * q[i];
+          acc_group += float(isum) * lane_scale[b * 8];
+        }
+        acc += scale_to_f32(scales[g], w.quant.scale_dtype) * acc_group;
+        acc_bias += scale_to_f32(biases[g], w.quant.scale_dtype) * group_sum[g];
+      }
+      y[t * ldy + r] = acc + acc_bias;
+    }
+  }
+}
+
+}  // namespace
+
+const LevelKernels& scalar_kernels() {
+  static const LevelKernels k{dot, axpy, matmul_plain, matmul_quant_precise, matmul_quant_int8};
+  return k;
+}
+
+}  // namespace moestream::cpu::detail

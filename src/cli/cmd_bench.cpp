@@ -1,0 +1,184 @@
+// moestream bench: prefill and decode speed (pp / tg, as llama-bench), the expert hit rate, and
+// the storage read rate achieved next to the raw read rate of the same files, measured in the
+// same run with the same I/O method. The ratio of the two is the figure we optimize.
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
+#include <mutex>
+#include <nlohmann/json.hpp>
+#include <numeric>
+#include <random>
+
+#include "cli/cli.h"
+#include "core/error.h"
+#include "io/async_reader.h"
+#include "io/pack.h"
+#include "models/generate.h"
+
+namespace moestream::cli {
+
+namespace {
+
+using clock_type = std::chrono::steady_clock;
+double seconds_since(clock_type::time_point t) {
+  return std::chrono::duration<double>(clock_type::now() - t).count();
+}
+
+// Reads a random sample of experts (up to `budget` bytes) with the store's I/O settings.
+double raw_read_gb_per_s(const PackManifest& pack, const ExpertStoreOptions& o, uint64_t budget,
+                         uint64_t& bytes_out) {
+  std::vector<const PackedExpert*> all;
+  for (const auto& layer : pack.layers)
+    for (const auto& e : layer) all.push_back(&e);
+  if (all.empty()) return 0;
+  std::mt19937_64 rng(7);
+  std::shuffle(all.begin(), all.end(), rng);
+  const size_t slots = size_t(std::max(1, o.io_threads)) * 2;
+  const uint64_t slot_bytes = pack.max_expert_size();
+  std::vector<char*> buffers;
+  for (size_t i = 0; i < slots; ++i)
+    buffers.push_back(static_cast<char*>(std::aligned_alloc(kPackAlignment, slot_bytes)));
+  std::mutex mu;
+  std::condition_variable cv;
+  std::vector<size_t> free_slots(slots);
+  std::iota(free_slots.begin(), free_slots.end(), 0);
+  size_t in_flight = 0;
+  int64_t failed = 0;
+  std::vector<std::string> paths;
+  for (const auto& f : pack.expert_files) paths.push_back(pack.dir + "/" + f);
+  ReaderOptions ro{parse_io_method(o.io), o.direct_io, o.io_threads};
+  uint64_t bytes = 0;
+  auto t0 = clock_type::now();
+  {
+    auto reader = make_async_reader(paths, ro, [&](const ReadDone& d) {
+      std::lock_guard lock(mu);
+      if (d.bytes < 0) failed = d.bytes;
+      free_slots.push_back(size_t(d.tag));
+      --in_flight;
+      cv.notify_all();
+    });
+    for (const PackedExpert* e : all) {
+      if (bytes >= budget) break;
+      std::unique_lock lock(mu);
+      cv.wait(lock, [&] { return !free_slots.empty(); });
+      const size_t s = free_slots.back();
+      free_slots.pop_back();
+      ++in_flight;
+      lock.unlock();
+      reader->submit(e->file, e->offset, e->size, buffers[s], s);
+      bytes += e->size;
+    }
+    std::unique_lock lock(mu);
+    cv.wait(lock, [&] { return in_flight == 0; });
+  }
+  const double secs = seconds_since(t0);
+  for (char* b : buffers) std::free(b);
+  if (failed < 0) fail("bench: raw read failed: ", std::strerror(int(-failed)));
+  bytes_out = bytes;
+  return bytes / secs / 1e9;
+}
+
+}  // namespace
+
+void add_bench(CLI::App& app) {
+  struct Flags {
+    ModelFlags model;
+    int n_prompt = 512, n_gen = 128;
+    double raw_mb = 1024;
+    bool json = false;
+  };
+  auto f = std::make_shared<Flags>();
+  CLI::App* cmd = app.add_subcommand("bench", "Measure prefill/decode speed and expert streaming against the disk");
+  f->model.add_to(*cmd);
+  cmd->add_option("-p,--n-prompt", f->n_prompt, "Prompt tokens for the prefill test (default 512; 0 skips it)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-n,--n-gen", f->n_gen, "Tokens for the decode test (default 128; 0 skips it)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--raw-read-mb", f->raw_mb, "Bytes of experts read for the raw read rate (default 1024)")->check(CLI::NonNegativeNumber);
+  cmd->add_flag("--json", f->json, "Print the results as one JSON object");
+  cmd->callback([f] {
+    ModelOptions opt = f->model.options;
+    const std::string pack_dir = ensure_pack(f->model.dir, opt.cache_dir);
+    const PackManifest pack = PackManifest::load(pack_dir);
+
+    uint64_t raw_bytes = 0;
+    const double raw = raw_read_gb_per_s(pack, opt.experts, uint64_t(f->raw_mb * 1e6), raw_bytes);
+
+    auto model = load_model(pack_dir, opt);
+    const auto& info = model->info();
+    std::mt19937 rng(1234);
+    std::uniform_int_distribution<int32_t> token(0, int32_t(info.vocab_size - 1));
+    std::vector<float> logits(size_t(info.vocab_size));
+    nlohmann::json out = {{"model", pack_dir}, {"model_type", info.model_type},
+                          {"weight_bytes", info.weight_bytes},
+                          {"expert_bytes", pack.total_expert_bytes()},
+                          {"backend", model->backend().name()},
+                          {"expert_cache_mb", opt.experts.cache_mb},
+                          {"io", opt.experts.io}, {"direct_io", opt.experts.direct_io},
+                          {"raw_read_gb_per_s", raw}, {"raw_read_bytes", raw_bytes}};
+
+    if (f->n_prompt > 0) {
+      std::vector<int32_t> prompt(size_t(f->n_prompt));
+      for (auto& t : prompt) t = token(rng);
+      auto seq = model->new_sequence(f->n_prompt);
+      const ExpertStats before = model->expert_stats();
+      auto t0 = clock_type::now();
+      model->forward(prompt, *seq, logits);
+      const double secs = seconds_since(t0);
+      const ExpertStats after = model->expert_stats();
+      out["pp"] = {{"tokens", f->n_prompt}, {"tok_per_s", f->n_prompt / secs},
+                   {"bytes_read", after.bytes_read - before.bytes_read}};
+    }
+    if (f->n_gen > 0) {
+      auto seq = model->new_sequence(f->n_gen + 1);
+      int32_t next = token(rng);
+      model->forward(std::span(&next, 1), *seq, logits);
+      const ExpertStats before = model->expert_stats();
+      auto t0 = clock_type::now();
+      for (int i = 0; i < f->n_gen; ++i) {
+        next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+        model->forward(std::span(&next, 1), *seq, logits);
+      }
+      const double secs = seconds_since(t0);
+      const ExpertStats after = model->expert_stats();
+      const uint64_t hits = after.hits - before.hits, misses = after.misses - before.misses;
+      const uint64_t bytes = after.bytes_read - before.bytes_read;
+      const double busy = after.io_busy_seconds - before.io_busy_seconds;
+      const double read = busy > 0 ? bytes / busy / 1e9 : 0;
+      out["tg"] = {{"tokens", f->n_gen}, {"tok_per_s", f->n_gen / secs},
+                   {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
+                   {"bytes_read", bytes}, {"bytes_read_per_token", bytes / f->n_gen},
+                   {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
+                   {"read_ratio", raw > 0 ? read / raw : 0.0}};
+    }
+    out["peak_rss_bytes"] = peak_rss_bytes();
+    out["expert_cache_bytes"] = model->expert_stats().cache_bytes;
+
+    if (f->json) {
+      std::printf("%s\n", out.dump().c_str());
+      return;
+    }
+    std::printf("model: %s (%s, %.2f GB of weights, %.2f GB of experts)\n", pack_dir.c_str(),
+                info.model_type.c_str(), info.weight_bytes / 1e9, pack.total_expert_bytes() / 1e9);
+    std::printf("backend: %s; expert cache: %s; reads: %s%s, %d in flight\n",
+                model->backend().name().c_str(),
+                opt.experts.cache_mb < 0 ? "unbounded" : (std::to_string(int64_t(opt.experts.cache_mb)) + " MB").c_str(),
+                opt.experts.io.c_str(), opt.experts.direct_io ? " O_DIRECT" : "", opt.experts.io_threads);
+    std::printf("raw read of the expert files: %.2f GB/s (%.0f MB, random experts)\n\n", raw, raw_bytes / 1e6);
+    std::printf("| test   |      t/s | hit rate | read MB/token | read GB/s | of raw |\n");
+    std::printf("|--------|---------:|---------:|--------------:|----------:|-------:|\n");
+    if (out.contains("pp"))
+      std::printf("| pp%-4d | %8.2f |          |               |           |        |\n", f->n_prompt,
+                  out["pp"]["tok_per_s"].get<double>());
+    if (out.contains("tg")) {
+      const auto& tg = out["tg"];
+      std::printf("| tg%-4d | %8.2f | %7.1f%% | %13.2f | %9.2f | %5.0f%% |\n", f->n_gen,
+                  tg["tok_per_s"].get<double>(), 100 * tg["hit_rate"].get<double>(),
+                  tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
+                  100 * tg["read_ratio"].get<double>());
+    }
+    std::printf("\npeak RSS %.1f MB; expert cache %.1f MB\n", peak_rss_bytes() / 1e6,
+                model->expert_stats().cache_bytes / 1e6);
+  });
+}
+
+}  // namespace moestream::cli

@@ -1,0 +1,78 @@
+// moestream pack / synth: write moestream's packed layout from a checkpoint or from random weights.
+#include <cstdio>
+#include <filesystem>
+#include <optional>
+
+#include "cli/cli.h"
+#include "core/error.h"
+#include "io/hf_config.h"
+#include "io/pack.h"
+#include "models/registry.h"
+#include "models/synth.h"
+
+namespace moestream::cli {
+
+void add_pack(CLI::App& app) {
+  struct Flags {
+    std::string src, out;
+    PackOptions options;
+  };
+  auto f = std::make_shared<Flags>();
+  CLI::App* cmd = app.add_subcommand("pack", "Convert a Hugging Face model directory into a moestream pack");
+  cmd->add_option("SRC", f->src, "Hugging Face model directory")->required();
+  cmd->add_option("OUT", f->out, "Output directory (must not exist)")->required();
+  cmd->add_option("--quant", f->options.quant, "Expert storage: keep | bf16 (default keep)");
+  cmd->callback([f] {
+    const HfConfig config = HfConfig::load(f->src + "/config.json").text();
+    const Architecture& arch = find_architecture(config.model_type(), config.path());
+    write_pack(f->src, f->out, arch.expert_tensors, f->options);
+    const PackManifest m = PackManifest::load(f->out);
+    std::fprintf(stderr, "packed %s into %s: %zu expert files, %.3f GB of experts\n",
+                 f->src.c_str(), f->out.c_str(), m.expert_files.size(), m.total_expert_bytes() / 1e9);
+  });
+}
+
+void add_synth(CLI::App& app) {
+  struct Flags {
+    std::string out, preset = "small";
+    std::optional<int> layers, experts, top_k, heads, kv_heads, head_dim;
+    std::optional<int64_t> hidden, moe_intermediate, vocab;
+    SynthOptions options;
+  };
+  auto f = std::make_shared<Flags>();
+  CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight Qwen3-MoE directly as a pack");
+  cmd->add_option("-o,--output", f->out, "Output directory (must not exist)")->required();
+  cmd->add_option("--preset", f->preset, "Shape: tiny | small | qwen3-30b-a3b | qwen3-235b-a22b (default small); the flags below override it");
+  cmd->add_option("--layers", f->layers, "Layers");
+  cmd->add_option("--hidden", f->hidden, "Hidden size");
+  cmd->add_option("--experts", f->experts, "Routed experts per layer");
+  cmd->add_option("--top-k", f->top_k, "Experts per token");
+  cmd->add_option("--moe-intermediate", f->moe_intermediate, "Expert intermediate size");
+  cmd->add_option("--heads", f->heads, "Attention heads");
+  cmd->add_option("--kv-heads", f->kv_heads, "Key/value heads");
+  cmd->add_option("--head-dim", f->head_dim, "Head dimension");
+  cmd->add_option("--vocab", f->vocab, "Vocabulary size");
+  cmd->add_option("--quant", f->options.quant, "Expert storage: bf16 | q8 | q4 | q2 (default bf16)");
+  cmd->add_option("--group-size", f->options.group_size, "Quantization group size (default 64)");
+  cmd->add_option("--zipf", f->options.zipf, "Bias routers so expert popularity ~ rank^-A");
+  cmd->add_option("--seed", f->options.seed, "Random seed (default 42)");
+  cmd->callback([f] {
+    SynthShape s = synth_preset(f->preset);
+    if (f->layers) s.layers = *f->layers;
+    if (f->hidden) s.hidden = *f->hidden;
+    if (f->experts) s.experts = *f->experts;
+    if (f->top_k) s.top_k = *f->top_k;
+    if (f->moe_intermediate) s.moe_intermediate = *f->moe_intermediate;
+    if (f->heads) s.heads = *f->heads;
+    if (f->kv_heads) s.kv_heads = *f->kv_heads;
+    if (f->head_dim) s.head_dim = *f->head_dim;
+    if (f->vocab) s.vocab = *f->vocab;
+    write_synthetic_pack(f->out, s, f->options);
+    const PackManifest m = PackManifest::load(f->out);
+    std::fprintf(stderr, "wrote %s: %d layers, %d experts per layer, %.3f GB of experts (%s)\n",
+                 f->out.c_str(), s.layers, s.experts, m.total_expert_bytes() / 1e9,
+                 f->options.quant.c_str());
+  });
+}
+
+}  // namespace moestream::cli

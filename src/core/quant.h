@@ -1,0 +1,84 @@
+// Group-wise affine quantization in MLX's format: naming, validation, quantizing float32 rows
+// and dequantizing them again. The CPU kernels that multiply by such matrices live in
+// src/backend/cpu/kernels.h.
+//
+// Layout of one row of `cols` elements, `bits` = b in {2, 3, 4, 6, 8}:
+//   codes  cols * b / 32 uint32 words. Element i has the code q_i in bits [i*b, (i+1)*b) of the
+//          row's little-endian bit stream (bit k of the stream is bit k % 32 of word k / 32).
+//          For b = 2, 4, 8 a word holds 32 / b whole codes, element j of the word in bits
+//          [j*b, (j+1)*b). For b = 3 and 6 codes straddle word (and byte) boundaries: MLX writes
+//          them as packs of 3 bytes holding 8 codes (b = 3) or 4 codes (b = 6), code k of a pack
+//          in bits [k*b, (k+1)*b) of the 24-bit little-endian pack, packs back to back. Since a
+//          pack is exactly 24 bits this is the same bit stream, read as uint32 words on a
+//          little-endian machine (MLX's wq array is uint32 over those bytes).
+//   scales, biases  cols / group_size values each, of scale_dtype (BF16 or F16):
+//          element i dequantizes to q_i * scales[i / group_size] + biases[i / group_size].
+//
+// quantize_affine reproduces MLX's CPU affine quantizer (mlx/backend/cpu/quantized.cpp):
+// per group, with w_min / w_max its extremes and n = 2^b - 1,
+//   scale = max((w_max - w_min) / n, 1e-7), negated unless |w_min| > |w_max|;
+//   edge = the extreme of larger magnitude (w_min when |w_min| > |w_max|, else w_max);
+//   q0 = rint(edge / scale); if q0 != 0 { scale = edge / q0; bias = edge } else bias = 0;
+//   q_i = clamp(rint((w_i - bias) / scale), 0, n).
+// So the extreme of larger magnitude is exact (code 0), the scale is negative when that extreme
+// is the maximum, and when the group spans zero, zero falls on an integer code. Codes come from
+// the float32 scale and bias; only the stored scale and bias are rounded to scale_dtype. With
+// float32 input that holds BF16 (F16) weights and a BF16 (F16) scale_dtype, the result is the
+// bits mlx.core.quantize writes for those weights. (MLX's Metal kernel differs in two details:
+// round-half-away instead of rint, and w_max starts at 0 rather than -inf.)
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "backend/backend.h"
+
+namespace moestream {
+
+// Fails naming `what` unless bits is 2, 3, 4, 6 or 8, group_size 32, 64 or 128 and scale_dtype
+// BF16 or F16.
+void check_quant_format(const QuantFormat& f, std::string_view what);
+// check_quant_format, and cols a positive multiple of the group size.
+void check_quant_shape(const QuantFormat& f, int64_t cols, std::string_view what);
+
+// "q<bits>[g<group_size>][-bf16|-f16]", e.g. "q4" (group 64, BF16 scales, MLX's default
+// group), "q2g32", "q8g128-f16". Fails naming the spec if it is not one of those.
+QuantFormat parse_quant_format(std::string_view spec);
+// The canonical spelling of f: "q4g64", "q3g32-f16" (BF16 scales are not spelled out).
+std::string quant_format_name(const QuantFormat& f);
+
+inline int64_t quant_words_per_row(const QuantFormat& f, int64_t cols) {
+  return cols * f.bits / 32;
+}
+inline int64_t quant_groups_per_row(const QuantFormat& f, int64_t cols) {
+  return cols / f.group_size;
+}
+
+// Code of element i of a packed row, and writing one (the slot must hold zero bits).
+uint32_t quant_code(const uint32_t* row, int64_t i, int bits);
+void quant_put_code(uint32_t* row, int64_t i, int bits, uint32_t q);
+
+// A stored scale or bias (raw bits of `dtype`, BF16 or F16) as float32, and back (nearest even).
+float scale_to_f32(uint16_t v, DType dtype);
+uint16_t scale_from_f32(float v, DType dtype);
+
+struct QuantizeOptions {
+  // Per group, also try clipping the range to r * [w_min, w_max] for r = 0.98, 0.96 .. 0.80
+  // and keep the candidate with the least squared reconstruction error (with the stored,
+  // rounded scale and bias). Ratio 1 is plain MLX rounding, so the error never grows. Meant
+  // for 2-bit, where clipping an outlier usually pays; the result no longer matches MLX.
+  bool clip_search = false;
+};
+
+// Quantizes w (rows, cols) float32: words (rows, quant_words_per_row), scales and biases
+// (rows, quant_groups_per_row) as raw scale_dtype bits. `what` names the tensor in errors.
+void quantize_affine(const float* w, int64_t rows, int64_t cols, const QuantFormat& f,
+                     uint32_t* words, uint16_t* scales, uint16_t* biases,
+                     const QuantizeOptions& options = {}, std::string_view what = "matrix");
+
+// One packed row back to float32: out[i] = q_i * scale + bias (one float32 fma).
+void dequantize_row(const QuantFormat& f, int64_t cols, const uint32_t* words,
+                    const uint16_t* scales, const uint16_t* biases, float* out);
+
+}  // namespace moestream
