@@ -1,0 +1,197 @@
+// Expert streaming: the same results with and without an expert budget, for every policy and
+// I/O mode; bounded memory; clear errors for damaged packs.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "experts/eviction.h"
+#include "io/pack.h"
+#include "models/model.h"
+#include "models/synth.h"
+#include "test_util.h"
+
+namespace moestream {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<int32_t> tokens_of(const std::string& dir) {
+  auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
+  return j["logit_tokens"].get<std::vector<int32_t>>();
+}
+
+// Logits of every position (prefill of 20, then one token at a time) and the expert stats.
+std::vector<float> run_model(const std::string& dir, const ModelOptions& opt, ExpertStats* stats = nullptr) {
+  auto model = load_model(dir, opt);
+  const std::vector<int32_t> ids = tokens_of(dir);
+  const size_t vocab = size_t(model->info().vocab_size), split = 20;
+  std::vector<float> logits(ids.size() * vocab);
+  auto seq = model->new_sequence(int64_t(ids.size()));
+  model->forward(std::span(ids).first(split), *seq, std::span(logits).first(split * vocab));
+  for (size_t i = split; i < ids.size(); ++i)
+    model->forward(std::span(ids).subspan(i, 1), *seq, std::span(logits).subspan(i * vocab, vocab));
+  if (stats) *stats = model->expert_stats();
+  return logits;
+}
+
+class StreamingFixture : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(StreamingFixture, BitIdenticalUnderEveryBudgetPolicyAndIoMode) {
+  const std::string dir = GetParam();
+  ModelOptions base;
+  base.threads = 2;
+  ExpertStats unbounded_stats;
+  const std::vector<float> reference = run_model(dir, base, &unbounded_stats);
+  EXPECT_EQ(unbounded_stats.hits + unbounded_stats.misses > 0, true);
+
+  const std::string pack_dir = ensure_pack(dir, "");
+  const PackManifest pack = PackManifest::load(pack_dir);
+  const double one_expert_mb = pack.max_expert_size() / 1e6;
+  // Budgets: less than one expert (one slot), two experts (less than a layer's routed set), and
+  // about half of the model's experts.
+  const double budgets[] = {one_expert_mb * 0.5, one_expert_mb * 2.0,
+                            pack.total_expert_bytes() / 2e6};
+  for (double mb : budgets) {
+    for (const char* policy : {"lru", "lfu", "lcp"}) {
+      for (const char* io : {"pread", "uring"}) {
+        for (bool direct : {false, true}) {
+          ModelOptions opt = base;
+          opt.experts.cache_mb = mb;
+          opt.experts.policy = policy;
+          opt.experts.io = io;
+          opt.experts.direct_io = direct;
+          ExpertStats s;
+          const std::vector<float> got = run_model(dir, opt, &s);
+          ASSERT_EQ(got.size(), reference.size());
+          EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0)
+              << dir << " budget " << mb << " MB, " << policy << ", " << io << (direct ? ", O_DIRECT" : "");
+          EXPECT_LE(s.cache_bytes, std::max<uint64_t>(uint64_t(mb * 1e6), pack.max_expert_size()));
+          EXPECT_GT(s.misses, unbounded_stats.misses) << "a bounded cache must re-read experts";
+        }
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures()),
+                         [](const auto& info) { return fs::path(info.param).filename().string(); });
+
+TEST(ExpertStore, CliGreedyTokensIdenticalWithTinyBudget) {
+  const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");
+  auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
+  std::string prompt;
+  for (int t : j["prompt_tokens"]) prompt += (prompt.empty() ? "" : ",") + std::to_string(t);
+  std::string want;
+  for (int t : j["greedy_tokens"]) want += (want.empty() ? "" : " ") + std::to_string(t);
+  auto r = test::run_cli("run -m " + dir + " --tokens " + prompt + " -n 24 --temp 0 --ids --precise "
+                         "--expert-cache-mb 0.01 --cache-policy lcp --io uring --stats");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, want + "\n");
+  const std::string last = r.err.substr(r.err.rfind('{'));
+  auto stats = nlohmann::json::parse(last);
+  for (const char* key : {"tokens", "tok_per_s", "prefill_tok_per_s", "expert_hits", "expert_misses",
+                          "hit_rate", "bytes_read", "read_gb_per_s", "peak_rss_bytes", "expert_cache_bytes"})
+    EXPECT_TRUE(stats.contains(key)) << key;
+  EXPECT_EQ(stats["tokens"], 24);
+  EXPECT_GT(stats["bytes_read"].get<uint64_t>(), 0u);
+}
+
+std::string packed_copy(const std::string& name) {
+  const std::string dir = test::temp_dir(name) + "/pack";
+  fs::copy(ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), ""), dir, fs::copy_options::recursive);
+  return dir;
+}
+
+std::string run_error(const std::string& dir, double budget_mb) {
+  try {
+    ModelOptions opt;
+    opt.experts.cache_mb = budget_mb;
+    run_model(test::fixture("models/qwen3moe_gqa_tied"), opt);  // warm path works
+    auto model = load_model(dir, opt);
+    std::vector<int32_t> ids = tokens_of(test::fixture("models/qwen3moe_gqa_tied"));
+    std::vector<float> logits(size_t(model->info().vocab_size));
+    auto seq = model->new_sequence(int64_t(ids.size()));
+    model->forward(ids, *seq, logits);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "(no error)";
+}
+
+TEST(ExpertStore, CorruptedExpertIsNamedNeverUsed) {
+  const std::string dir = packed_copy("corrupt-expert");
+  const PackManifest m = PackManifest::load(dir);
+  const PackedExpert& e = m.expert(1, 3);
+  {
+    std::fstream f(dir + "/" + m.expert_files[size_t(e.file)], std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(std::streamoff(e.offset + 100));
+    char c = 0x55;
+    f.write(&c, 1);
+  }
+  const std::string msg = run_error(dir, -1);
+  EXPECT_NE(msg.find("checksum mismatch"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("layer 1 expert 3"), std::string::npos) << msg;
+}
+
+TEST(ExpertStore, TruncatedExpertFileIsAnErrorAtLoad) {
+  const std::string dir = packed_copy("truncated-pack");
+  const PackManifest m = PackManifest::load(dir);
+  const std::string file = dir + "/" + m.expert_files.back();
+  fs::resize_file(file, fs::file_size(file) - 4096);
+  const std::string msg = run_error(dir, 0.01);
+  EXPECT_NE(msg.find("truncated"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(m.expert_files.back()), std::string::npos) << msg;
+}
+
+TEST(ExpertStore, DamagedManifestIsAnError) {
+  const std::string dir = packed_copy("bad-manifest");
+  std::ofstream(dir + "/" + kPackManifestName) << "{\"format\": \"moestream-pack\", \"version\": 1}";
+  const std::string msg = run_error(dir, -1);
+  EXPECT_NE(msg.find(kPackManifestName), std::string::npos) << msg;
+}
+
+TEST(ExpertStore, EvictionPrioritiesFollowTheirRules) {
+  auto lru = make_eviction_policy("lru"), lfu = make_eviction_policy("lfu"), lcp = make_eviction_policy("lcp");
+  ExpertUse old_frequent{10, 50}, recent_rare{99, 2};
+  EXPECT_LT(lru->priority(old_frequent, 100, 1), lru->priority(recent_rare, 100, 1));
+  EXPECT_GT(lfu->priority(old_frequent, 100, 1), lfu->priority(recent_rare, 100, 1));
+  // lcp: 50 * 0.25^(90/128) = 18.9 > 2 * 0.25^(1/128) = 1.98; much older, the rare one wins.
+  EXPECT_GT(lcp->priority(old_frequent, 100, 1), lcp->priority(recent_rare, 100, 1));
+  EXPECT_LT(lcp->priority(ExpertUse{10, 50}, 1000, 1), lcp->priority(ExpertUse{999, 2}, 1000, 1));
+  EXPECT_THROW(make_eviction_policy("fifo"), Error);
+}
+
+// A synthesized model whose experts are far larger than the budget: peak RSS stays within
+// non-expert bytes + budget + 256 MB (it would exceed that if the experts were all kept).
+TEST(ExpertStore, PeakRssBoundedByBudget) {
+  const std::string dir = test::temp_dir("rss") + "/pack";
+  SynthShape shape = synth_preset("small");
+  shape.layers = 4;
+  shape.experts = 64;
+  shape.hidden = 512;
+  shape.moe_intermediate = 512;
+  write_synthetic_pack(dir, shape, SynthOptions{});
+  const PackManifest m = PackManifest::load(dir);
+  const uint64_t non_expert = fs::file_size(dir + "/weights.safetensors");
+  const double budget_mb = 40;
+  const uint64_t bound = non_expert + uint64_t(budget_mb * 1e6) + (256ull << 20);
+  ASSERT_GE(m.total_expert_bytes(), uint64_t(8 * budget_mb * 1e6));
+  ASSERT_GT(m.total_expert_bytes(), bound) << "the model must not fit in the bound";
+  std::string prompt;
+  for (int i = 0; i < 96; ++i) prompt += (i ? "," : "") + std::to_string(300 + 7 * i);
+  auto r = test::run_cli("run -m " + dir + " --tokens " + prompt + " -n 16 --ids --stats --threads 2 "
+                         "--expert-cache-mb " + std::to_string(budget_mb));
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  auto stats = nlohmann::json::parse(r.err.substr(r.err.rfind('{')));
+  EXPECT_LE(stats["peak_rss_bytes"].get<uint64_t>(), bound);
+  EXPECT_LE(stats["expert_cache_bytes"].get<uint64_t>(), uint64_t(budget_mb * 1e6));
+  // Nearly every expert was needed, so without the budget they would all be resident.
+  EXPECT_GT(stats["bytes_read"].get<uint64_t>(), m.total_expert_bytes() / 2);
+}
+
+}  // namespace
+}  // namespace moestream
