@@ -550,6 +550,16 @@ TEST(TokenizerErrors, BadFields) {
   TempDir bad_regex(spec);
   expect_load_error(bad_regex.str(), {"pre_tokenizer Split", "(unclosed"});
 
+  spec = toy_tokenizer({"a"}, {});
+  spec["model"]["vocab"]["b"] = "one";
+  TempDir bad_id(spec);
+  expect_load_error(bad_id.str(), {"tokenizer.json", "model.vocab", "token id"});
+
+  spec = toy_tokenizer({"a", "b", "ab"}, {});
+  spec["model"]["merges"] = json::array({json::array({"a", "b", "c"})});
+  TempDir long_merge(spec);
+  expect_load_error(long_merge.str(), {"tokenizer.json", "model.merges", "more than two"});
+
   TempDir bad_config(toy_tokenizer({"a"}, {}), json{{"eos_token", "</s>"}});
   expect_load_error(bad_config.str(), {"tokenizer_config.json", "eos_token", "</s>"});
 }

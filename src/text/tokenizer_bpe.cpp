@@ -207,12 +207,11 @@ void Bpe::add_merge(const std::string& a, const std::string& b, uint32_t rank, c
   std::string joined =
       a + (b.compare(0, prefix_.size(), prefix_) == 0 ? b.substr(prefix_.size()) : b);
   auto id_joined = token_to_id(joined);
-  if (!id_a || !id_b || !id_joined)
+  if (!id_a || !id_b || !id_joined) {
+    const std::string& missing = !id_a ? a : !id_b ? b : joined;
     fail(where.str(), ": merge ", rank, " ('", a, "', '", b, "') uses a token not in the vocab ('",
-         !id_a   ? a
-         : !id_b ? b
-                 : joined,
-         "')");
+         missing, "')");
+  }
   // A pair listed twice keeps its later rank, as a map insert does in `tokenizers`.
   merges_.set(*id_a, *id_b, Merge{rank, *id_joined});
 }
