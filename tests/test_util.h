@@ -18,10 +18,18 @@ namespace moestream::test {
 inline std::string source_dir() { return MOESTREAM_SOURCE_DIR; }
 inline std::string fixture(const std::string& rel) { return source_dir() + "/tests/fixtures/" + rel; }
 
-inline std::vector<std::string> model_fixtures() {
+inline std::string read_file(const std::string& path);
+
+// Fixture directories under tests/fixtures/models with reference logits, in a given layout
+// ("hub": Hugging Face safetensors, "mlx": mlx-community quantized).
+inline std::vector<std::string> model_fixtures(const std::string& layout = "hub") {
   std::vector<std::string> dirs;
-  for (const auto& e : std::filesystem::directory_iterator(fixture("models")))
-    if (std::filesystem::exists(e.path() / "ref.json")) dirs.push_back(e.path().string());
+  for (const auto& e : std::filesystem::directory_iterator(fixture("models"))) {
+    if (!std::filesystem::exists(e.path() / "ref_logits.npy")) continue;
+    const std::string ref = read_file((e.path() / "ref.json").string());
+    const bool mlx = ref.find("\"layout\": \"mlx\"") != std::string::npos;
+    if (mlx == (layout == "mlx")) dirs.push_back(e.path().string());
+  }
   std::sort(dirs.begin(), dirs.end());
   return dirs;
 }

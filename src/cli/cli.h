@@ -17,6 +17,7 @@ void add_demo(CLI::App& app);
 void add_pack(CLI::App& app);
 void add_synth(CLI::App& app);
 void add_bench(CLI::App& app);
+void add_perplexity(CLI::App& app);
 
 // "1,2,3" -> {1, 2, 3}; throws Error naming the flag on anything else.
 std::vector<int32_t> parse_token_list(const std::string& text, const std::string& flag);

@@ -15,6 +15,7 @@ int main(int argc, char** argv) {
   moestream::cli::add_pack(app);
   moestream::cli::add_synth(app);
   moestream::cli::add_bench(app);
+  moestream::cli::add_perplexity(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

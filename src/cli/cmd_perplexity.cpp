@@ -1,0 +1,149 @@
+// moestream perplexity: exp of the mean negative log-likelihood over non-overlapping windows of a
+// text, as transformers computes it; optionally the KL divergence against a stored run.
+//
+// Window i is tokens[i*ctx, (i+1)*ctx + 1): its first ctx tokens are run from an empty context
+// and the ctx next-token predictions are scored. --kl-save stores each scored position's
+// log-probabilities (f16); --kl-base compares the run against such a file.
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+
+#include "cli/cli.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "text/tokenizer.h"
+
+namespace moestream::cli {
+
+namespace {
+
+constexpr char kKlMagic[8] = {'M', 'S', 'K', 'L', 'v', '1', 0, 0};
+
+struct KlHeader {
+  char magic[8];
+  int64_t ctx, windows, vocab;
+};
+
+// log-softmax of one row, in double precision.
+void log_softmax(const float* logits, int64_t n, std::vector<double>& out) {
+  out.resize(size_t(n));
+  double mx = logits[0];
+  for (int64_t i = 1; i < n; ++i) mx = std::max(mx, double(logits[i]));
+  double sum = 0;
+  for (int64_t i = 0; i < n; ++i) sum += std::exp(double(logits[i]) - mx);
+  const double lse = mx + std::log(sum);
+  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = double(logits[i]) - lse;
+}
+
+}  // namespace
+
+void add_perplexity(CLI::App& app) {
+  struct Flags {
+    ModelFlags model;
+    std::string file, kl_save, kl_base;
+    int ctx = 512, chunks = 0;
+  };
+  auto f = std::make_shared<Flags>();
+  CLI::App* cmd = app.add_subcommand("perplexity", "Perplexity of a text file (and KL divergence against a stored run)");
+  f->model.add_to(*cmd);
+  cmd->add_option("-f,--file", f->file, "Text file")->required();
+  cmd->add_option("--ctx", f->ctx, "Tokens per window (default 512)")->check(CLI::PositiveNumber);
+  cmd->add_option("--chunks", f->chunks, "Windows to score (default: all that fit)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--kl-save", f->kl_save, "Store the log-probabilities of every scored position");
+  cmd->add_option("--kl-base", f->kl_base, "Report KL divergence and top-1 agreement against a --kl-save file");
+  cmd->callback([f] {
+    std::ifstream in(f->file, std::ios::binary);
+    if (!in) fail(f->file, ": cannot open for reading");
+    std::ostringstream ss;
+    ss << in.rdbuf();
+    auto tok = Tokenizer::load(ensure_pack(f->model.dir, f->model.options.cache_dir));
+    const std::vector<int32_t> ids = tok->encode(ss.str());
+    const int64_t ctx = f->ctx;
+    int64_t windows = (int64_t(ids.size()) - 1) / ctx;
+    if (f->chunks > 0) windows = std::min<int64_t>(windows, f->chunks);
+    if (windows <= 0)
+      fail(f->file, ": ", ids.size(), " tokens are too few for one window of --ctx ", ctx, " (need ", ctx + 1, ")");
+
+    auto model = load_model(f->model.dir, f->model.options);
+    const int64_t vocab = model->info().vocab_size;
+    std::ofstream save;
+    if (!f->kl_save.empty()) {
+      save.open(f->kl_save + ".tmp", std::ios::binary);
+      if (!save) fail(f->kl_save, ": cannot open for writing");
+      KlHeader h{};
+      std::memcpy(h.magic, kKlMagic, 8);
+      h.ctx = ctx;
+      h.windows = windows;
+      h.vocab = vocab;
+      save.write(reinterpret_cast<const char*>(&h), sizeof h);
+    }
+    std::ifstream base;
+    if (!f->kl_base.empty()) {
+      base.open(f->kl_base, std::ios::binary);
+      if (!base) fail(f->kl_base, ": cannot open for reading");
+      KlHeader h{};
+      base.read(reinterpret_cast<char*>(&h), sizeof h);
+      if (!base || std::memcmp(h.magic, kKlMagic, 8) != 0) fail(f->kl_base, ": not a moestream --kl-save file");
+      if (h.ctx != ctx || h.vocab != vocab || h.windows < windows)
+        fail(f->kl_base, ": made with ctx ", h.ctx, ", vocab ", h.vocab, ", ", h.windows,
+             " windows; this run has ctx ", ctx, ", vocab ", vocab, ", ", windows, " windows");
+    }
+
+    std::vector<float> logits(size_t(ctx * vocab));
+    std::vector<double> logp;
+    std::vector<uint16_t> row16(static_cast<size_t>(vocab));
+    double nll = 0, kl = 0;
+    int64_t scored = 0, agree = 0;
+    auto t0 = std::chrono::steady_clock::now();
+    for (int64_t w = 0; w < windows; ++w) {
+      auto seq = model->new_sequence(ctx);
+      model->forward(std::span(ids).subspan(size_t(w * ctx), size_t(ctx)), *seq, logits);
+      for (int64_t i = 0; i < ctx; ++i) {
+        log_softmax(logits.data() + i * vocab, vocab, logp);
+        nll -= logp[size_t(ids[size_t(w * ctx + i + 1)])];
+        ++scored;
+        if (save.is_open()) {
+          for (int64_t v = 0; v < vocab; ++v) row16[size_t(v)] = f32_to_f16(float(logp[size_t(v)]));
+          save.write(reinterpret_cast<const char*>(row16.data()), std::streamsize(vocab * 2));
+        }
+        if (base.is_open()) {
+          base.read(reinterpret_cast<char*>(row16.data()), std::streamsize(vocab * 2));
+          if (!base) fail(f->kl_base, ": truncated");
+          double d = 0;
+          int64_t best_base = 0, best = 0;
+          for (int64_t v = 0; v < vocab; ++v) {
+            const double lb = f16_to_f32(row16[size_t(v)]);
+            d += std::exp(lb) * (lb - logp[size_t(v)]);
+            if (lb > f16_to_f32(row16[size_t(best_base)])) best_base = v;
+            if (logp[size_t(v)] > logp[size_t(best)]) best = v;
+          }
+          kl += d;
+          agree += best == best_base;
+        }
+      }
+      std::fprintf(stderr, "\rwindow %lld/%lld: ppl so far %.4f", (long long)(w + 1),
+                   (long long)windows, std::exp(nll / double(scored)));
+    }
+    std::fprintf(stderr, "\n");
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (save.is_open()) {
+      save.close();
+      if (!save) fail(f->kl_save, ": write failed");
+      std::filesystem::rename(f->kl_save + ".tmp", f->kl_save);
+    }
+    std::printf("ppl = %.6f\n", std::exp(nll / double(scored)));
+    std::printf("tokens scored: %lld (%lld windows of %lld)\n", (long long)scored, (long long)windows, (long long)ctx);
+    if (base.is_open()) {
+      std::printf("kl divergence (base || this run) = %.6f\n", kl / double(scored));
+      std::printf("top-1 agreement = %.2f%%\n", 100.0 * double(agree) / double(scored));
+    }
+    std::fprintf(stderr, "%.1f tokens/s\n", double(scored) / secs);
+    report(f->model, *model, {scored, 0, secs, 0});
+  });
+}
+
+}  // namespace moestream::cli
