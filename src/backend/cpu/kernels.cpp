@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "backend/cpu/quant_kernels.h"
 #include "core/error.h"
@@ -168,11 +169,13 @@ void row_to_f32(const Matrix& w, int64_t row, float* dst) {
 }
 
 float dot_row(const Matrix& w, int64_t row, const float* x) {
-  PreparedInput in;
-  prepare_input(w, x, 1, /*precise=*/true, in);
-  float y = 0;
-  matmul_rows(w, in, &y, 1, row, row + 1);
-  return y;
+  check_matrix(w);
+  if (w.quant.bits == 0 && w.dtype == DType::F32)
+    return dot_f32(static_cast<const float*>(w.data) + row * w.cols, x, w.cols);
+  thread_local std::vector<float> buf;
+  buf.resize(size_t(w.cols));
+  row_to_f32(w, row, buf.data());
+  return dot_f32(buf.data(), x, w.cols);
 }
 
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in) {
