@@ -79,6 +79,8 @@ TEST_P(StreamingFixture, BitIdenticalUnderEveryBudgetPolicyAndIoMode) {
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures()),
                          [](const auto& info) { return fs::path(info.param).filename().string(); });
+INSTANTIATE_TEST_SUITE_P(MlxFixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures("mlx")),
+                         [](const auto& info) { return fs::path(info.param).filename().string(); });
 
 TEST(ExpertStore, CliGreedyTokensIdenticalWithTinyBudget) {
   const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");

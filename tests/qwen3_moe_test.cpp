@@ -118,6 +118,26 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, Qwen3MoeFixture, ::testing::ValuesIn(model_fi
                          [](const auto& info) {
                            return std::filesystem::path(info.param).filename().string();
                          });
+INSTANTIATE_TEST_SUITE_P(MlxFixtures, Qwen3MoeFixture, ::testing::ValuesIn(model_fixtures("mlx")),
+                         [](const auto& info) {
+                           return std::filesystem::path(info.param).filename().string();
+                         });
+
+// --int8-activations trades exactness for speed: within a few percent of the reference where
+// routing is not near a tie. Checked on the fixture whose routing margins allow it.
+TEST(Qwen3Moe, Int8ActivationsStayCloseToTheReference) {
+  const std::string dir = test::fixture("models/qwen3moe_mlx_q4_router8");
+  Reference ref = load_reference(dir);
+  ModelOptions opt;
+  opt.int8_activations = true;
+  auto model = load_model(dir, opt);
+  std::vector<float> logits(ref.logit_tokens.size() * size_t(model->info().vocab_size));
+  auto seq = model->new_sequence(int64_t(ref.logit_tokens.size()));
+  model->forward(ref.logit_tokens, *seq, logits);
+  const double err = relative_error(logits, ref.logits.data);
+  EXPECT_LE(err, 3e-2);
+  EXPECT_GT(err, 1e-5) << "int8 activations should not be bit-exact: is the flag ignored?";
+}
 
 }  // namespace
 }  // namespace moestream

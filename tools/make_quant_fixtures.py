@@ -28,7 +28,7 @@ import numpy as np
 import tokenizers
 import torch
 import transformers
-from safetensors.numpy import save_file
+from safetensors.torch import save_file
 
 import make_fixtures as base
 
@@ -45,8 +45,8 @@ def bf16_round(a):
 
 
 def bf16_bits(a):
-    """float32 array -> uint16 bit patterns of its bf16 rounding (what safetensors stores)."""
-    return to_bf16(a).view(torch.int16).numpy().view(np.uint16)
+    """float32 array -> a bf16 tensor (stored as BF16 in safetensors, as mlx-community does)."""
+    return to_bf16(a).contiguous()
 
 
 def mlx_quantize(w, bits, group):
@@ -105,7 +105,7 @@ def mlx_fixture(name, cfg, default_bits, default_group, overrides, out_root, see
     def put_quantized(module, w):
         bits, group = fmt(module)
         words, scales, biases, deq = mlx_quantize(w, bits, group)
-        tensors[module + ".weight"] = words
+        tensors[module + ".weight"] = torch.from_numpy(np.ascontiguousarray(words))
         tensors[module + ".scales"] = scales
         tensors[module + ".biases"] = biases
         if (bits, group) != (default_bits, default_group):
@@ -237,8 +237,7 @@ def ppl_fixture(out_root, seed):
     for f in os.listdir(out_dir):
         if f.endswith(".safetensors") or f.endswith(".index.json"):
             os.remove(os.path.join(out_dir, f))
-    from safetensors.torch import save_file as save_torch
-    save_torch(base.hub_state_dict(model, config), os.path.join(out_dir, "model.safetensors"),
+    save_file(base.hub_state_dict(model, config), os.path.join(out_dir, "model.safetensors"),
                metadata={"format": "pt"})
     with open(os.path.join(out_dir, "tokenizer.json"), "w") as f:
         json.dump(byte_level_tokenizer_json(cfg["vocab_size"]), f, ensure_ascii=False)

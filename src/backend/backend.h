@@ -101,6 +101,9 @@ class Backend {
   PhaseTimes& times() { return times_; }
 
   virtual Matrix load_matrix(const TensorView& t) = 0;  // t: [out, in]
+  // Affine-quantized: words [out, in * bits / 32] (U32), scales and biases [out, in / group].
+  virtual Matrix load_quantized(const TensorView& words, const TensorView& scales,
+                                const TensorView& biases, const QuantFormat& format) = 0;
   virtual Vector load_vector(const TensorView& t) = 0;  // 1-D, converted to float32
   virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
   virtual void free(Buffer& b) = 0;

@@ -21,7 +21,10 @@ void add_pack(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("pack", "Convert a Hugging Face model directory into a moestream pack");
   cmd->add_option("SRC", f->src, "Hugging Face model directory")->required();
   cmd->add_option("OUT", f->out, "Output directory (must not exist)")->required();
-  cmd->add_option("--quant", f->options.quant, "Expert storage: keep | bf16 (default keep)");
+  cmd->add_option("--quant", f->options.quant, "Expert storage: keep | bf16 | q8 | q6 | q4 | q3 | q2 (default keep)");
+  cmd->add_option("--group-size", f->options.group_size, "Quantization group size: 32 | 64 | 128 (default 64)");
+  cmd->add_flag("--quant-all", f->options.quant_all, "Also quantize the other linear layers and the embedding (routers at 8 bits)");
+  cmd->add_flag("--clip-search", f->options.clip_search, "Choose per-group clipping by least squared error (for 2-bit)");
   cmd->callback([f] {
     const HfConfig config = HfConfig::load(f->src + "/config.json").text();
     const Architecture& arch = find_architecture(config.model_type(), config.path());

@@ -239,9 +239,9 @@ class StreamingExpertStore final : public ExpertStore {
     const PackedTensor& t = *pe.find(role);
     const std::vector<int64_t> shape = pe.logical_shape(role);
     Matrix m{role, t.dtype, base + t.offset, shape[0], shape[1]};
-    if (pe.bits) {
+    if (t.bits) {
       const PackedTensor& scales = *pe.find(role + ".scales");
-      m.quant = QuantFormat{pe.bits, pe.group_size, scales.dtype};
+      m.quant = QuantFormat{t.bits, t.group_size, scales.dtype};
       m.scales = base + scales.offset;
       m.biases = base + pe.find(role + ".biases")->offset;
     }

@@ -7,12 +7,16 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
+#include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "core/quant.h"
 #include "io/safetensors.h"
 
 namespace moestream {
@@ -77,24 +81,6 @@ class Progress {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_{};
 };
 
-// Tensor bytes converted to the pack's storage dtype.
-std::vector<char> convert(const TensorView& t, DType to) {
-  std::vector<char> out(size_t(t.numel()) * dtype_size(to));
-  if (t.dtype == to) {
-    std::memcpy(out.data(), t.data, out.size());
-    return out;
-  }
-  auto* dst = reinterpret_cast<uint16_t*>(out.data());
-  for (int64_t i = 0; i < t.numel(); ++i) {
-    float f;
-    if (t.dtype == DType::F32) f = t.as<float>()[i];
-    else if (t.dtype == DType::F16) f = f16_to_f32(t.as<uint16_t>()[i]);
-    else fail("tensor ", t.name, ": cannot convert ", dtype_name(t.dtype), " to ", dtype_name(to));
-    dst[i] = f32_to_bf16(f);
-  }
-  return out;
-}
-
 std::string format_name(DType t) {
   switch (t) {
     case DType::BF16: return "bf16";
@@ -115,8 +101,8 @@ const PackedTensor* PackedExpert::find(const std::string& role) const {
 std::vector<int64_t> PackedExpert::logical_shape(const std::string& role) const {
   const PackedTensor* t = find(role);
   if (!t) return {};
-  if (bits == 0) return t->shape;
-  return {t->shape[0], t->shape[1] * 32 / bits};
+  if (t->bits == 0) return t->shape;
+  return {t->shape[0], t->shape[1] * 32 / t->bits};
 }
 
 bool is_pack_dir(const std::string& dir) { return fs::exists(dir + "/" + kPackManifestName); }
@@ -186,12 +172,6 @@ PackManifest PackManifest::load(const std::string& dir) {
       pe.size = member<uint64_t>(x, "size", w);
       pe.checksum = parse_hex64(member<std::string>(x, "xxh64", w), w);
       pe.format = member<std::string>(x, "format", w);
-      if (!pe.format.empty() && pe.format[0] == 'q') {
-        if (std::sscanf(pe.format.c_str(), "q%dg%d", &pe.bits, &pe.group_size) != 2 ||
-            (pe.bits != 2 && pe.bits != 3 && pe.bits != 4 && pe.bits != 6 && pe.bits != 8) ||
-            pe.group_size <= 0)
-          fail(w, ": unknown format '", pe.format, "'");
-      }
       if (pe.file < 0 || size_t(pe.file) >= m.expert_files.size()) fail(w, ": file index ", pe.file, " out of range");
       if (pe.offset % kPackAlignment || pe.size % kPackAlignment || pe.size == 0)
         fail(w, ": offset and size must be positive multiples of ", kPackAlignment);
@@ -208,6 +188,8 @@ PackManifest PackManifest::load(const std::string& dir) {
         pt.shape = member<std::vector<int64_t>>(t, "shape", w);
         pt.offset = member<uint64_t>(t, "offset", w);
         pt.nbytes = member<uint64_t>(t, "nbytes", w);
+        pt.bits = t.value("bits", 0);
+        pt.group_size = t.value("group_size", 0);
         int64_t numel = 1;
         for (int64_t d : pt.shape) numel *= d;
         if (pt.shape.size() != 2 || numel * int64_t(dtype_size(pt.dtype)) != int64_t(pt.nbytes) ||
@@ -216,10 +198,17 @@ PackManifest PackManifest::load(const std::string& dir) {
         pe.tensors.push_back(std::move(pt));
       }
       for (const std::string role : {"gate", "up", "down"}) {
-        if (!pe.find(role)) fail(w, ": no '", role, "' tensor");
-        if (pe.bits && (!pe.find(role + ".scales") || !pe.find(role + ".biases") ||
-                        pe.find(role)->dtype != DType::U32))
-          fail(w, ": quantized '", role, "' needs U32 words, scales and biases");
+        const PackedTensor* t = pe.find(role);
+        if (!t) fail(w, ": no '", role, "' tensor");
+        if (t->bits == 0) continue;
+        const PackedTensor *sc = pe.find(role + ".scales"), *bi = pe.find(role + ".biases");
+        const QuantFormat f{t->bits, t->group_size, sc ? sc->dtype : DType::BF16};
+        check_quant_format(f, w + " " + role);
+        const int64_t cols = t->shape[1] * 32 / t->bits;
+        const std::vector<int64_t> groups{t->shape[0], cols / t->group_size};
+        if (t->dtype != DType::U32 || !sc || !bi || sc->shape != groups || bi->shape != groups ||
+            bi->dtype != sc->dtype || cols % t->group_size)
+          fail(w, ": quantized '", role, "' needs U32 words and scales/biases of shape ", shape_str(groups));
       }
       experts.push_back(std::move(pe));
     }
@@ -272,8 +261,13 @@ void PackWriter::add_expert(int layer, const std::string& format, const std::vec
     block_.resize(at);
     const char* bytes = static_cast<const char*>(p.data);
     block_.insert(block_.end(), bytes, bytes + p.nbytes);
-    tensors.push_back({{"role", p.role}, {"dtype", dtype_name(p.dtype)}, {"shape", p.shape},
-                       {"offset", at}, {"nbytes", p.nbytes}});
+    json entry = {{"role", p.role}, {"dtype", dtype_name(p.dtype)}, {"shape", p.shape},
+                  {"offset", at}, {"nbytes", p.nbytes}};
+    if (p.bits) {
+      entry["bits"] = p.bits;
+      entry["group_size"] = p.group_size;
+    }
+    tensors.push_back(entry);
   }
   block_.resize(align_up(block_.size(), kPackAlignment));
   const uint64_t sum = XXH64(block_.data(), block_.size(), 0);
@@ -316,27 +310,120 @@ void PackWriter::finish(int n_layers) {
   finished_ = true;
 }
 
+namespace {
+
+// config.json's MLX "quantization": a default {bits, group_size} and per-module overrides.
+struct CheckpointQuantization {
+  int bits = 0, group_size = 0;
+  std::map<std::string, std::pair<int, int>> modules;
+  std::pair<int, int> for_module(const std::string& module) const {
+    auto it = modules.find(module);
+    return it != modules.end() ? it->second : std::pair{bits, group_size};
+  }
+};
+
+CheckpointQuantization read_quantization(const json& config) {
+  CheckpointQuantization q;
+  const json* j = config.contains("quantization") ? &config["quantization"]
+                  : config.contains("quantization_config") ? &config["quantization_config"] : nullptr;
+  if (!j || !j->is_object()) return q;
+  q.bits = j->value("bits", 0);
+  q.group_size = j->value("group_size", 0);
+  for (const auto& [key, value] : j->items())
+    if (value.is_object() && value.contains("bits"))
+      q.modules[key] = {value.value("bits", q.bits), value.value("group_size", q.group_size)};
+  return q;
+}
+
+// One expert's tensor: a whole checkpoint tensor, or expert `index` of a stacked one.
+struct ExpertSource {
+  const TensorView* tensor = nullptr;
+  int64_t index = -1;
+
+  std::vector<int64_t> shape() const {
+    return index < 0 ? tensor->shape : std::vector<int64_t>(tensor->shape.begin() + 1, tensor->shape.end());
+  }
+  const char* data() const {
+    const char* base = static_cast<const char*>(tensor->data);
+    return index < 0 ? base : base + index * int64_t(tensor->nbytes) / tensor->shape[0];
+  }
+  uint64_t nbytes() const { return index < 0 ? tensor->nbytes : tensor->nbytes / uint64_t(tensor->shape[0]); }
+};
+
+// The float32 values of a weight, dequantizing affine words when it is quantized.
+std::vector<float> to_f32(const ExpertSource& w, const ExpertSource* scales, const ExpertSource* biases,
+                          int bits, int group) {
+  const std::vector<int64_t> shape = w.shape();
+  if (bits == 0) {
+    TensorView v{w.tensor->name, w.tensor->dtype, shape, w.data(), w.nbytes()};
+    std::vector<float> out(size_t(v.numel()));
+    for (int64_t i = 0; i < v.numel(); ++i) {
+      switch (v.dtype) {
+        case DType::F32: out[size_t(i)] = v.as<float>()[i]; break;
+        case DType::BF16: out[size_t(i)] = bf16_to_f32(v.as<uint16_t>()[i]); break;
+        case DType::F16: out[size_t(i)] = f16_to_f32(v.as<uint16_t>()[i]); break;
+        default: fail("tensor ", v.name, ": cannot convert ", dtype_name(v.dtype), " to float");
+      }
+    }
+    return out;
+  }
+  const QuantFormat f{bits, group, scales->tensor->dtype};
+  const int64_t rows = shape[0], cols = shape[1] * 32 / bits, groups = cols / group;
+  std::vector<float> out(size_t(rows * cols));
+  const auto* words = reinterpret_cast<const uint32_t*>(w.data());
+  const auto* sc = reinterpret_cast<const uint16_t*>(scales->data());
+  const auto* bi = reinterpret_cast<const uint16_t*>(biases->data());
+  for (int64_t r = 0; r < rows; ++r)
+    dequantize_row(f, cols, words + r * shape[1], sc + r * groups, bi + r * groups, out.data() + r * cols);
+  return out;
+}
+
+}  // namespace
+
 void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
                 const PackOptions& options) {
-  if (options.quant != "keep" && options.quant != "bf16")
-    fail("--quant: '", options.quant, "' is not supported yet (supported: keep, bf16)");
+  const bool to_bf16 = options.quant == "bf16", keep = options.quant == "keep";
+  QuantFormat target;
+  if (!keep && !to_bf16) {
+    target = parse_quant_format(options.quant + "g" + std::to_string(options.group_size));
+    check_quant_format(target, "--quant");
+  }
   if (fs::exists(out)) fail(out, ": already exists (remove it first)");
   const WeightSet weights = WeightSet::open_dir(src);
+  json config;
+  {
+    std::ifstream cfg(src + "/config.json");
+    if (!cfg) fail(src, "/config.json: not found");
+    config = json::parse(cfg, nullptr, false);
+    if (!config.is_object()) fail(src, "/config.json: invalid JSON");
+  }
+  const json& text_config = config.contains("text_config") ? config["text_config"] : config;
+  const CheckpointQuantization checkpoint_quant = read_quantization(config);
 
   // Sort the checkpoint's tensors into experts [layer][expert][role] and everything else.
-  std::map<int, std::map<int, std::map<std::string, const TensorView*>>> experts;
+  std::map<int, std::map<int, std::map<std::string, ExpertSource>>> experts;
+  std::map<std::string, std::string> modules;  // "layer/role" -> checkpoint module (for its format)
   std::vector<const TensorView*> others;
   uint64_t total_bytes = 0;
   for (const auto& name : weights.names()) {
     const TensorView& t = weights.get(name);
     total_bytes += t.nbytes;
-    if (auto ref = parse(name)) {
-      auto& slot = experts[ref->layer][ref->expert][ref->role];
-      if (slot) fail(src, ": tensors ", slot->name, " and ", name, " are the same expert part");
-      slot = &t;
-    } else {
+    auto ref = parse(name);
+    if (!ref) {
       others.push_back(&t);
+      continue;
     }
+    const std::string module = name.substr(0, name.rfind('.'));
+    if (ref->role.find('.') == std::string::npos)
+      modules[std::to_string(ref->layer) + "/" + ref->role] = module;
+    if (!ref->stacked) {
+      auto& slot = experts[ref->layer][ref->expert][ref->role];
+      if (slot.tensor) fail(src, ": tensors ", slot.tensor->name, " and ", name, " are the same expert part");
+      slot = ExpertSource{&t, -1};
+      continue;
+    }
+    if (t.shape.size() != 3) fail("tensor ", name, ": stacked experts need 3 dimensions, found ", shape_str(t.shape));
+    for (int64_t e = 0; e < t.shape[0]; ++e) experts[ref->layer][int(e)][ref->role] = ExpertSource{&t, e};
   }
   int n_experts = 0;
   for (const auto& [layer, list] : experts) n_experts = std::max(n_experts, list.rbegin()->first + 1);
@@ -348,52 +435,126 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         if (!parts.count(role)) fail(src, ": layer ", layer, " expert ", e, " has no ", role, " weight");
   }
 
-  std::string model_type;
   int n_layers = experts.empty() ? 0 : experts.rbegin()->first + 1;
-  {
-    std::ifstream cfg(src + "/config.json");
-    json c = json::parse(cfg, nullptr, false);
-    if (c.is_object()) {
-      const json& text = c.contains("text_config") ? c["text_config"] : c;
-      model_type = text.value("model_type", c.value("model_type", ""));
-      n_layers = std::max(n_layers, text.value("num_hidden_layers", 0));
-    }
-  }
+  n_layers = std::max(n_layers, text_config.value("num_hidden_layers", 0));
+  const std::string model_type = text_config.value("model_type", config.value("model_type", ""));
   PackWriter writer(out, model_type, fs::absolute(src).string());
   Progress progress(options.progress, total_bytes);
+
+  // Non-expert tensors: as they are, or (--quant-all) linear weights and the embedding quantized.
   std::vector<TensorToWrite> rest;
+  std::deque<std::vector<char>> owned;  // deque: references stay valid as it grows
+  json quant_overrides = json::object();
   for (const TensorView* t : others) {
-    rest.push_back({t->name, t->dtype, t->shape, t->data});
     progress.add(t->nbytes);
+    const bool is_float = t->dtype == DType::BF16 || t->dtype == DType::F16 || t->dtype == DType::F32;
+    const std::string module = t->name.size() > 7 ? t->name.substr(0, t->name.size() - 7) : "";
+    if (!options.quant_all || keep || to_bf16 || !is_float || t->shape.size() != 2 ||
+        t->name.compare(t->name.size() - 7, 7, ".weight") != 0 || t->shape[1] % target.group_size) {
+      rest.push_back({t->name, t->dtype, t->shape, t->data});
+      continue;
+    }
+    // Routers stay at 8 bits, as mlx-community ships them: routing decisions are sensitive.
+    QuantFormat f = target;
+    if (t->name.size() > 16 && t->name.compare(t->name.size() - 16, 16, ".mlp.gate.weight") == 0) {
+      f.bits = 8;
+      quant_overrides[module] = {{"bits", 8}, {"group_size", f.group_size}};
+    }
+    const ExpertSource whole{t, -1};
+    const std::vector<float> values = to_f32(whole, nullptr, nullptr, 0, 0);
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    auto& words = owned.emplace_back(size_t(rows * cols * f.bits / 32) * 4);
+    auto& scales = owned.emplace_back(size_t(rows * cols / f.group_size) * 2);
+    auto& biases = owned.emplace_back(size_t(rows * cols / f.group_size) * 2);
+    quantize_affine(values.data(), rows, cols, f, reinterpret_cast<uint32_t*>(words.data()),
+                    reinterpret_cast<uint16_t*>(scales.data()), reinterpret_cast<uint16_t*>(biases.data()),
+                    QuantizeOptions{options.clip_search}, t->name);
+    rest.push_back({t->name, DType::U32, {rows, cols * f.bits / 32}, words.data()});
+    rest.push_back({module + ".scales", DType::BF16, {rows, cols / f.group_size}, scales.data()});
+    rest.push_back({module + ".biases", DType::BF16, {rows, cols / f.group_size}, biases.data()});
   }
   write_safetensors(writer.tmp_dir() + "/weights.safetensors", rest, {{"format", "pt"}});
+  owned.clear();
 
   for (const auto& [layer, list] : experts) {
     for (const auto& [e, parts] : list) {
-      std::vector<std::vector<char>> bytes;
+      std::deque<std::vector<char>> bytes;
       std::vector<PackWriter::Part> out_parts;
-      std::string format;
-      for (const char* role : {"gate", "up", "down"}) {
-        const TensorView& t = *parts.at(role);
-        if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found ", shape_str(t.shape));
-        const DType to = options.quant == "bf16" ? DType::BF16 : t.dtype;
-        bytes.push_back(convert(t, to));
-        out_parts.push_back({role, to, t.shape, bytes.back().data(), bytes.back().size()});
-        if (format.empty()) format = format_name(to);
-        else if (format != format_name(to)) format = "mixed";
-        progress.add(t.nbytes);
+      std::set<std::string> formats;
+      for (const std::string role : {"gate", "up", "down"}) {
+        const ExpertSource& w = parts.at(role);
+        const ExpertSource* sc = parts.count(role + ".scales") ? &parts.at(role + ".scales") : nullptr;
+        const ExpertSource* bi = parts.count(role + ".biases") ? &parts.at(role + ".biases") : nullptr;
+        int bits = 0, group = 0;
+        if (w.tensor->dtype == DType::U32) {
+          if (!sc || !bi) fail("tensor ", w.tensor->name, ": quantized weight without scales and biases");
+          std::tie(bits, group) = checkpoint_quant.for_module(modules.at(std::to_string(layer) + "/" + role));
+          if (bits == 0) fail(src, "/config.json: no \"quantization\" entry for ", w.tensor->name);
+          if (sc->shape()[1] * group != w.shape()[1] * 32 / bits)
+            fail("tensor ", w.tensor->name, ": shape ", shape_str(w.shape()), " does not fit ", bits,
+                 "-bit groups of ", group, " with scales ", shape_str(sc->shape()));
+        }
+        const std::vector<int64_t> shape = w.shape();
+        if (shape.size() != 2) fail("tensor ", w.tensor->name, ": expected a matrix, found ", shape_str(shape));
+        const int64_t rows = shape[0], cols = bits ? shape[1] * 32 / bits : shape[1];
+        auto add_raw = [&](const std::string& r, const ExpertSource& x, int b, int g) {
+          out_parts.push_back({r, x.tensor->dtype, x.shape(), x.data(), x.nbytes(), b, g});
+        };
+        if (keep) {
+          add_raw(role, w, bits, group);
+          if (bits) {
+            add_raw(role + ".scales", *sc, 0, 0);
+            add_raw(role + ".biases", *bi, 0, 0);
+            formats.insert("q" + std::to_string(bits) + "g" + std::to_string(group));
+          } else {
+            formats.insert(format_name(w.tensor->dtype));
+          }
+        } else if (to_bf16) {
+          std::vector<float> v = to_f32(w, sc, bi, bits, group);
+          auto& b = bytes.emplace_back(v.size() * 2);
+          auto* dst = reinterpret_cast<uint16_t*>(b.data());
+          for (size_t i = 0; i < v.size(); ++i) dst[i] = f32_to_bf16(v[i]);
+          out_parts.push_back({role, DType::BF16, {rows, cols}, b.data(), b.size()});
+          formats.insert("bf16");
+        } else {
+          if (cols % target.group_size)
+            fail("tensor ", w.tensor->name, ": ", cols, " columns are not a multiple of --group-size ", target.group_size);
+          std::vector<float> v = to_f32(w, sc, bi, bits, group);
+          auto& words = bytes.emplace_back(size_t(rows * cols * target.bits / 32) * 4);
+          auto& scales = bytes.emplace_back(size_t(rows * cols / target.group_size) * 2);
+          auto& biases = bytes.emplace_back(size_t(rows * cols / target.group_size) * 2);
+          quantize_affine(v.data(), rows, cols, target, reinterpret_cast<uint32_t*>(words.data()),
+                          reinterpret_cast<uint16_t*>(scales.data()),
+                          reinterpret_cast<uint16_t*>(biases.data()), QuantizeOptions{options.clip_search},
+                          w.tensor->name);
+          out_parts.push_back({role, DType::U32, {rows, cols * target.bits / 32}, words.data(), words.size(),
+                               target.bits, target.group_size});
+          out_parts.push_back({role + ".scales", DType::BF16, {rows, cols / target.group_size}, scales.data(), scales.size()});
+          out_parts.push_back({role + ".biases", DType::BF16, {rows, cols / target.group_size}, biases.data(), biases.size()});
+          formats.insert(quant_format_name(target));
+        }
+        progress.add(w.nbytes() + (sc ? sc->nbytes() + bi->nbytes() : 0));
       }
-      writer.add_expert(layer, format, out_parts);
+      writer.add_expert(layer, formats.size() == 1 ? *formats.begin() : "mixed", out_parts);
     }
   }
 
-  // Configs, tokenizer and template files travel with the pack.
+  // Configs, tokenizer and template files travel with the pack; with --quant-all the config
+  // records the formats of the quantized non-expert weights.
   for (const auto& entry : fs::directory_iterator(src)) {
     const std::string name = entry.path().filename().string();
     const std::string ext = entry.path().extension().string();
     if (!entry.is_regular_file() || name == "model.safetensors.index.json") continue;
     if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
       fs::copy_file(entry.path(), writer.tmp_dir() + "/" + name);
+  }
+  if (options.quant_all && !keep && !to_bf16) {
+    json q = {{"bits", target.bits}, {"group_size", target.group_size}};
+    q.update(quant_overrides);
+    config["quantization"] = q;
+    std::ofstream cfg(writer.tmp_dir() + "/config.json");
+    cfg << config.dump(2) << "\n";
+    if (!cfg) fail(writer.tmp_dir(), "/config.json: write failed");
   }
   writer.finish(n_layers);
 }

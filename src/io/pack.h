@@ -22,9 +22,10 @@ constexpr const char* kPackManifestName = "moestream-pack.json";
 struct PackedTensor {
   std::string role;             // gate | up | down (+ ".scales" / ".biases" for quantized formats)
   DType dtype = DType::BF16;
-  std::vector<int64_t> shape;
+  std::vector<int64_t> shape;   // as stored: [out, in], or [out, in * bits / 32] words
   uint64_t offset = 0;          // bytes from the start of the expert's block
   uint64_t nbytes = 0;
+  int bits = 0, group_size = 0; // quantized weight words (U32); 0 otherwise
 };
 
 struct PackedExpert {
@@ -32,8 +33,7 @@ struct PackedExpert {
   uint64_t offset = 0;          // 4 KiB aligned, in that file
   uint64_t size = 0;            // bytes of the block (a multiple of 4 KiB, padding included)
   uint64_t checksum = 0;        // xxh64 (seed 0) of the whole block
-  std::string format;           // "bf16", "f16", "f32", or "q<bits>g<group>" (affine, MLX layout)
-  int bits = 0, group_size = 0; // parsed from a quantized format
+  std::string format;           // "bf16", "f16", "f32", "q<bits>g<group>" (affine, MLX layout), "mixed"
   std::vector<PackedTensor> tensors;
 
   const PackedTensor* find(const std::string& role) const;
@@ -60,12 +60,16 @@ bool is_pack_dir(const std::string& dir);
 // Which tensors of a checkpoint are routed-expert weights, and what they are.
 struct ExpertTensorRef {
   int layer = 0, expert = 0;
-  std::string role;  // gate | up | down
+  std::string role;      // gate | up | down, or gate.scales, gate.biases, ... (quantized)
+  bool stacked = false;  // one tensor holds every expert of the layer along dimension 0 (MLX)
 };
 using ExpertTensorParser = std::function<std::optional<ExpertTensorRef>(const std::string& name)>;
 
 struct PackOptions {
-  std::string quant = "keep";  // keep | bf16 (quantized formats with the quantization issue)
+  std::string quant = "keep";  // keep | bf16 | q8 | q6 | q4 | q3 | q2 (affine, MLX layout)
+  int group_size = 64;         // for quantized formats
+  bool quant_all = false;      // also quantize the other linear layers and the embedding
+  bool clip_search = false;    // per-group clipping by least squared error
   bool progress = true;        // progress bar on stderr when it is a terminal
 };
 
@@ -80,6 +84,7 @@ class PackWriter {
     std::vector<int64_t> shape;
     const void* data;
     uint64_t nbytes;
+    int bits = 0, group_size = 0;  // quantized weight words
   };
   PackWriter(const std::string& out, const std::string& model_type, const std::string& source);
   ~PackWriter();

@@ -9,6 +9,26 @@ namespace moestream {
 
 Matrix WeightLoader::matrix(const std::string& name, int64_t rows, int64_t cols) {
   const TensorView& t = weights_.get(name);
+  const std::string module = name.size() > 7 && name.compare(name.size() - 7, 7, ".weight") == 0
+                                 ? name.substr(0, name.size() - 7) : name;
+  if (t.dtype == DType::U32 && weights_.has(module + ".scales")) {
+    // Affine-quantized (MLX layout): the format follows from the shapes, since rows and cols
+    // are known: bits = 32 * words / cols, group = cols / groups.
+    const TensorView& scales = weights_.get(module + ".scales");
+    const TensorView& biases = weights_.get(module + ".biases");
+    if (t.shape.size() != 2 || scales.shape.size() != 2 || t.shape[0] != rows ||
+        (t.shape[1] * 32) % cols != 0 || scales.shape[1] == 0 || cols % scales.shape[1] != 0)
+      fail("tensor ", name, ": quantized shape ", shape_str(t.shape), " with scales ",
+           shape_str(scales.shape), " does not fit a [", rows, ", ", cols, "] matrix");
+    const QuantFormat f{int(t.shape[1] * 32 / cols), int(cols / scales.shape[1]), scales.dtype};
+    if (quantization_) {
+      const auto [bits, group] = quantization_(module);
+      if (bits && (bits != f.bits || group != f.group_size))
+        fail("tensor ", name, ": stored as ", f.bits, "-bit groups of ", f.group_size,
+             " but config.json's quantization says ", bits, "-bit groups of ", group);
+    }
+    return backend_.load_quantized(t, scales, biases, f);
+  }
   check_shape(t, {rows, cols});
   return backend_.load_matrix(t);
 }
@@ -24,6 +44,20 @@ Vector WeightLoader::optional_vector(const std::string& name, int64_t size) {
 }
 
 bool WeightLoader::has(const std::string& name) const { return weights_.has(name); }
+
+WeightLoader::QuantLookup quantization_lookup(const HfConfig& config) {
+  const nlohmann::json& j = config.json();
+  const char* key = j.contains("quantization") ? "quantization"
+                    : j.contains("quantization_config") ? "quantization_config" : nullptr;
+  if (!key || !j[key].is_object()) return {};
+  const nlohmann::json q = j[key];
+  return [q](const std::string& module) -> std::pair<int, int> {
+    const int bits = q.value("bits", 0), group = q.value("group_size", 0);
+    if (q.contains(module) && q[module].is_object())
+      return {q[module].value("bits", bits), q[module].value("group_size", group)};
+    return {bits, group};
+  };
+}
 
 RopeTable make_rope_table(const RopeParams& p, int rot_dim, const std::string& config_path) {
   RopeTable r;

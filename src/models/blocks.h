@@ -2,6 +2,7 @@
 // attention, and the decoder-only skeleton (batching, final norm, output head) every family uses.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -17,7 +18,13 @@ class WeightSet;
 // Looks tensors up by name once, checks their shape, and hands them to the backend.
 class WeightLoader {
  public:
-  WeightLoader(const WeightSet& weights, Backend& backend) : weights_(weights), backend_(backend) {}
+  // (bits, group_size) that config.json's quantization gives a module; (0, 0) when none.
+  using QuantLookup = std::function<std::pair<int, int>(const std::string& module)>;
+
+  WeightLoader(const WeightSet& weights, Backend& backend, QuantLookup quantization = {})
+      : weights_(weights), backend_(backend), quantization_(std::move(quantization)) {}
+  // A weight [rows, cols]: plain (f32/bf16/f16), or affine-quantized as MLX stores it
+  // (<module>.weight U32 words with <module>.scales and <module>.biases).
   Matrix matrix(const std::string& name, int64_t rows, int64_t cols);
   Vector vector(const std::string& name, int64_t size);
   Vector optional_vector(const std::string& name, int64_t size);  // empty when absent
@@ -28,7 +35,12 @@ class WeightLoader {
  private:
   const WeightSet& weights_;
   Backend& backend_;
+  QuantLookup quantization_;
 };
+
+// config.json's MLX "quantization" (or "quantization_config"): a default and per-module
+// overrides, as a lookup for WeightLoader.
+WeightLoader::QuantLookup quantization_lookup(const HfConfig& config);
 
 // Rotary tables for the rope types transformers implements that we support; others are an Error.
 RopeTable make_rope_table(const RopeParams& params, int rot_dim, const std::string& config_path);

@@ -16,6 +16,7 @@ class Backend;
 struct ModelOptions {
   int threads = 0;       // CPU threads; 0 = one per hardware thread
   bool precise = false;  // keep activations in float32 everywhere (the default path may not)
+  bool int8_activations = false;  // quantized weights: int8 activations, integer dot products
   ExpertStoreOptions experts;  // expert cache budget, eviction policy, I/O method
   std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
 };

@@ -84,7 +84,7 @@ class Qwen3Moe final : public DecoderModel {
  public:
   Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
       : cfg_(Qwen3MoeConfig::from(hf)) {
-    backend_ = make_cpu_backend(options.threads, options.precise);
+    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
     pack_ = PackManifest::load(dir);
     weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
     info_.model_type = "qwen3_moe";
@@ -96,7 +96,7 @@ class Qwen3Moe final : public DecoderModel {
     info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
     norm_eps = cfg_.rms_norm_eps;
 
-    WeightLoader w(*weights_, *backend_);
+    WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     const int64_t h = cfg_.hidden_size;
     embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
     final_norm = w.vector("model.norm.weight", h);

@@ -31,10 +31,17 @@ const Architecture& find_architecture(const std::string& model_type, const std::
 }
 
 std::optional<ExpertTensorRef> parse_qwen_expert_tensor(const std::string& name) {
-  static const std::regex re(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
+  // Hub layout: one tensor per expert.
+  static const std::regex hub(R"(model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
+  // mlx-lm layout: experts stacked along dimension 0, possibly quantized.
+  static const std::regex mlx(R"(model\.layers\.(\d+)\.mlp\.switch_mlp\.(gate|up|down)_proj\.(weight|scales|biases))");
   std::smatch m;
-  if (!std::regex_match(name, m, re)) return std::nullopt;
-  return ExpertTensorRef{std::stoi(m[1]), std::stoi(m[2]), m[3]};
+  if (std::regex_match(name, m, hub)) return ExpertTensorRef{std::stoi(m[1]), std::stoi(m[2]), m[3], false};
+  if (std::regex_match(name, m, mlx)) {
+    const std::string part = m[3];
+    return ExpertTensorRef{std::stoi(m[1]), -1, part == "weight" ? std::string(m[2]) : std::string(m[2]) + "." + part, true};
+  }
+  return std::nullopt;
 }
 
 std::string default_cache_dir() {

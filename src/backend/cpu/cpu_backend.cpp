@@ -11,6 +11,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "core/error.h"
+#include "core/quant.h"
 #include "core/thread_pool.h"
 #include "experts/expert_store.h"
 
@@ -34,6 +35,23 @@ class CpuBackend final : public Backend {
     if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
       fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");
     return Matrix{t.name, t.dtype, t.data, t.shape[0], t.shape[1]};
+  }
+
+  Matrix load_quantized(const TensorView& words, const TensorView& scales, const TensorView& biases,
+                        const QuantFormat& f) override {
+    if (words.dtype != DType::U32 || words.shape.size() != 2)
+      fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ",
+           dtype_name(words.dtype), " ", shape_str(words.shape));
+    const int64_t rows = words.shape[0], cols = words.shape[1] * 32 / f.bits;
+    check_quant_shape(f, cols, words.name);
+    const std::vector<int64_t> groups{rows, cols / f.group_size};
+    check_tensor(scales, f.scale_dtype, groups);
+    check_tensor(biases, f.scale_dtype, groups);
+    Matrix m{words.name, DType::U32, words.data, rows, cols};
+    m.quant = f;
+    m.scales = scales.data;
+    m.biases = biases.data;
+    return m;
   }
 
   Vector load_vector(const TensorView& t) override {
@@ -81,10 +99,14 @@ class CpuBackend final : public Backend {
   }
 
   void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) override {
+    linear(x, w, bias, out, precise_);
+  }
+
+  void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out, bool precise) {
     if (x.cols != w.cols)
       fail("linear ", w.name, ": input has ", x.cols, " columns, weight expects ", w.cols);
     const int64_t T = x.rows, n_out = w.rows;
-    cpu::prepare_input(w, x.data, T, precise_, input_);
+    cpu::prepare_input(w, x.data, T, precise, input_);
     pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
       cpu::matmul_rows(w, input_, out.data, n_out, int64_t(r0), int64_t(r1));
     }, rows_per_chunk(w.cols, T));
@@ -169,7 +191,8 @@ class CpuBackend final : public Backend {
     const int64_t T = x.rows, dim = x.cols;
     auto t_start = std::chrono::steady_clock::now();
     Buffer logits = scratch(2, T, p.n_experts);
-    linear(x, router, nullptr, logits);
+    // Routing picks experts by comparing logits: float32 activations keep the choice stable.
+    linear(x, router, nullptr, logits, /*precise=*/true);
 
     // Route every token; group tokens by expert so each expert's weights are read once.
     std::vector<std::vector<std::pair<int64_t, float>>>& by_expert = by_expert_;

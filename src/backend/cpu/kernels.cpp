@@ -83,31 +83,6 @@ void check_matrix(const Matrix& w) {
 
 int64_t round_up(int64_t v, int64_t m) { return (v + m - 1) / m * m; }
 
-// Quantizes one token's activations to int8 per block of 32, laid out for the kernel level.
-void quantize_activations(const float* x, int64_t cols, int group_size, detail::CodeOrder order,
-                          int8_t* q, float* lane_scale, float* group_sum) {
-  for (int64_t b = 0; b < cols / 32; ++b) {
-    const float* xb = x + b * 32;
-    float amax = 0;
-    bool finite = true;
-    for (int i = 0; i < 32; ++i) {
-      amax = std::max(amax, std::abs(xb[i]));
-      finite = finite && std::isfinite(xb[i]);
-    }
-    // A block with Inf or NaN gets codes 0 and scale NaN, so the outputs it feeds become NaN.
-    const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-    const float inv = finite && amax > 0 ? 127.0f / amax : 0.0f;
-    int sum = 0;
-    for (int e = 0; e < 32; ++e) {
-      const int v = finite ? int(std::nearbyint(std::clamp(xb[e] * inv, -127.0f, 127.0f))) : 0;
-      q[b * 32 + detail::position_in_block(order, e)] = int8_t(v);
-      sum += v;
-    }
-    std::fill(lane_scale + b * 8, lane_scale + b * 8 + 8, dx);
-    group_sum[b * 32 / group_size] += dx * float(sum);
-  }
-}
-
 }  // namespace
 
 std::string_view kernel_level_name(KernelLevel level) {
@@ -194,20 +169,27 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
   in.stride = round_up(cols, 64);
   in.group_stride = round_up(cols / gs, 16);
   if (precise) {
-    in.xf.assign(size_t(T * in.stride), 0.0f);
-    for (int64_t t = 0; t < T; ++t)
-      for (int64_t i = 0; i < cols; ++i)
-        in.xf[size_t(t * in.stride + i / 32 * 32 + detail::position_in_block(order, int(i % 32)))] =
-            x[t * cols + i];
+    in.xf.resize(size_t(T * in.stride));
+    for (int64_t t = 0; t < T; ++t) {
+      float* dst = in.xf.data() + t * in.stride;
+      if (order == detail::CodeOrder::Natural) {
+        std::copy(x + t * cols, x + (t + 1) * cols, dst);
+      } else {
+        for (int64_t i = 0; i < cols; ++i)
+          dst[i / 32 * 32 + detail::position_in_block(order, int(i % 32))] = x[t * cols + i];
+      }
+      std::fill(dst + cols, dst + in.stride, 0.0f);
+    }
     return;
   }
   in.q.assign(size_t(T * in.stride), 0);
   in.q_scale.assign(size_t(T * in.stride / 4), 0.0f);
   in.group_sum.assign(size_t(T * in.group_stride), 0.0f);
+  const detail::LevelKernels& k = kernels_for(in.level);
   for (int64_t t = 0; t < T; ++t)
-    quantize_activations(x + t * cols, cols, gs, order, in.q.data() + t * in.stride,
-                         in.q_scale.data() + t * in.stride / 4,
-                         in.group_sum.data() + t * in.group_stride);
+    k.quantize_activations(x + t * cols, cols, gs, in.bits, in.q.data() + t * in.stride,
+                           in.q_scale.data() + t * in.stride / 4,
+                           in.group_sum.data() + t * in.group_stride);
 }
 
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,

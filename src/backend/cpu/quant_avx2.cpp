@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "backend/cpu/quant_kernels.h"
@@ -236,13 +237,25 @@ struct TokenInt8 {
   const float* group_sum;
 };
 
+// The int8 dot product of one row with one token. Two accumulators alternate between groups so
+// that the chain of fmas into them does not bound the loop.
 template <int BITS, int GS, class Row>
 MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases, DType dt,
                        int64_t cols, const TokenInt8& x) {
-  constexpr int kBlocksPerGroup = GS / 32;
+  constexpr int kBlocks = GS / 32;  // per group
   const int64_t groups = cols / GS;
-  __m256 acc = _mm256_setzero_ps(), acc_bias = _mm256_setzero_ps();
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc_bias = _mm256_setzero_ps();
   alignas(32) float sf[8];
+  // Sum over group g of codes * x^, as 8 float partial sums.
+  auto group_sum = [&](int64_t g) MS_AVX2 {
+    __m256 sum = _mm256_setzero_ps();
+    for (int64_t blk = g * kBlocks; blk < (g + 1) * kBlocks; ++blk) {
+      const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + blk * 32));
+      const __m256i isum = dot_u8s8<BITS>(row.block(blk), xq);
+      sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_loadu_ps(x.lane_scale + blk * 8), sum);
+    }
+    return sum;
+  };
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int64_t n = std::min<int64_t>(8, groups - g0);
     const __m256 s = load_half_n(scales + g0, n, dt);
@@ -250,19 +263,15 @@ MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* b
     if constexpr (BITS == 8) b = _mm256_fmadd_ps(s, _mm256_set1_ps(128.0f), b);
     acc_bias = _mm256_fmadd_ps(b, _mm256_loadu_ps(x.group_sum + g0), acc_bias);
     _mm256_store_ps(sf, s);
-    for (int64_t k = 0; k < n; ++k) {
-      const int64_t first = (g0 + k) * kBlocksPerGroup;
-      __m256 acc_group = _mm256_setzero_ps();
-      for (int64_t blk = first; blk < first + kBlocksPerGroup; ++blk) {
-        const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q + blk * 32));
-        const __m256i isum = dot_u8s8<BITS>(row.block(blk), xq);
-        acc_group = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum),
-                                    _mm256_loadu_ps(x.lane_scale + blk * 8), acc_group);
-      }
-      acc = _mm256_fmadd_ps(acc_group, _mm256_set1_ps(sf[k]), acc);
+    int64_t k = 0;
+    for (; k + 2 <= n; k += 2) {
+      const __m256 a = group_sum(g0 + k), c = group_sum(g0 + k + 1);
+      acc0 = _mm256_fmadd_ps(a, _mm256_set1_ps(sf[k]), acc0);
+      acc1 = _mm256_fmadd_ps(c, _mm256_set1_ps(sf[k + 1]), acc1);
     }
+    if (k < n) acc0 = _mm256_fmadd_ps(group_sum(g0 + k), _mm256_set1_ps(sf[k]), acc0);
   }
-  return hsum(_mm256_add_ps(acc, acc_bias));
+  return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), acc_bias));
 }
 
 template <int BITS, int GS>
@@ -363,6 +372,67 @@ MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, 
   }
 }
 
+// Byte shuffles from natural order to the Nibbles and Crumbs orders (quant_kernels.h): a pshufb
+// inside each 128-bit lane, then a dword permutation across lanes.
+//   Nibbles: each lane to [even elements, odd elements], then qwords 0, 2, 1, 3.
+//   Crumbs:  each lane to dwords j = 0..3 holding its elements 4k + j, then dwords
+//            0, 4, 1, 5, 2, 6, 3, 7 (position 8j + k).
+alignas(32) constexpr int8_t kNibbleShuffle[32] = {0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                                   0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15};
+alignas(32) constexpr int8_t kCrumbShuffle[32] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15,
+                                                  0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15};
+
+MS_AVX2 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
+                                  int8_t* q, float* lane_scale, float* group_sum) {
+  const CodeOrder order = code_order(KernelLevel::Avx2, bits);
+  const __m256 sign = _mm256_set1_ps(-0.0f), fmax = _mm256_set1_ps(3.40282347e38f);
+  const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const float* xb = x + b * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    int finite = 0xff;
+    for (int i = 0; i < 4; ++i) {
+      v[i] = _mm256_loadu_ps(xb + 8 * i);
+      const __m256 a = _mm256_andnot_ps(sign, v[i]);
+      amax = _mm256_max_ps(amax, a);
+      finite &= _mm256_movemask_ps(_mm256_cmp_ps(a, fmax, _CMP_LE_OQ));  // false for NaN, Inf
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float am = _mm_cvtss_f32(m);
+    const bool ok = finite == 0xff;
+    const float dx = ok ? am / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const __m256 inv = _mm256_set1_ps(ok && am > 0 ? 127.0f / am : 0.0f);
+    __m256i iv[4];
+    for (int i = 0; i < 4; ++i) {
+      iv[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inv));  // round half to even
+      iv[i] = _mm256_max_epi32(_mm256_min_epi32(iv[i], _mm256_set1_epi32(127)),
+                               _mm256_set1_epi32(-127));
+      if (!ok) iv[i] = _mm256_setzero_si256();
+    }
+    // packs interleave 128-bit lanes: the dword permutation restores element order.
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]),
+                                        _mm256_packs_epi32(iv[2], iv[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, lanes);
+    if (order == CodeOrder::Nibbles) {
+      packed = _mm256_shuffle_epi8(packed, _mm256_load_si256(reinterpret_cast<const __m256i*>(kNibbleShuffle)));
+      packed = _mm256_permute4x64_epi64(packed, 0xd8);  // qwords 0, 2, 1, 3
+    } else if (order == CodeOrder::Crumbs) {
+      packed = _mm256_shuffle_epi8(packed, _mm256_load_si256(reinterpret_cast<const __m256i*>(kCrumbShuffle)));
+      packed = _mm256_permutevar8x32_epi32(packed, lanes);
+    }
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + b * 32), packed);
+    const __m256i isum = _mm256_add_epi32(_mm256_add_epi32(iv[0], iv[1]), _mm256_add_epi32(iv[2], iv[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(isum), _mm256_extracti128_si256(isum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    _mm256_storeu_ps(lane_scale + b * 8, _mm256_set1_ps(dx));
+    group_sum[b * 32 / group_size] += dx * float(_mm_cvtsi128_si32(s4));
+  }
+}
+
 template <template <int, int> class Pick>
 MatmulFn pick_format(const Matrix& w) {
   const int b = w.quant.bits, g = w.quant.group_size;
@@ -397,8 +467,8 @@ void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, in
 }  // namespace
 
 const LevelKernels& avx2_kernels() {
-  static const LevelKernels k{dot_f32, axpy, matmul_plain, matmul_quant_precise,
-                              matmul_quant_int8};
+  static const LevelKernels k{dot_f32,           axpy, matmul_plain, matmul_quant_precise,
+                              matmul_quant_int8, quantize_activations};
   return k;
 }
 

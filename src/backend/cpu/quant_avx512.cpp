@@ -17,6 +17,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "backend/cpu/quant_kernels.h"
@@ -167,20 +168,16 @@ MS_AVX512 inline __m512i unpack64(const uint8_t* p, __mmask64 bytes) {
   }
 }
 
-// Chunks of 64 codes of one packed row. When cols is an odd multiple of 32 the last chunk
-// holds 32 codes; the rest of it reads as zeros.
+// Chunks of 64 codes of one packed row. When cols is an odd multiple of 32 the row ends in a
+// half chunk of 32 codes, read with half(); the rest of it reads as zeros.
 template <int BITS>
 struct PackedRow {
   static constexpr int kChunkBytes = 8 * BITS;
+  static constexpr __mmask64 kFull = BITS == 8 ? ~__mmask64(0) : (__mmask64(1) << kChunkBytes) - 1;
+  static constexpr __mmask64 kHalf = (__mmask64(1) << (kChunkBytes / 2)) - 1;
   const uint8_t* p;
-  int64_t half;  // index of the half chunk, or -1
-  MS_AVX512 PackedRow(const uint8_t* row, int64_t cols)
-      : p(row), half(cols % 64 ? cols / 64 : -1) {}
-  MS_AVX512 __m512i chunk(int64_t c) const {
-    constexpr __mmask64 full = BITS == 8 ? ~__mmask64(0) : (__mmask64(1) << kChunkBytes) - 1;
-    constexpr __mmask64 part = (__mmask64(1) << (kChunkBytes / 2)) - 1;
-    return unpack64<BITS>(p + c * kChunkBytes, c == half ? part : full);
-  }
+  MS_AVX512 __m512i chunk(int64_t c) const { return unpack64<BITS>(p + c * kChunkBytes, kFull); }
+  MS_AVX512 __m512i half(int64_t c) const { return unpack64<BITS>(p + c * kChunkBytes, kHalf); }
 };
 
 // Codes already unpacked to bytes, padded to a multiple of 64 (a row reused for many tokens).
@@ -189,6 +186,7 @@ struct UnpackedRow {
   MS_AVX512 __m512i chunk(int64_t c) const {
     return _mm512_loadu_si512(reinterpret_cast<const __m512i*>(p + c * 64));
   }
+  MS_AVX512 __m512i half(int64_t c) const { return chunk(c); }
 };
 
 struct TokenInt8 {
@@ -197,11 +195,20 @@ struct TokenInt8 {
   const float* group_sum;
 };
 
+// sum over the 4 codes of each int32 lane of codes * x^, as floats: 16 partial sums of chunk c.
+MS_AVX512 inline __m512 chunk_sum(__m512i codes, const TokenInt8& x, int64_t c) {
+  const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
+  const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(x.lane_scale + c * 16));
+}
+
+// The int8 dot product of one row with one token. Two accumulators alternate between groups
+// (or chunks) so that the chain of fmas into them does not bound the loop.
 template <int BITS, int GS, class Row>
 MS_AVX512 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases,
                          DType dt, int64_t cols, const TokenInt8& x) {
   const int64_t groups = cols / GS;
-  __m512 acc = _mm512_setzero_ps(), acc_bias = _mm512_setzero_ps();
+  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc_bias = _mm512_setzero_ps();
   alignas(64) float sf[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
@@ -209,34 +216,46 @@ MS_AVX512 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t*
     acc_bias = _mm512_fmadd_ps(load_half_n(biases + g0, n, dt), _mm512_loadu_ps(x.group_sum + g0),
                                acc_bias);
     if constexpr (GS == 32) {
-      // A chunk spans two groups: lanes 0-7 (codes 0-31) and lanes 8-15 (codes 32-63).
+      // A chunk spans two groups: lanes 0-7 (codes 0-31) and lanes 8-15 (codes 32-63); `pick`
+      // spreads their two scales over those lanes.
       __m512i pick = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
       const __m512i two = _mm512_set1_epi32(2);
-      for (int64_t c = g0 / 2; c < (g0 + n + 1) / 2; ++c) {
-        const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
-        const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row.chunk(c), xq);
-        const __m512 f =
-            _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(x.lane_scale + c * 16));
-        acc = _mm512_fmadd_ps(f, _mm512_permutexvar_ps(pick, s), acc);
+      const int64_t end = g0 / 2 + n / 2;
+      int64_t c = g0 / 2;
+      for (; c + 2 <= end; c += 2) {
+        const __m512 f0 = chunk_sum(row.chunk(c), x, c);
+        const __m512 f1 = chunk_sum(row.chunk(c + 1), x, c + 1);
+        acc0 = _mm512_fmadd_ps(f0, _mm512_permutexvar_ps(pick, s), acc0);
+        pick = _mm512_add_epi32(pick, two);
+        acc1 = _mm512_fmadd_ps(f1, _mm512_permutexvar_ps(pick, s), acc1);
         pick = _mm512_add_epi32(pick, two);
       }
-    } else {
-      constexpr int kChunksPerGroup = GS / 64;
-      _mm512_store_ps(sf, s);
-      for (int64_t k = 0; k < n; ++k) {
-        const int64_t first = (g0 + k) * kChunksPerGroup;
-        __m512 acc_group = _mm512_setzero_ps();
-        for (int64_t c = first; c < first + kChunksPerGroup; ++c) {
-          const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
-          const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), row.chunk(c), xq);
-          acc_group = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                      _mm512_loadu_ps(x.lane_scale + c * 16), acc_group);
-        }
-        acc = _mm512_fmadd_ps(acc_group, _mm512_set1_ps(sf[k]), acc);
+      if (c < end) {
+        acc0 = _mm512_fmadd_ps(chunk_sum(row.chunk(c), x, c), _mm512_permutexvar_ps(pick, s), acc0);
+        pick = _mm512_add_epi32(pick, two);
+        ++c;
       }
+      if (n % 2)  // the row's last group, alone in a half chunk
+        acc1 = _mm512_fmadd_ps(chunk_sum(row.half(c), x, c), _mm512_permutexvar_ps(pick, s), acc1);
+    } else {
+      constexpr int kChunks = GS / 64;  // per group
+      _mm512_store_ps(sf, s);
+      auto group_sum = [&](int64_t g) MS_AVX512 {
+        __m512 sum = chunk_sum(row.chunk(g * kChunks), x, g * kChunks);
+        for (int j = 1; j < kChunks; ++j)
+          sum = _mm512_add_ps(sum, chunk_sum(row.chunk(g * kChunks + j), x, g * kChunks + j));
+        return sum;
+      };
+      int64_t k = 0;
+      for (; k + 2 <= n; k += 2) {
+        const __m512 a = group_sum(g0 + k), b = group_sum(g0 + k + 1);
+        acc0 = _mm512_fmadd_ps(a, _mm512_set1_ps(sf[k]), acc0);
+        acc1 = _mm512_fmadd_ps(b, _mm512_set1_ps(sf[k + 1]), acc1);
+      }
+      if (k < n) acc0 = _mm512_fmadd_ps(group_sum(g0 + k), _mm512_set1_ps(sf[k]), acc0);
     }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(acc, acc_bias));
+  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), acc_bias));
 }
 
 template <int BITS, int GS>
@@ -250,7 +269,7 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
   if (in.T == 1) {
     const TokenInt8 x = token(0);
     for (int64_t r = r0; r < r1; ++r)
-      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>(row_codes(w, r), w.cols), row_scales(w, r),
+      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>{row_codes(w, r)}, row_scales(w, r),
                                 row_biases(w, r), dt, w.cols, x);
     return;
   }
@@ -258,9 +277,10 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
   thread_local std::vector<uint8_t> codes;
   codes.resize(size_t(chunks * 64));
   for (int64_t r = r0; r < r1; ++r) {
-    const PackedRow<BITS> packed(row_codes(w, r), w.cols);
+    const PackedRow<BITS> packed{row_codes(w, r)};
     for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes.data() + c * 64), packed.chunk(c));
+      _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes.data() + c * 64),
+                          c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
     const UnpackedRow row{codes.data()};
     for (int64_t t = 0; t < in.T; ++t)
       y[t * ldy + r] =
@@ -268,20 +288,35 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
   }
 }
 
-// Codes 16 I .. 16 I + 15 of a chunk as floats.
+// vpermb controls that spread codes 16 i .. 16 i + 15 of a chunk over the low bytes of 16
+// dwords (the other bytes are zeroed by the kDwordLow mask).
+struct Widen {
+  alignas(64) uint8_t idx[4][64];
+};
+constexpr Widen make_widen() {
+  Widen w{};
+  for (int i = 0; i < 4; ++i)
+    for (int d = 0; d < 16; ++d) w.idx[i][4 * d] = uint8_t(16 * i + d);
+  return w;
+}
+constexpr Widen kWiden = make_widen();
+constexpr __mmask64 kDwordLow = 0x1111111111111111ull;
+
 template <int I>
 MS_AVX512 inline __m512 quarter_f32(__m512i codes) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm512_extracti32x4_epi32(codes, I)));
+  const __m512i idx = _mm512_load_si512(reinterpret_cast<const __m512i*>(kWiden.idx[I]));
+  return _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwordLow, idx, codes));
 }
 
-// Calls f(w, i) with w the dequantized floats of codes [16 i, 16 i + 16) of a row, for every i.
+// Calls f(w0, w1, w2, w3, c) for every chunk c of row r, w_i the dequantized floats of codes
+// 16 i .. 16 i + 15 of the chunk. Past the end of a half chunk they are zeros.
 template <int BITS, int GS, class F>
 MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   const DType dt = w.quant.scale_dtype;
   const uint16_t* scales = row_scales(w, r);
   const uint16_t* biases = row_biases(w, r);
   const int64_t groups = w.cols / GS;
-  const PackedRow<BITS> row(row_codes(w, r), w.cols);
+  const PackedRow<BITS> row{row_codes(w, r)};
   alignas(64) float sf[16], bf[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
@@ -289,16 +324,14 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
     _mm512_store_ps(bf, load_half_n(biases + g0, n, dt));
     const int64_t c_end = ((g0 + n) * GS + 63) / 64;
     for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
-      const __m512i codes = row.chunk(c);
-      const __m512 q[4] = {quarter_f32<0>(codes), quarter_f32<1>(codes), quarter_f32<2>(codes),
-                           quarter_f32<3>(codes)};
-      for (int i = 0; i < 4; ++i) {
-        const int64_t first = c * 64 + 16 * i;
-        if (first >= w.cols) break;
-        const int64_t k = first / GS - g0;
-        const __m512 qf = q[i];
-        f(_mm512_fmadd_ps(qf, _mm512_set1_ps(sf[k]), _mm512_set1_ps(bf[k])), first / 16);
-      }
+      const __m512i codes = c < w.cols / 64 ? row.chunk(c) : row.half(c);
+      // Group (within the batch) of the codes 16 i .. of chunk c.
+      auto k = [&](int i) { return (c * 64 + 16 * i) / GS - g0; };
+      auto deq = [&](__m512 q, int i) MS_AVX512 {
+        return _mm512_fmadd_ps(q, _mm512_set1_ps(sf[k(i)]), _mm512_set1_ps(bf[k(i)]));
+      };
+      f(deq(quarter_f32<0>(codes), 0), deq(quarter_f32<1>(codes), 1),
+        deq(quarter_f32<2>(codes), 2), deq(quarter_f32<3>(codes), 3), c);
     }
   }
 }
@@ -309,24 +342,56 @@ MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y
   if (in.T == 1) {
     const float* x = in.xf.data();
     for (int64_t r = r0; r < r1; ++r) {
-      __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(),
-                       _mm512_setzero_ps()};
-      for_each_dequantized<BITS, GS>(w, r, [&](__m512 v, int64_t i) MS_AVX512 {
-        acc[i & 3] = _mm512_fmadd_ps(v, _mm512_loadu_ps(x + 16 * i), acc[i & 3]);
-      });
-      y[r] = _mm512_reduce_add_ps(
-          _mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for_each_dequantized<BITS, GS>(
+          w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
+            const float* xc = x + c * 64;
+            a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xc), a0);
+            a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xc + 16), a1);
+            a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xc + 32), a2);
+            a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xc + 48), a3);
+          });
+      y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
     }
     return;
   }
   thread_local std::vector<float> row;
-  row.resize(size_t(w.cols));
+  row.resize(size_t(in.stride));  // whole chunks
   for (int64_t r = r0; r < r1; ++r) {
     float* out = row.data();
     for_each_dequantized<BITS, GS>(
-        w, r, [&](__m512 v, int64_t i) MS_AVX512 { _mm512_storeu_ps(out + 16 * i, v); });
+        w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
+          _mm512_storeu_ps(out + c * 64, w0);
+          _mm512_storeu_ps(out + c * 64 + 16, w1);
+          _mm512_storeu_ps(out + c * 64 + 32, w2);
+          _mm512_storeu_ps(out + c * 64 + 48, w3);
+        });
     for (int64_t t = 0; t < in.T; ++t)
       y[t * ldy + r] = dot_f32(out, in.xf.data() + t * in.stride, w.cols);
+  }
+}
+
+// A token's activations to int8 per block of 32 (see LevelKernels::quantize_activations).
+MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
+                                    int8_t* q, float* lane_scale, float* group_sum) {
+  const __m512 fmax = _mm512_set1_ps(3.40282347e38f);
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const __m512 v0 = _mm512_loadu_ps(x + b * 32), v1 = _mm512_loadu_ps(x + b * 32 + 16);
+    const __m512 a0 = _mm512_abs_ps(v0), a1 = _mm512_abs_ps(v1);
+    const bool ok = (_mm512_cmp_ps_mask(a0, fmax, _CMP_LE_OQ) &
+                     _mm512_cmp_ps_mask(a1, fmax, _CMP_LE_OQ)) == 0xffff;  // no NaN or Inf
+    const float am = _mm512_reduce_max_ps(_mm512_max_ps(a0, a1));
+    const float dx = ok ? am / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const __m512 inv = _mm512_set1_ps(ok && am > 0 ? 127.0f / am : 0.0f);
+    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+    __m512i i0 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), hi), lo);
+    __m512i i1 = _mm512_max_epi32(_mm512_min_epi32(_mm512_cvtps_epi32(_mm512_mul_ps(v1, inv)), hi), lo);
+    if (!ok) i0 = i1 = _mm512_setzero_si512();
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * 32 + 16), _mm512_cvtepi32_epi8(i1));
+    _mm256_storeu_ps(lane_scale + b * 8, _mm256_set1_ps(dx));
+    group_sum[b * 32 / group_size] += dx * float(_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1)));
   }
 }
 
@@ -364,8 +429,8 @@ void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, in
 }  // namespace
 
 const LevelKernels& avx512_kernels() {
-  static const LevelKernels k{dot_f32, axpy, matmul_plain, matmul_quant_precise,
-                              matmul_quant_int8};
+  static const LevelKernels k{dot_f32,           axpy, matmul_plain, matmul_quant_precise,
+                              matmul_quant_int8, quantize_activations};
   return k;
 }
 

@@ -19,6 +19,13 @@ struct LevelKernels {
   MatmulFn matmul_plain;           // F32 / BF16 / F16 weights, float activations (in.x)
   MatmulFn matmul_quant_precise;   // quantized weights, float activations (in.xf)
   MatmulFn matmul_quant_int8;      // quantized weights, int8 activations (in.q ...)
+  // One token's activations x[0, cols) (cols a multiple of 32) to int8 per block of 32, in the
+  // level's code order for `bits`-bit weights: q[cols], lane_scale[cols / 4] (each 4-element
+  // lane gets its block's scale max|x| / 127), and adds each block's scale * sum(q) to
+  // group_sum[block * 32 / group_size]. Every level computes the same values: scale = amax / 127,
+  // q = round-half-even(x * (127 / amax)); a block holding Inf or NaN gets q = 0, scale NaN.
+  void (*quantize_activations)(const float* x, int64_t cols, int group_size, int bits, int8_t* q,
+                               float* lane_scale, float* group_sum);
 };
 
 const LevelKernels& scalar_kernels();

@@ -1,5 +1,8 @@
 // Scalar kernels: the reference every SIMD level is tested against. Plain loops, float32 sums,
 // codes in natural order.
+#include <algorithm>
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "backend/cpu/quant_kernels.h"
@@ -77,10 +80,34 @@ void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64
   }
 }
 
+void quantize_activations(const float* x, int64_t cols, int group_size, int bits, int8_t* q,
+                          float* lane_scale, float* group_sum) {
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    const float* xb = x + b * 32;
+    float amax = 0;
+    bool finite = true;
+    for (int i = 0; i < 32; ++i) {
+      amax = std::max(amax, std::abs(xb[i]));
+      finite = finite && std::isfinite(xb[i]);
+    }
+    const float dx = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+    const float inv = finite && amax > 0 ? 127.0f / amax : 0.0f;
+    int sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const int v = finite ? int(std::nearbyint(std::clamp(xb[i] * inv, -127.0f, 127.0f))) : 0;
+      q[b * 32 + i] = int8_t(v);
+      sum += v;
+    }
+    std::fill(lane_scale + b * 8, lane_scale + b * 8 + 8, dx);
+    group_sum[b * 32 / group_size] += dx * float(sum);
+  }
+}
+
 }  // namespace
 
 const LevelKernels& scalar_kernels() {
-  static const LevelKernels k{dot, axpy, matmul_plain, matmul_quant_precise, matmul_quant_int8};
+  static const LevelKernels k{dot,          axpy, matmul_plain, matmul_quant_precise,
+                              matmul_quant_int8, quantize_activations};
   return k;
 }
 
