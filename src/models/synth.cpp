@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
@@ -110,7 +111,7 @@ int quant_bits(const std::string& quant) {
 
 // A random expert matrix [rows, cols] in the requested storage, appended to parts/storage.
 void random_matrix(Rng& rng, const std::string& role, int64_t rows, int64_t cols, int bits,
-                   int group, std::vector<std::vector<char>>& storage,
+                   int group, std::deque<std::vector<char>>& storage,
                    std::vector<PackWriter::Part>& parts) {
   const float std = 1.0f / std::sqrt(float(cols));
   if (bits == 0) {
@@ -137,7 +138,7 @@ void random_matrix(Rng& rng, const std::string& role, int64_t rows, int64_t cols
     s[g] = f32_to_bf16(scale);
     bb[g] = f32_to_bf16(-scale * levels / 2);
   }
-  parts.push_back({role, DType::U32, {rows, cols * bits / 32}, q.data(), q.size()});
+  parts.push_back({role, DType::U32, {rows, cols * bits / 32}, q.data(), q.size(), bits, group});
   parts.push_back({role + ".scales", DType::BF16, {rows, cols / group}, sc.data(), sc.size()});
   parts.push_back({role + ".biases", DType::BF16, {rows, cols / group}, bi.data(), bi.size()});
 }
@@ -258,7 +259,7 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   storage.clear();
 
   const std::string format = bits ? "q" + std::to_string(bits) + "g" + std::to_string(o.group_size) : "bf16";
-  std::vector<std::vector<char>> bytes;
+  std::deque<std::vector<char>> bytes;  // deque: parts point into it as it grows
   std::vector<PackWriter::Part> parts;
   for (int l = s.first_dense; l < s.layers; ++l) {
     for (int e = 0; e < s.experts; ++e) {
