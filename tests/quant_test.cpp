@@ -255,7 +255,9 @@ TEST(QuantAffine, ClipSearchIsNeverWorseThanRoundToNearest) {
       ASSERT_LE(e_clip, e_plain) << "bits " << bits << " group " << g;
       better += e_clip < e_plain;
     }
-    if (bits == 2) EXPECT_GT(better, rows * cols / 64 / 4);
+    if (bits == 2) {
+      EXPECT_GT(better, rows * cols / 64 / 4);
+    }
   }
 }
 
@@ -504,7 +506,9 @@ TEST(QuantKernelLevels, BestIsSupportedAndUnsupportedLevelsAreRefused) {
   EXPECT_TRUE(cpu::kernel_level_supported(cpu::best_kernel_level()));
   EXPECT_TRUE(cpu::kernel_level_supported(KernelLevel::Scalar));
   for (KernelLevel l : {KernelLevel::Avx2, KernelLevel::Avx512})
-    if (!cpu::kernel_level_supported(l)) EXPECT_THROW(cpu::set_kernel_level(l), Error);
+    if (!cpu::kernel_level_supported(l)) {
+      EXPECT_THROW(cpu::set_kernel_level(l), Error);
+    }
 }
 
 }  // namespace

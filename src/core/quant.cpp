@@ -1,7 +1,9 @@
 #include "core/quant.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <vector>
 
@@ -123,6 +125,33 @@ void quant_put_code(uint32_t* row, int64_t i, int bits, uint32_t q) {
   if (off + bits > 32) row[word + 1] |= q >> (32 - off);
 }
 
+namespace {
+// 8 codes fill BITS whole bytes of the stream; the words' bytes are the stream on a
+// little-endian machine.
+template <int BITS>
+void unpack_codes_of(const uint8_t* bytes, int64_t cols, uint8_t* codes) {
+  static_assert(std::endian::native == std::endian::little);
+  constexpr uint64_t mask = (1u << BITS) - 1;
+  for (int64_t p = 0; p < cols / 8; ++p) {
+    uint64_t v = 0;
+    std::memcpy(&v, bytes + p * BITS, BITS);
+    for (int j = 0; j < 8; ++j) codes[p * 8 + j] = uint8_t((v >> (j * BITS)) & mask);
+  }
+}
+}  // namespace
+
+void unpack_codes(const uint32_t* row, int64_t cols, int bits, uint8_t* codes) {
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(row);
+  switch (bits) {
+    case 2: return unpack_codes_of<2>(bytes, cols, codes);
+    case 3: return unpack_codes_of<3>(bytes, cols, codes);
+    case 4: return unpack_codes_of<4>(bytes, cols, codes);
+    case 6: return unpack_codes_of<6>(bytes, cols, codes);
+    case 8: return unpack_codes_of<8>(bytes, cols, codes);
+    default: fail("unpack_codes: ", bits, "-bit codes are not supported");
+  }
+}
+
 float scale_to_f32(uint16_t v, DType dtype) {
   return dtype == DType::F16 ? f16_to_f32(v) : bf16_to_f32(v);
 }
@@ -170,11 +199,16 @@ void quantize_affine(const float* w, int64_t rows, int64_t cols, const QuantForm
 void dequantize_row(const QuantFormat& f, int64_t cols, const uint32_t* words,
                     const uint16_t* scales, const uint16_t* biases, float* out) {
   const int64_t gpr = quant_groups_per_row(f, cols);
+  uint8_t codes[128];
   for (int64_t g = 0; g < gpr; ++g) {
     const float s = scale_to_f32(scales[g], f.scale_dtype);
     const float b = scale_to_f32(biases[g], f.scale_dtype);
-    for (int64_t i = g * f.group_size; i < (g + 1) * f.group_size; ++i)
-      out[i] = std::fma(float(quant_code(words, i, f.bits)), s, b);
+    // A group starts on a byte boundary: group_size * bits is a multiple of 8.
+    unpack_codes(reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(words) +
+                                                   g * f.group_size * f.bits / 8),
+                 f.group_size, f.bits, codes);
+    for (int i = 0; i < f.group_size; ++i)
+      out[g * f.group_size + i] = std::fma(float(codes[i]), s, b);
   }
 }
 

@@ -59,6 +59,9 @@ inline int64_t quant_groups_per_row(const QuantFormat& f, int64_t cols) {
 uint32_t quant_code(const uint32_t* row, int64_t i, int bits);
 void quant_put_code(uint32_t* row, int64_t i, int bits, uint32_t q);
 
+// All codes of a packed row, one byte each (cols a multiple of 8).
+void unpack_codes(const uint32_t* row, int64_t cols, int bits, uint8_t* codes);
+
 // A stored scale or bias (raw bits of `dtype`, BF16 or F16) as float32, and back (nearest even).
 float scale_to_f32(uint16_t v, DType dtype);
 uint16_t scale_from_f32(float v, DType dtype);

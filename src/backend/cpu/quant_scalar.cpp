@@ -32,13 +32,6 @@ void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ld
   }
 }
 
-// Codes of row r, one byte each, natural order.
-void unpack_codes(const Matrix& w, int64_t r, uint8_t* codes) {
-  const uint32_t* words =
-      static_cast<const uint32_t*>(w.data) + r * quant_words_per_row(w.quant, w.cols);
-  for (int64_t i = 0; i < w.cols; ++i) codes[i] = uint8_t(quant_code(words, i, w.quant.bits));
-}
-
 void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                           int64_t r0, int64_t r1) {
   thread_local std::vector<float> row;
@@ -57,7 +50,8 @@ void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64
   const int gs = w.quant.group_size;
   const int64_t groups = row_groups(w);
   for (int64_t r = r0; r < r1; ++r) {
-    unpack_codes(w, r, codes.data());
+    unpack_codes(static_cast<const uint32_t*>(w.data) + r * quant_words_per_row(w.quant, w.cols),
+                 w.cols, w.quant.bits, codes.data());
     const uint16_t* scales = row_scales(w, r);
     const uint16_t* biases = row_biases(w, r);
     for (int64_t t = 0; t < in.T; ++t) {
