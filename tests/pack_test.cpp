@@ -141,6 +141,21 @@ TEST(Pack, FailureLeavesNothingAndSourceUntouched) {
   EXPECT_EQ(test::read_file(src + "/model.safetensors"), before);
 }
 
+TEST(Synth, QuantizedPacksRunAndStreamBitIdentically) {
+  for (const char* quant : {"bf16", "q8", "q4", "q2"}) {
+    const std::string out = test::temp_dir(std::string("synth-") + quant) + "/pack";
+    auto r = test::run_cli("synth -o " + out + " --preset tiny --zipf 1 --quant " + quant + " --group-size 32");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    const PackManifest m = PackManifest::load(out);
+    EXPECT_EQ(m.expert(0, 0).format, std::string(quant) == "bf16" ? "bf16" : std::string(quant) + "g32");
+    const std::vector<int32_t> ids = {1, 50, 300, 7, 99, 258, 3, 77, 500, 12};
+    const std::vector<float> full = logits_of(out, ids);
+    for (float v : full) ASSERT_TRUE(std::isfinite(v)) << quant;
+    const std::vector<float> tight = logits_of(out, ids, m.max_expert_size() / 1e6);
+    EXPECT_EQ(std::memcmp(full.data(), tight.data(), full.size() * 4), 0) << quant;
+  }
+}
+
 TEST(Pack, ExistingOutputIsRefused) {
   const std::string out = test::temp_dir("pack-exists");
   auto r = test::run_cli("pack " + test::fixture("models/qwen3moe_gqa_tied") + " " + out);
