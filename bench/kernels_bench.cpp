@@ -222,6 +222,7 @@ void register_all() {
     benchmark::RegisterBenchmark(name.c_str(), BM_Gemv, format(fmt), s.rows, s.cols, threads,
                                  precise, cold)
         ->Unit(benchmark::kMicrosecond)
+        ->UseRealTime()
         ->MinTime(0.3);
   };
   for (const char* fmt : {"bf16", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64"})

@@ -165,7 +165,7 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
 
   const int64_t cols = w.cols;
   const int gs = w.quant.group_size;
-  const detail::CodeOrder order = detail::code_order(in.level, in.bits);
+  const detail::CodeOrder order = detail::code_order(in.level, in.bits, precise);
   in.stride = round_up(cols, 64);
   in.group_stride = round_up(cols / gs, 16);
   if (precise) {
@@ -175,8 +175,10 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
       if (order == detail::CodeOrder::Natural) {
         std::copy(x + t * cols, x + (t + 1) * cols, dst);
       } else {
-        for (int64_t i = 0; i < cols; ++i)
-          dst[i / 32 * 32 + detail::position_in_block(order, int(i % 32))] = x[t * cols + i];
+        int position[32];
+        for (int e = 0; e < 32; ++e) position[e] = detail::position_in_block(order, e);
+        for (int64_t b = 0; b < cols; b += 32)
+          for (int e = 0; e < 32; ++e) dst[b + position[e]] = x[t * cols + b + e];
       }
       std::fill(dst + cols, dst + in.stride, 0.0f);
     }

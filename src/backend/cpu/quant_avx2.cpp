@@ -81,6 +81,46 @@ MS_AVX2 void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
+// Several tokens times a few float rows: y[t * ldy + j] = dot(rows[j * rs ..], x[t * xs ..])
+// over n values, j < nrows, t < T. Four rows at a time share each load of x, so a block of
+// rows stays in L1 while the tokens stream past it once.
+MS_AVX2 void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x,
+                               int64_t xs, int64_t T, int64_t n, float* y, int64_t ldy) {
+  int64_t j = 0;
+  for (; j + 4 <= nrows; j += 4) {
+    const float* w0 = rows + j * rs;
+    const float* w1 = w0 + rs;
+    const float* w2 = w1 + rs;
+    const float* w3 = w2 + rs;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xt = x + t * xs;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 8 <= n; i += 8) {
+        const __m256 xv = _mm256_loadu_ps(xt + i);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
+        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
+        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
+      }
+      float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
+      for (; i < n; ++i) {
+        s0 += w0[i] * xt[i];
+        s1 += w1[i] * xt[i];
+        s2 += w2[i] * xt[i];
+        s3 += w3[i] * xt[i];
+      }
+      y[t * ldy + j] = s0;
+      y[t * ldy + j + 1] = s1;
+      y[t * ldy + j + 2] = s2;
+      y[t * ldy + j + 3] = s3;
+    }
+  }
+  for (; j < nrows; ++j)
+    for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_f32(rows + j * rs, x + t * xs, n);
+}
+
 MS_AVX2 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
   int64_t i = 0;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -125,12 +165,12 @@ MS_AVX2 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, in
     for (int64_t r = r0; r < r1; ++r) y[r] = dot_plain_row(w, r, in.x);
     return;
   }
-  thread_local std::vector<float> row;
-  row.resize(size_t(w.cols));
-  for (int64_t r = r0; r < r1; ++r) {
-    plain_row_to_f32(w, r, row.data());
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(4 * w.cols));
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t n = std::min<int64_t>(4, r1 - r);
+    for (int64_t j = 0; j < n; ++j) plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
+    rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
   }
 }
 
@@ -355,20 +395,22 @@ MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, 
     }
     return;
   }
-  thread_local std::vector<float> row;
-  row.resize(size_t(w.cols));
-  for (int64_t r = r0; r < r1; ++r) {
-    float* out = row.data();
-    for_each_block<BITS, GS>(row_codes(w, r), row_scales(w, r), row_biases(w, r), dt, w.cols,
-                             [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
-                               __m256 q[4];
-                               codes_to_f32(c, q);
-                               for (int i = 0; i < 4; ++i)
-                                 _mm256_storeu_ps(out + blk * 32 + 8 * i,
-                                                  _mm256_fmadd_ps(q[i], s, b));
-                             });
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_f32(out, in.xf.data() + t * in.stride, w.cols);
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(4 * w.cols));
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t n = std::min<int64_t>(4, r1 - r);
+    for (int64_t j = 0; j < n; ++j) {
+      float* out = rows.data() + j * w.cols;
+      for_each_block<BITS, GS>(row_codes(w, r + j), row_scales(w, r + j), row_biases(w, r + j), dt,
+                               w.cols, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+                                 __m256 q[4];
+                                 codes_to_f32(c, q);
+                                 for (int i = 0; i < 4; ++i)
+                                   _mm256_storeu_ps(out + blk * 32 + 8 * i,
+                                                    _mm256_fmadd_ps(q[i], s, b));
+                               });
+    }
+    rows_times_tokens(rows.data(), w.cols, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
   }
 }
 
@@ -384,7 +426,7 @@ alignas(32) constexpr int8_t kCrumbShuffle[32] = {0, 4, 8, 12, 1, 5, 9, 13, 2, 6
 
 MS_AVX2 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
                                   int8_t* q, float* lane_scale, float* group_sum) {
-  const CodeOrder order = code_order(KernelLevel::Avx2, bits);
+  const CodeOrder order = code_order(KernelLevel::Avx2, bits, false);
   const __m256 sign = _mm256_set1_ps(-0.0f), fmax = _mm256_set1_ps(3.40282347e38f);
   const __m256i lanes = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t b = 0; b < cols / 32; ++b) {

@@ -80,6 +80,39 @@ MS_AVX512 void axpy(float a, const float* x, float* y, int64_t n) {
   }
 }
 
+// Several tokens times a few float rows: y[t * ldy + j] = dot(rows[j * rs ..], x[t * xs ..])
+// over n values, j < nrows, t < T. Four rows at a time share each load of x, so a block of
+// rows stays in L1 while the tokens stream past it once.
+MS_AVX512 void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x,
+                                 int64_t xs, int64_t T, int64_t n, float* y, int64_t ldy) {
+  int64_t j = 0;
+  for (; j + 4 <= nrows; j += 4) {
+    const float* w0 = rows + j * rs;
+    const float* w1 = w0 + rs;
+    const float* w2 = w1 + rs;
+    const float* w3 = w2 + rs;
+    for (int64_t t = 0; t < T; ++t) {
+      const float* xt = x + t * xs;
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t i = 0; i < n; i += 16) {
+        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
+        const __m512 xv = _mm512_maskz_loadu_ps(m, xt + i);
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w0 + i), xv, a0);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w1 + i), xv, a1);
+        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w2 + i), xv, a2);
+        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w3 + i), xv, a3);
+      }
+      y[t * ldy + j] = _mm512_reduce_add_ps(a0);
+      y[t * ldy + j + 1] = _mm512_reduce_add_ps(a1);
+      y[t * ldy + j + 2] = _mm512_reduce_add_ps(a2);
+      y[t * ldy + j + 3] = _mm512_reduce_add_ps(a3);
+    }
+  }
+  for (; j < nrows; ++j)
+    for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_f32(rows + j * rs, x + t * xs, n);
+}
+
 MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
   int64_t i = 0;
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -125,12 +158,12 @@ MS_AVX512 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, 
                             w.dtype);
     return;
   }
-  thread_local std::vector<float> row;
-  row.resize(size_t(w.cols));
-  for (int64_t r = r0; r < r1; ++r) {
-    plain_row_to_f32(w, r, row.data());
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_f32(row.data(), in.x + t * in.cols, w.cols);
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(4 * w.cols));
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t n = std::min<int64_t>(4, r1 - r);
+    for (int64_t j = 0; j < n; ++j) plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
+    rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
   }
 }
 
@@ -308,8 +341,36 @@ MS_AVX512 inline __m512 quarter_f32(__m512i codes) {
   return _mm512_cvtepi32_ps(_mm512_maskz_permutexvar_epi8(kDwordLow, idx, codes));
 }
 
+// 2- and 4-bit codes are dequantized by table lookup: vpermps indexes a zmm holding
+// q * scale + bias for q = 0..15 (computed with the same fma as elsewhere, so the floats are
+// identical), using only the low 4 bits of each dword. The codes reach those bits by a
+// broadcast load and per-dword shifts (CodeOrder::Halves for 4 bits, natural for 2), with no
+// byte shuffles.
+template <int BITS>
+MS_AVX512 inline __m512 dequant_table(float scale, float bias) {
+  const __m512 q = BITS == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
+                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
+}
+// Table indices of codes 16 i .. 16 i + 15 of the chunk at p (their low 4 bits).
+template <int BITS>
+MS_AVX512 inline __m512i table_index(const uint8_t* p, int i) {
+  if constexpr (BITS == 4) {
+    int64_t v;
+    std::memcpy(&v, p + 8 * i, 8);
+    return _mm512_srlv_epi32(_mm512_set1_epi64(v), _mm512_setr_epi32(0, 0, 4, 4, 8, 8, 12, 12, 16,
+                                                                       16, 20, 20, 24, 24, 28, 28));
+  } else {
+    int32_t v;
+    std::memcpy(&v, p + 4 * i, 4);
+    return _mm512_srlv_epi32(_mm512_set1_epi32(v), _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16,
+                                                                       18, 20, 22, 24, 26, 28, 30));
+  }
+}
+
 // Calls f(w0, w1, w2, w3, c) for every chunk c of row r, w_i the dequantized floats of codes
-// 16 i .. 16 i + 15 of the chunk. Past the end of a half chunk they are zeros.
+// 16 i .. 16 i + 15 of the chunk (in the precise code order). Past the end of a half chunk
+// they are zeros.
 template <int BITS, int GS, class F>
 MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   const DType dt = w.quant.scale_dtype;
@@ -324,14 +385,28 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
     _mm512_store_ps(bf, load_half_n(biases + g0, n, dt));
     const int64_t c_end = ((g0 + n) * GS + 63) / 64;
     for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
-      const __m512i codes = c < w.cols / 64 ? row.chunk(c) : row.half(c);
       // Group (within the batch) of the codes 16 i .. of chunk c.
       auto k = [&](int i) { return (c * 64 + 16 * i) / GS - g0; };
-      auto deq = [&](__m512 q, int i) MS_AVX512 {
-        return _mm512_fmadd_ps(q, _mm512_set1_ps(sf[k(i)]), _mm512_set1_ps(bf[k(i)]));
-      };
-      f(deq(quarter_f32<0>(codes), 0), deq(quarter_f32<1>(codes), 1),
-        deq(quarter_f32<2>(codes), 2), deq(quarter_f32<3>(codes), 3), c);
+      if constexpr (BITS == 2 || BITS == 4) {
+        const uint8_t* p = row.p + c * 8 * BITS;
+        const __m512 t0 = dequant_table<BITS>(sf[k(0)], bf[k(0)]);
+        const __m512 t2 = GS == 32 ? dequant_table<BITS>(sf[k(2)], bf[k(2)]) : t0;
+        const __m512 w0 = _mm512_permutexvar_ps(table_index<BITS>(p, 0), t0);
+        const __m512 w1 = _mm512_permutexvar_ps(table_index<BITS>(p, 1), t0);
+        if (c < w.cols / 64) {
+          f(w0, w1, _mm512_permutexvar_ps(table_index<BITS>(p, 2), t2),
+            _mm512_permutexvar_ps(table_index<BITS>(p, 3), t2), c);
+        } else {
+          f(w0, w1, _mm512_setzero_ps(), _mm512_setzero_ps(), c);
+        }
+      } else {
+        const __m512i codes = c < w.cols / 64 ? row.chunk(c) : row.half(c);
+        auto deq = [&](__m512 q, int i) MS_AVX512 {
+          return _mm512_fmadd_ps(q, _mm512_set1_ps(sf[k(i)]), _mm512_set1_ps(bf[k(i)]));
+        };
+        f(deq(quarter_f32<0>(codes), 0), deq(quarter_f32<1>(codes), 1),
+          deq(quarter_f32<2>(codes), 2), deq(quarter_f32<3>(codes), 3), c);
+      }
     }
   }
 }
@@ -356,19 +431,21 @@ MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y
     }
     return;
   }
-  thread_local std::vector<float> row;
-  row.resize(size_t(in.stride));  // whole chunks
-  for (int64_t r = r0; r < r1; ++r) {
-    float* out = row.data();
-    for_each_dequantized<BITS, GS>(
-        w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
-          _mm512_storeu_ps(out + c * 64, w0);
-          _mm512_storeu_ps(out + c * 64 + 16, w1);
-          _mm512_storeu_ps(out + c * 64 + 32, w2);
-          _mm512_storeu_ps(out + c * 64 + 48, w3);
-        });
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_f32(out, in.xf.data() + t * in.stride, w.cols);
+  thread_local std::vector<float> rows;
+  rows.resize(size_t(4 * in.stride));  // whole chunks
+  for (int64_t r = r0; r < r1; r += 4) {
+    const int64_t n = std::min<int64_t>(4, r1 - r);
+    for (int64_t j = 0; j < n; ++j) {
+      float* out = rows.data() + j * in.stride;
+      for_each_dequantized<BITS, GS>(
+          w, r + j, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
+            _mm512_storeu_ps(out + c * 64, w0);
+            _mm512_storeu_ps(out + c * 64 + 16, w1);
+            _mm512_storeu_ps(out + c * 64 + 32, w2);
+            _mm512_storeu_ps(out + c * 64 + 48, w3);
+          });
+    }
+    rows_times_tokens(rows.data(), in.stride, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
   }
 }
 

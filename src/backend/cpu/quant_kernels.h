@@ -32,14 +32,19 @@ const LevelKernels& scalar_kernels();
 const LevelKernels& avx2_kernels();
 const LevelKernels& avx512_kernels();
 
-// Where element e (0..31) of a block of 32 lands in a level's unpacked codes.
+// Where element e (0..31) of a block of 32 lands in a level's unpacked codes, which is where
+// prepare_input puts the activation that multiplies it.
 //   Natural  e -> e.
 //   Nibbles  (AVX2, 4-bit) low nibbles of the block's 16 bytes, then high nibbles:
 //            e -> e / 2 + 16 * (e % 2).
 //   Crumbs   (AVX2, 2-bit) the 8 bytes shifted by 0, 2, 4, 6 bits in turn:
 //            e -> 8 * (e % 4) + e / 4.
-enum class CodeOrder : uint8_t { Natural, Nibbles, Crumbs };
-inline CodeOrder code_order(KernelLevel level, int bits) {
+//   Halves   (AVX-512 float path, 4-bit) each 16 codes are 8 bytes broadcast to every qword;
+//            dword 2j shifts the low 4 bytes, dword 2j+1 the high 4 bytes, by 4j:
+//            e -> e / 16 * 16 + 2 * (e % 8) + e % 16 / 8.
+enum class CodeOrder : uint8_t { Natural, Nibbles, Crumbs, Halves };
+inline CodeOrder code_order(KernelLevel level, int bits, bool precise) {
+  if (level == KernelLevel::Avx512) return precise && bits == 4 ? CodeOrder::Halves : CodeOrder::Natural;
   if (level != KernelLevel::Avx2) return CodeOrder::Natural;
   if (bits == 4) return CodeOrder::Nibbles;
   if (bits == 2) return CodeOrder::Crumbs;
@@ -49,6 +54,7 @@ inline int position_in_block(CodeOrder order, int e) {
   switch (order) {
     case CodeOrder::Nibbles: return e / 2 + 16 * (e % 2);
     case CodeOrder::Crumbs: return 8 * (e % 4) + e / 4;
+    case CodeOrder::Halves: return e / 16 * 16 + 2 * (e % 8) + e % 16 / 8;
     default: return e;
   }
 }
