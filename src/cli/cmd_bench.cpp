@@ -12,6 +12,7 @@
 
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/thread_pool.h"
 #include "io/async_reader.h"
 #include "io/pack.h"
 #include "models/generate.h"
@@ -79,6 +80,33 @@ double raw_read_gb_per_s(const PackManifest& pack, const ExpertStoreOptions& o, 
   return bytes / secs / 1e9;
 }
 
+// Memory read bandwidth: threads summing disjoint parts of a buffer far larger than the caches,
+// best of three passes.
+double memory_read_gb_per_s(int threads) {
+  const size_t n = (512u << 20) / sizeof(uint64_t);
+  std::vector<uint64_t> buf(n, 1);  // integer sums vectorize (float sums would be serialized)
+  ThreadPool pool(threads);
+  double best = 0;
+  for (int rep = 0; rep < 3; ++rep) {
+    std::vector<double> partial(size_t(pool.size()) * 16, 0.0);
+    auto t0 = clock_type::now();
+    pool.parallel_for(size_t(pool.size()), [&](size_t b, size_t e) {
+      for (size_t part = b; part < e; ++part) {
+        const size_t lo = n / size_t(pool.size()) * part, hi = part + 1 == size_t(pool.size()) ? n : lo + n / size_t(pool.size());
+        uint64_t sum = 0;
+        for (size_t i = lo; i < hi; ++i) sum += buf[i];
+        partial[part * 16] = double(sum);
+      }
+    });
+    const double secs = seconds_since(t0);
+    double check = 0;
+    for (double v : partial) check += v;
+    if (check <= 0) fail("bench: memory bandwidth probe computed nothing");
+    best = std::max(best, double(n * sizeof(uint64_t)) / secs / 1e9);
+  }
+  return best;
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -103,6 +131,7 @@ void add_bench(CLI::App& app) {
     uint64_t raw_bytes = 0;
     const double raw = raw_read_gb_per_s(pack, opt.experts, uint64_t(f->raw_mb * 1e6), raw_bytes);
 
+    const double mem_bw = memory_read_gb_per_s(opt.threads);
     auto model = load_model(pack_dir, opt);
     const auto& info = model->info();
     std::mt19937 rng(1234);
@@ -114,7 +143,9 @@ void add_bench(CLI::App& app) {
                           {"backend", model->backend().name()},
                           {"expert_cache_mb", opt.experts.cache_mb},
                           {"io", opt.experts.io}, {"direct_io", opt.experts.direct_io},
-                          {"raw_read_gb_per_s", raw}, {"raw_read_bytes", raw_bytes}};
+                          {"raw_read_gb_per_s", raw}, {"raw_read_bytes", raw_bytes},
+                          {"memory_read_gb_per_s", mem_bw},
+                          {"active_bytes_per_token", info.active_bytes_per_token}};
 
     if (f->n_prompt > 0) {
       std::vector<int32_t> prompt(size_t(f->n_prompt));
@@ -148,7 +179,11 @@ void add_bench(CLI::App& app) {
                    {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
                    {"bytes_read", bytes}, {"bytes_read_per_token", bytes / f->n_gen},
                    {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
-                   {"read_ratio", raw > 0 ? read / raw : 0.0}};
+                   {"read_ratio", raw > 0 ? read / raw : 0.0},
+                   // Weights touched per token (non-expert + top-k experts) at this speed,
+                   // against the memory read bandwidth measured above.
+                   {"weight_gb_per_s", info.active_bytes_per_token * (f->n_gen / secs) / 1e9},
+                   {"weight_bw_ratio", info.active_bytes_per_token * (f->n_gen / secs) / 1e9 / mem_bw}};
     }
     out["peak_rss_bytes"] = peak_rss_bytes();
     out["expert_cache_bytes"] = model->expert_stats().cache_bytes;
@@ -163,7 +198,8 @@ void add_bench(CLI::App& app) {
                 model->backend().name().c_str(),
                 opt.experts.cache_mb < 0 ? "unbounded" : (std::to_string(int64_t(opt.experts.cache_mb)) + " MB").c_str(),
                 opt.experts.io.c_str(), opt.experts.direct_io ? " O_DIRECT" : "", opt.experts.io_threads);
-    std::printf("raw read of the expert files: %.2f GB/s (%.0f MB, random experts)\n\n", raw, raw_bytes / 1e6);
+    std::printf("raw read of the expert files: %.2f GB/s (%.0f MB, random experts); memory read: %.1f GB/s\n\n",
+                raw, raw_bytes / 1e6, mem_bw);
     std::printf("| test   |      t/s | hit rate | read MB/token | read GB/s | of raw |\n");
     std::printf("|--------|---------:|---------:|--------------:|----------:|-------:|\n");
     if (out.contains("pp"))
@@ -176,7 +212,11 @@ void add_bench(CLI::App& app) {
                   tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
                   100 * tg["read_ratio"].get<double>());
     }
-    std::printf("\npeak RSS %.1f MB; expert cache %.1f MB\n", peak_rss_bytes() / 1e6,
+    if (out.contains("tg"))
+      std::printf("\ndecode touches %.1f MB of weights per token: %.2f GB/s, %.0f%% of the memory read bandwidth\n",
+                  info.active_bytes_per_token / 1e6, out["tg"]["weight_gb_per_s"].get<double>(),
+                  100 * out["tg"]["weight_bw_ratio"].get<double>());
+    std::printf("peak RSS %.1f MB; expert cache %.1f MB\n", peak_rss_bytes() / 1e6,
                 model->expert_stats().cache_bytes / 1e6);
   });
 }
