@@ -92,6 +92,29 @@ struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
   Matrix gate, up, down;
 };
 
+// Gated DeltaNet (the linear attention of Qwen3-Next / Qwen3.5), everything after the input
+// projections. Channels of the fused qkv input: q [n_k_heads * k_head_dim], k [same], then v
+// [n_v_heads * v_head_dim]; value head h reads key head h / (n_v_heads / n_k_heads).
+struct DeltaNetParams {
+  int n_k_heads = 0, n_v_heads = 0;
+  int k_head_dim = 0, v_head_dim = 0;
+  int conv_kernel = 0;     // taps of the causal depthwise conv1d
+  float norm_eps = 1e-6f;  // of the gated RMSNorm
+};
+
+struct DeltaNetWeights {
+  Vector conv;     // [conv_dim * conv_kernel], channel-major: tap j of channel c at c * kernel + j
+  Vector A_log;    // [n_v_heads] log of the decay rate
+  Vector dt_bias;  // [n_v_heads]
+  Vector norm;     // [v_head_dim] gated RMSNorm weight, applied as w (not 1 + w)
+};
+
+// What a linear-attention layer carries from one forward call to the next.
+struct DeltaNetState {
+  Buffer conv;       // [conv_kernel - 1, conv_dim]: the latest conv inputs, oldest first
+  Buffer recurrent;  // [n_v_heads * k_head_dim, v_head_dim]: S of each value head
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -127,6 +150,18 @@ class Backend {
   // out = sum over the routed experts of weight * expert(x); router (n_experts, dim).
   virtual void moe(const Buffer& x, const Matrix& router, ExpertStore& experts,
                    const MoeParams& p, Buffer& out) = 0;
+  // y[t, i] *= sigmoid(gate[t, i % gate.cols]): gate (T, y.cols) gates each element, gate (T, 1)
+  // scales each row (the output gate of gated attention, the shared-expert gate).
+  virtual void sigmoid_gate(Buffer& y, const Buffer& gate) = 0;
+  // Gated DeltaNet over T tokens, continuing from `state` and updating it:
+  //   qkv (T, conv_dim) -> causal conv1d + SiLU -> q, k L2-normalized per head, v
+  //   g = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b)         a, b (T, n_v_heads)
+  //   per value head: S = exp(g) S;  S += k (beta (v - S^T k))^T;  o = S^T q / sqrt(k_head_dim)
+  //   out (T, n_v_heads * v_head_dim) = RMSNorm(o) * norm * silu(z)     z (T, same)
+  // Prefill may use a chunked form; it equals the token-by-token recurrence up to rounding.
+  virtual void gated_delta_net(const Buffer& qkv, const Buffer& z, const Buffer& b, const Buffer& a,
+                               const DeltaNetWeights& w, const DeltaNetParams& p,
+                               DeltaNetState& state, Buffer& out) = 0;
 
  protected:
   PhaseTimes times_;

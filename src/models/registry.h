@@ -35,5 +35,10 @@ const std::vector<Architecture>& architectures();
 // Per-family loaders, defined in their own files.
 std::unique_ptr<Model> load_qwen3_moe(const std::string& dir, const HfConfig& config,
                                       const ModelOptions& options);
+// Qwen3-Next and Qwen3.5-MoE (qwen3_next.cpp): hybrid Gated DeltaNet / gated attention layers.
+std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& config,
+                                       const ModelOptions& options);
+// parse_qwen_expert_tensor's names, also under "model.language_model." (multimodal Qwen3.5).
+std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& name);
 
 }  // namespace moestream

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "backend/backend.h"
+#include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
 #include "core/error.h"
 #include "core/quant.h"
@@ -256,6 +257,22 @@ class CpuBackend final : public Backend {
     }
   }
 
+  void sigmoid_gate(Buffer& y, const Buffer& gate) override {
+    if (gate.rows != y.rows || (gate.cols != 1 && gate.cols != y.cols))
+      fail("sigmoid_gate: gate [", gate.rows, ", ", gate.cols, "] does not fit [", y.rows, ", ", y.cols, "]");
+    for (int64_t t = 0; t < y.rows; ++t)
+      for (int64_t i = 0; i < y.cols; ++i)
+        y.data[t * y.cols + i] *= 1.0f / (1.0f + std::exp(-gate.data[t * gate.cols + i % gate.cols]));
+  }
+
+  void gated_delta_net(const Buffer& qkv, const Buffer& z, const Buffer& b, const Buffer& a,
+                       const DeltaNetWeights& w, const DeltaNetParams& p, DeltaNetState& state,
+                       Buffer& out) override {
+    // Decode steps run the recurrence; prefill the chunked form.
+    const auto form = qkv.rows > 1 ? cpu::DeltaRuleForm::Chunked : cpu::DeltaRuleForm::Recurrent;
+    cpu::gated_delta_net(pool_, qkv, z, b, a, w, p, state, out, deltanet_, form);
+  }
+
  private:
   static void swiglu(Buffer& g, const Buffer& u) {
     const int64_t n = g.rows * g.cols;
@@ -280,6 +297,7 @@ class CpuBackend final : public Backend {
   std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
   std::vector<std::vector<float>> scratch_;
   std::vector<float> rope_scratch_;
+  cpu::DeltaNetScratch deltanet_;
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
   std::vector<int> expert_ids_;
   std::vector<int64_t> first_row_;
