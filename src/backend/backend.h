@@ -69,16 +69,29 @@ struct RopeTable {
   float attention_factor = 1.0f;  // multiplies cos and sin (YaRN)
   int rot_dim = 0;               // leading dims of each head that rotate
   bool interleaved = false;      // pairs (2i, 2i+1) instead of (i, i + rot_dim/2)
+  int rot_offset = 0;            // dims of each head before the rotated ones (DeepSeek: nope first)
 };
 
 struct AttentionParams {
   int n_heads = 0, n_kv_heads = 0, head_dim = 0;
   float scale = 0;      // softmax scale, usually head_dim^-0.5
   int64_t n_past = 0;   // positions already in the cache before this call
+  int v_head_dim = 0;   // width of each value head; 0: head_dim (MLA's values are narrower)
+  int64_t sliding_window = 0;     // > 0: a query sees only the last sliding_window keys (itself included)
+  const Vector* sinks = nullptr;  // per-head logit that joins each softmax denominator (gpt-oss)
 };
 
 enum class RouterKind {
   SoftmaxTopK,  // softmax over all experts, take the top k (Qwen, Mixtral, OLMoE)
+  // sigmoid scores; experts chosen by score + router_bias within the topk_group best of n_group
+  // groups (a group scores the sum of its two best); weights are the unbiased scores (DeepSeek-V3, GLM-4.5)
+  SigmoidGroupTopK,
+  TopKSoftmax,  // logits (+ router_bias), take the top k, softmax over those k (gpt-oss)
+};
+
+enum class ExpertActivation {
+  SwiGlu,         // silu(gate) * up
+  ClampedSwiGlu,  // gpt-oss: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)
 };
 
 struct MoeParams {
@@ -86,10 +99,21 @@ struct MoeParams {
   RouterKind router = RouterKind::SoftmaxTopK;
   bool norm_topk_prob = false;  // renormalize the k selected weights to sum to 1
   int layer = 0;                // for ExpertStore::fetch
+  const Vector* router_bias = nullptr;  // SigmoidGroupTopK: e_score_correction_bias; TopKSoftmax: logit bias
+  int n_group = 1, topk_group = 1;      // SigmoidGroupTopK: experts in n_group groups, keep topk_group
+  float routed_scaling_factor = 1.0f;   // multiplies the final routing weights
+  ExpertActivation activation = ExpertActivation::SwiGlu;
+  float swiglu_limit = 7.0f, swiglu_alpha = 1.702f;  // ClampedSwiGlu
 };
 
 struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
   Matrix gate, up, down;
+  Vector gate_bias, up_bias, down_bias;  // empty unless the checkpoint has them (gpt-oss experts)
+};
+
+// Column blocks of a buffer: block g starts at column offset + g * stride (stride 0 repeats one).
+struct ColumnBlocks {
+  int64_t offset = 0, stride = 0;
 };
 
 // Gated DeltaNet (the linear attention of Qwen3-Next / Qwen3.5), everything after the input
@@ -145,6 +169,12 @@ class Backend {
   virtual void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
                          Buffer& v_cache, const AttentionParams& p, Buffer& out) = 0;
   virtual void add(Buffer& x, const Buffer& y) = 0;  // x += y
+  virtual void clamp(Buffer& x, float limit) = 0;    // x = min(max(x, -limit), limit)
+  // dst[t, to block g + i] = src[t, from block g + i] for g < blocks, i < width.
+  virtual void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to,
+                            int64_t width, int64_t blocks) = 0;
+  // One matrix per head: out[t, head h] (w[h].rows) = x[t, head h] (w[h].cols) @ w[h]^T.
+  virtual void linear_per_head(const Buffer& x, std::span<const Matrix> w, Buffer& out) = 0;
   // out = dense SwiGLU MLP of x
   virtual void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) = 0;
   // out = sum over the routed experts of weight * expert(x); router (n_experts, dim).

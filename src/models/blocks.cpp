@@ -1,8 +1,10 @@
 #include "models/blocks.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
+#include "io/pack.h"
 #include "io/safetensors.h"
 
 namespace moestream {
@@ -71,11 +73,44 @@ RopeTable make_rope_table(const RopeParams& p, int rot_dim, const std::string& c
     for (float& f : r.inv_freq) f /= float(p.factor);
     return r;
   }
-  fail(config_path, ": rope type '", p.type, "' is not supported yet (supported: default, linear)");
+  if (p.type == "yarn") {
+    // YaRN: high-frequency pairs keep their frequency (extrapolation), low-frequency ones are
+    // divided by factor (interpolation), with a linear ramp between the correction dims.
+    if (p.original_max_position <= 0)
+      fail(config_path, ": yarn rope needs original_max_position_embeddings");
+    const double dim = rot_dim, base = p.theta, orig = p.original_max_position;
+    const auto correction_dim = [&](double rotations) {
+      return dim * std::log(orig / (rotations * 2 * M_PI)) / (2 * std::log(base));
+    };
+    double low = correction_dim(p.beta_fast), high = correction_dim(p.beta_slow);
+    if (p.truncate) low = std::floor(low), high = std::ceil(high);
+    low = std::max(low, 0.0), high = std::min(high, dim - 1);
+    if (low == high) high += 0.001;
+    for (int i = 0; i < rot_dim / 2; ++i) {
+      const float pos_freq = std::pow(float(base), float(2 * i) / float(rot_dim));
+      const float ramp = std::clamp((float(i) - float(low)) / float(high - low), 0.0f, 1.0f);
+      const float extrapolation = 1.0f - ramp;
+      r.inv_freq[size_t(i)] = 1.0f / (float(p.factor) * pos_freq) * (1.0f - extrapolation) +
+                              1.0f / pos_freq * extrapolation;
+    }
+    if (p.attention_factor)
+      r.attention_factor = float(*p.attention_factor);
+    else if (p.mscale && p.mscale_all_dim && *p.mscale && *p.mscale_all_dim)
+      r.attention_factor = float(yarn_mscale(p.factor, *p.mscale) / yarn_mscale(p.factor, *p.mscale_all_dim));
+    else
+      r.attention_factor = float(yarn_mscale(p.factor, 1.0));
+    return r;
+  }
+  fail(config_path, ": rope type '", p.type, "' is not supported yet (supported: default, linear, yarn)");
+}
+
+double yarn_mscale(double factor, double mscale) {
+  return factor <= 1 ? 1.0 : 0.1 * mscale * std::log(factor) + 1.0;
 }
 
 GqaAttention GqaAttention::load(WeightLoader& w, const std::string& prefix, int64_t hidden,
-                                int n_heads, int n_kv_heads, int head_dim, float norm_eps) {
+                                int n_heads, int n_kv_heads, int head_dim, float norm_eps,
+                                const GqaOptions& options) {
   GqaAttention a;
   const int64_t q_dim = int64_t(n_heads) * head_dim, kv_dim = int64_t(n_kv_heads) * head_dim;
   a.q_proj = w.matrix(prefix + "q_proj.weight", q_dim, hidden);
@@ -86,8 +121,11 @@ GqaAttention GqaAttention::load(WeightLoader& w, const std::string& prefix, int6
   a.k_bias = w.optional_vector(prefix + "k_proj.bias", kv_dim);
   a.v_bias = w.optional_vector(prefix + "v_proj.bias", kv_dim);
   a.o_bias = w.optional_vector(prefix + "o_proj.bias", hidden);
-  a.q_norm = w.optional_vector(prefix + "q_norm.weight", head_dim);
-  a.k_norm = w.optional_vector(prefix + "k_norm.weight", head_dim);
+  a.q_norm = w.optional_vector(prefix + "q_norm.weight", options.qk_norm_whole ? q_dim : head_dim);
+  a.k_norm = w.optional_vector(prefix + "k_norm.weight", options.qk_norm_whole ? kv_dim : head_dim);
+  a.sinks = w.optional_vector(prefix + "sinks", n_heads);
+  a.options = options;
+  a.params.sliding_window = options.sliding_window;
   a.params.n_heads = n_heads;
   a.params.n_kv_heads = n_kv_heads;
   a.params.head_dim = head_dim;
@@ -104,23 +142,74 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& 
   be.linear(x, q_proj, q_bias ? &q_bias : nullptr, q);
   be.linear(x, k_proj, k_bias ? &k_bias : nullptr, k);
   be.linear(x, v_proj, v_bias ? &v_bias : nullptr, v);
-  if (q_norm) be.rmsnorm(q, q_norm, norm_eps, params.head_dim, q);
-  if (k_norm) be.rmsnorm(k, k_norm, norm_eps, params.head_dim, k);
+  if (q_norm) be.rmsnorm(q, q_norm, norm_eps, options.qk_norm_whole ? q.cols : params.head_dim, q);
+  if (k_norm) be.rmsnorm(k, k_norm, norm_eps, options.qk_norm_whole ? k.cols : params.head_dim, k);
+  if (options.clip_qkv > 0) {
+    be.clamp(q, options.clip_qkv);
+    be.clamp(k, options.clip_qkv);
+    be.clamp(v, options.clip_qkv);
+  }
   be.rope(q, params.n_heads, params.head_dim, rope, n_past);
   be.rope(k, params.n_kv_heads, params.head_dim, rope, n_past);
   AttentionParams p = params;
   p.n_past = n_past;
+  p.sinks = sinks ? &sinks : nullptr;
   Buffer attn = ws.attn_out.rows_view(0, T);
   attn.cols = q.cols;
   be.attention(q, k, v, k_cache, v_cache, p, attn);
   be.linear(attn, o_proj, o_bias ? &o_bias : nullptr, out);
 }
 
+MlpWeights load_mlp(WeightLoader& w, const std::string& prefix, int64_t hidden, int64_t inter) {
+  MlpWeights m;
+  m.gate = w.matrix(prefix + "gate_proj.weight", inter, hidden);
+  m.up = w.matrix(prefix + "up_proj.weight", inter, hidden);
+  m.down = w.matrix(prefix + "down_proj.weight", hidden, inter);
+  return m;
+}
+
+void check_pack_experts(const PackManifest& pack, const std::vector<bool>& moe_layers, int n_experts,
+                        int64_t hidden, int64_t inter,
+                        const std::function<std::string(int, int, const std::string&)>& tensor_name) {
+  for (size_t l = 0; l < moe_layers.size(); ++l) {
+    const bool packed = l < pack.layers.size() && !pack.layers[l].empty();
+    if (packed != moe_layers[l])
+      fail(pack.dir, ": layer ", l, moe_layers[l] ? " needs routed experts, the pack has none"
+                                                  : " is dense in config.json but the pack has experts for it");
+    if (!packed) continue;
+    if (int(pack.layers[l].size()) != n_experts)
+      fail(pack.dir, ": layer ", l, " has ", pack.layers[l].size(), " experts, config.json says ", n_experts);
+    for (int e = 0; e < n_experts; ++e)
+      for (const std::string role : {"gate", "up", "down"}) {
+        const std::vector<int64_t> want = role == "down" ? std::vector<int64_t>{hidden, inter}
+                                                          : std::vector<int64_t>{inter, hidden};
+        const std::vector<int64_t> got = pack.expert(int(l), e).logical_shape(role);
+        if (got != want)
+          fail("tensor ", tensor_name(int(l), e, role), ": expected shape ", shape_str(want), ", found ",
+               shape_str(got));
+      }
+  }
+}
+
+void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManifest& pack,
+                      const std::vector<bool>& moe_layers, int n_experts, int top_k) {
+  int64_t dense_bytes = 0;
+  for (const auto& name : weights.names()) dense_bytes += int64_t(weights.get(name).nbytes);
+  const int64_t expert_bytes = int64_t(pack.total_expert_bytes());
+  const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
+  info.weight_bytes = dense_bytes + expert_bytes;
+  info.active_bytes_per_token =
+      dense_bytes + (n_moe ? expert_bytes / (n_moe * n_experts) * n_moe * top_k : 0);
+}
+
 KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim)
+    : KvSequence(be, n_layers, capacity, kv_dim, kv_dim) {}
+
+KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim)
     : be_(be), capacity_(capacity) {
   for (int l = 0; l < n_layers; ++l) {
-    k.push_back(be.alloc(capacity, kv_dim));
-    v.push_back(be.alloc(capacity, kv_dim));
+    k.push_back(be.alloc(capacity, k_dim));
+    v.push_back(be.alloc(capacity, v_dim));
   }
 }
 

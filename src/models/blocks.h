@@ -44,6 +44,8 @@ WeightLoader::QuantLookup quantization_lookup(const HfConfig& config);
 
 // Rotary tables for the rope types transformers implements that we support; others are an Error.
 RopeTable make_rope_table(const RopeParams& params, int rot_dim, const std::string& config_path);
+// YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1).
+double yarn_mscale(double factor, double mscale);
 
 // Activation buffers of one forward batch, preallocated for max_batch tokens.
 struct Workspace {
@@ -53,26 +55,39 @@ struct Workspace {
   Buffer logits;                    // [max_batch, vocab]
 };
 
+// Variants of GqaAttention that a family's config selects.
+struct GqaOptions {
+  bool qk_norm_whole = false;   // q_norm/k_norm span the whole projection (OLMoE), not one head
+  float clip_qkv = 0;           // > 0: q, k, v projections clamped to +-clip_qkv (OLMoE)
+  int64_t sliding_window = 0;   // > 0: each query sees only the last sliding_window positions
+};
+
 // Grouped-query attention: q/k/v projections (optional biases), optional RMSNorm of each q and k
-// head, rotary embedding, causal softmax attention over the cache, output projection.
+// head (or of the whole projection), optional clamp, rotary embedding, causal softmax attention
+// over the cache (optionally windowed, optionally with per-head sinks), output projection.
 struct GqaAttention {
   Matrix q_proj, k_proj, v_proj, o_proj;
   Vector q_bias, k_bias, v_bias, o_bias;  // empty when the checkpoint has none
-  Vector q_norm, k_norm;                  // per-head RMSNorm weights [head_dim], or empty
-  AttentionParams params;                 // heads, head_dim, scale
+  Vector q_norm, k_norm;                  // RMSNorm weights [head_dim] (or [q_dim], [kv_dim]), or empty
+  Vector sinks;                           // per-head sink logits [n_heads] (gpt-oss), or empty
+  AttentionParams params;                 // heads, head_dim, scale, window
+  GqaOptions options;
   float norm_eps = 1e-6f;
 
   static GqaAttention load(WeightLoader& w, const std::string& prefix, int64_t hidden,
-                           int n_heads, int n_kv_heads, int head_dim, float norm_eps);
+                           int n_heads, int n_kv_heads, int head_dim, float norm_eps,
+                           const GqaOptions& options = {});
   // out (T, hidden) = attention of x (T, hidden); k/v appended to the caches at n_past.
   void forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& k_cache, Buffer& v_cache,
                int64_t n_past, const RopeTable& rope, Buffer& out) const;
 };
 
-// The KV cache of a decoder-only model: one K and one V buffer [capacity, kv_dim] per layer.
+// The KV cache of a decoder-only model: one K and one V buffer [capacity, kv_dim] per layer
+// (V [capacity, v_dim] where values are narrower than keys).
 class KvSequence : public SequenceState {
  public:
   KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim);
+  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim);
   ~KvSequence() override;
   int64_t capacity() const override { return capacity_; }
   std::vector<Buffer> k, v;
@@ -81,6 +96,20 @@ class KvSequence : public SequenceState {
   Backend& be_;
   int64_t capacity_;
 };
+
+// Helpers the MoE families share.
+struct PackManifest;
+// A dense SwiGLU MLP: <prefix>{gate,up,down}_proj.weight, [inter, hidden] x2 and [hidden, inter].
+MlpWeights load_mlp(WeightLoader& w, const std::string& prefix, int64_t hidden, int64_t inter);
+// The pack has routed experts exactly for the layers marked in moe_layers, n_experts of them, each
+// with gate/up [inter, hidden] and down [hidden, inter]; `tensor_name(layer, expert, role)` names
+// the checkpoint tensor in errors.
+void check_pack_experts(const PackManifest& pack, const std::vector<bool>& moe_layers, int n_experts,
+                        int64_t hidden, int64_t inter,
+                        const std::function<std::string(int, int, const std::string&)>& tensor_name);
+// info.weight_bytes and info.active_bytes_per_token (non-expert weights plus top_k experts per MoE layer).
+void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManifest& pack,
+                      const std::vector<bool>& moe_layers, int n_experts, int top_k);
 
 // Decoder-only language model skeleton: embedding -> layers -> final norm -> output head. A
 // family implements load-time construction and run_layer; batching and logits live here.

@@ -129,7 +129,7 @@ class CpuBackend final : public Backend {
         cs[half + i] = std::sin(angle) * rope.attention_factor;
       }
       for (int h = 0; h < n_heads; ++h) {
-        float* v = x.data + t * x.cols + int64_t(h) * head_dim;
+        float* v = x.data + t * x.cols + int64_t(h) * head_dim + rope.rot_offset;
         for (int i = 0; i < half; ++i) {
           const int a = rope.interleaved ? 2 * i : i;
           const int b = rope.interleaved ? 2 * i + 1 : i + half;
@@ -143,32 +143,37 @@ class CpuBackend final : public Backend {
 
   void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
                  Buffer& v_cache, const AttentionParams& p, Buffer& out) override {
-    const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * p.head_dim;
+    const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
+    const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
     if (p.n_past + T > k_cache.rows)
       fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
+    if (k.cols != kv_dim || k_cache.cols != kv_dim || v.cols != v_dim || v_cache.cols != v_dim)
+      fail("attention: k/v widths ", k.cols, "/", v.cols, " (caches ", k_cache.cols, "/", v_cache.cols,
+           ") do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
     std::memcpy(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float));
-    std::memcpy(v_cache.data + p.n_past * kv_dim, v.data, size_t(T * kv_dim) * sizeof(float));
+    std::memcpy(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float));
     const int group = p.n_heads / p.n_kv_heads;
-    const int hd = p.head_dim;
     pool_.parallel_for(size_t(T * p.n_heads), [&](size_t i0, size_t i1) {
       thread_local std::vector<float> scores;
       for (size_t i = i0; i < i1; ++i) {
         const int64_t t = int64_t(i) / p.n_heads;
         const int h = int(int64_t(i) % p.n_heads), kvh = h / group;
         const int64_t n_keys = p.n_past + t + 1;
+        const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, n_keys - p.sliding_window) : 0;
         scores.resize(size_t(n_keys));
         const float* qv = q.data + t * q.cols + int64_t(h) * hd;
-        float mx = -INFINITY;
-        for (int64_t j = 0; j < n_keys; ++j) {
+        const float sink = p.sinks ? p.sinks->data[h] : -INFINITY;
+        float mx = sink;
+        for (int64_t j = first; j < n_keys; ++j) {
           scores[j] = cpu::dot_f32(qv, k_cache.data + j * kv_dim + int64_t(kvh) * hd, hd) * p.scale;
           mx = std::max(mx, scores[j]);
         }
-        float sum = 0;
-        for (int64_t j = 0; j < n_keys; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
-        float* o = out.data + t * out.cols + int64_t(h) * hd;
-        std::fill(o, o + hd, 0.0f);
-        for (int64_t j = 0; j < n_keys; ++j)
-          cpu::axpy(scores[j] / sum, v_cache.data + j * kv_dim + int64_t(kvh) * hd, o, hd);
+        float sum = p.sinks ? std::exp(sink - mx) : 0.0f;
+        for (int64_t j = first; j < n_keys; ++j) sum += (scores[j] = std::exp(scores[j] - mx));
+        float* o = out.data + t * out.cols + int64_t(h) * vd;
+        std::fill(o, o + vd, 0.0f);
+        for (int64_t j = first; j < n_keys; ++j)
+          cpu::axpy(scores[j] / sum, v_cache.data + j * v_dim + int64_t(kvh) * vd, o, vd);
       }
     });
   }
@@ -178,13 +183,39 @@ class CpuBackend final : public Backend {
     for (int64_t i = 0; i < n; ++i) x.data[i] += y.data[i];
   }
 
+  void clamp(Buffer& x, float limit) override {
+    const int64_t n = x.rows * x.cols;
+    for (int64_t i = 0; i < n; ++i) x.data[i] = std::min(std::max(x.data[i], -limit), limit);
+  }
+
+  void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to, int64_t width,
+                    int64_t blocks) override {
+    if (src.rows != dst.rows || from.offset + (blocks - 1) * from.stride + width > src.cols ||
+        to.offset + (blocks - 1) * to.stride + width > dst.cols)
+      fail("copy_columns: ", blocks, " blocks of ", width, " do not fit [", src.rows, ", ", src.cols,
+           "] -> [", dst.rows, ", ", dst.cols, "]");
+    for (int64_t t = 0; t < src.rows; ++t)
+      for (int64_t g = 0; g < blocks; ++g)
+        std::memcpy(dst.data + t * dst.cols + to.offset + g * to.stride,
+                    src.data + t * src.cols + from.offset + g * from.stride, size_t(width) * sizeof(float));
+  }
+
+  void linear_per_head(const Buffer& x, std::span<const Matrix> w, Buffer& out) override {
+    const int64_t H = int64_t(w.size()), in = H ? w[0].cols : 0, n_out = H ? w[0].rows : 0;
+    if (x.cols != H * in || out.cols != H * n_out || x.rows != out.rows)
+      fail("linear_per_head: ", H, " heads of [", n_out, ", ", in, "] do not fit input [", x.rows, ", ",
+           x.cols, "] and output [", out.rows, ", ", out.cols, "]");
+    pool_.parallel_for(size_t(H * n_out), [&](size_t i0, size_t i1) {
+      for (size_t i = i0; i < i1; ++i) {
+        const int64_t h = int64_t(i) / n_out, r = int64_t(i) % n_out;
+        for (int64_t t = 0; t < x.rows; ++t)
+          out.data[t * out.cols + h * n_out + r] = cpu::dot_row(w[size_t(h)], r, x.data + t * x.cols + h * in);
+      }
+    }, rows_per_chunk(in, x.rows));
+  }
+
   void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) override {
-    const int64_t T = x.rows, inter = w.gate.rows;
-    Buffer g = scratch(0, T, inter), u = scratch(1, T, inter);
-    linear(x, w.gate, nullptr, g);
-    linear(x, w.up, nullptr, u);
-    swiglu(g, u);
-    linear(g, w.down, nullptr, out);
+    expert_mlp(x, w, MoeParams{}, out);
   }
 
   void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p,
@@ -200,22 +231,10 @@ class CpuBackend final : public Backend {
     by_expert.assign(size_t(p.n_experts), {});
     std::vector<float> probs(size_t(p.n_experts));
     std::vector<int> order(size_t(p.n_experts));
+    std::vector<float> weights(size_t(p.top_k));
     for (int64_t t = 0; t < T; ++t) {
-      const float* l = logits.data + t * p.n_experts;
-      float mx = *std::max_element(l, l + p.n_experts), sum = 0;
-      for (int e = 0; e < p.n_experts; ++e) sum += (probs[e] = std::exp(l[e] - mx));
-      for (int e = 0; e < p.n_experts; ++e) probs[e] /= sum;
-      std::iota(order.begin(), order.end(), 0);
-      std::partial_sort(order.begin(), order.begin() + p.top_k, order.end(),
-                        [&](int a, int b) { return probs[a] > probs[b] || (probs[a] == probs[b] && a < b); });
-      float norm = 1.0f;
-      if (p.norm_topk_prob) {
-        float s = 0;
-        for (int i = 0; i < p.top_k; ++i) s += probs[order[i]];
-        norm = 1.0f / s;
-      }
-      for (int i = 0; i < p.top_k; ++i)
-        by_expert[order[i]].emplace_back(t, probs[order[i]] * norm);
+      route(logits.data + t * p.n_experts, p, probs, order, weights);
+      for (int i = 0; i < p.top_k; ++i) by_expert[order[i]].emplace_back(t, weights[size_t(i)]);
     }
     std::vector<int>& ids = expert_ids_;
     ids.clear();
@@ -245,7 +264,7 @@ class CpuBackend final : public Backend {
       for (int64_t j = 0; j < n; ++j)
         std::memcpy(xe.data + j * dim, x.data + routed[j].first * dim, size_t(dim) * sizeof(float));
       Buffer ye = routed_out.rows_view(first_row_[size_t(e)], n);
-      mlp(xe, w, ye);
+      expert_mlp(xe, w, p, ye);
       store.release(e);
     }
     std::fill(out.data, out.data + T * dim, 0.0f);
@@ -274,12 +293,96 @@ class CpuBackend final : public Backend {
   }
 
  private:
-  static void swiglu(Buffer& g, const Buffer& u) {
-    const int64_t n = g.rows * g.cols;
-    for (int64_t i = 0; i < n; ++i) {
-      const float a = g.data[i];
-      g.data[i] = a / (1.0f + std::exp(-a)) * u.data[i];
+  // The experts a token goes to (order[0, top_k)) and their weights, from its router logits.
+  void route(const float* l, const MoeParams& p, std::vector<float>& probs, std::vector<int>& order,
+             std::vector<float>& weights) {
+    const int n = p.n_experts, k = p.top_k;
+    std::vector<float>& choice = route_.choice;  // what experts are ranked by, when it differs from probs
+    const auto by = [](const std::vector<float>& v) {
+      return [&v](int a, int b) { return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b); };
+    };
+    std::iota(order.begin(), order.end(), 0);
+    switch (p.router) {
+      case RouterKind::SoftmaxTopK: {
+        float mx = *std::max_element(l, l + n), sum = 0;
+        for (int e = 0; e < n; ++e) sum += (probs[e] = std::exp(l[e] - mx));
+        for (int e = 0; e < n; ++e) probs[e] /= sum;
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(probs));
+        break;
+      }
+      case RouterKind::SigmoidGroupTopK: {
+        choice.resize(size_t(n));
+        for (int e = 0; e < n; ++e) {
+          probs[e] = 1.0f / (1.0f + std::exp(-l[e]));
+          choice[e] = probs[e] + (p.router_bias ? p.router_bias->data[e] : 0.0f);
+        }
+        // Groups score the sum of their two best choices; experts outside the topk_group best
+        // groups rank with 0, as transformers masks them.
+        const int per = n / p.n_group;
+        std::vector<float>& group_score = route_.group_score;
+        std::vector<int>& groups = route_.groups;
+        std::vector<char>& kept = route_.kept;
+        group_score.resize(size_t(p.n_group));
+        for (int g = 0; g < p.n_group; ++g) {
+          const float* c = choice.data() + g * per;
+          const float best = *std::max_element(c, c + per);
+          float second = -INFINITY;
+          for (int i = 0, skipped = 0; i < per; ++i) {
+            if (c[i] == best && !skipped) skipped = 1;
+            else second = std::max(second, c[i]);
+          }
+          group_score[size_t(g)] = best + (per > 1 ? second : 0.0f);
+        }
+        groups.resize(size_t(p.n_group));
+        std::iota(groups.begin(), groups.end(), 0);
+        std::partial_sort(groups.begin(), groups.begin() + p.topk_group, groups.end(), by(group_score));
+        kept.assign(size_t(p.n_group), 0);
+        for (int i = 0; i < p.topk_group; ++i) kept[size_t(groups[size_t(i)])] = 1;
+        for (int e = 0; e < n; ++e)
+          if (!kept[size_t(e / per)]) choice[e] = 0.0f;
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(choice));
+        break;
+      }
+      case RouterKind::TopKSoftmax: {
+        for (int e = 0; e < n; ++e) probs[e] = l[e] + (p.router_bias ? p.router_bias->data[e] : 0.0f);
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(probs));
+        const float mx = probs[order[0]];
+        float sum = 0;
+        for (int i = 0; i < k; ++i) sum += std::exp(probs[order[i]] - mx);
+        for (int i = 0; i < k; ++i) weights[size_t(i)] = std::exp(probs[order[i]] - mx) / sum;
+        for (float& w : weights) w *= p.routed_scaling_factor;
+        return;
+      }
     }
+    float norm = 1.0f;
+    if (p.norm_topk_prob) {
+      float s = 0;
+      for (int i = 0; i < k; ++i) s += probs[order[i]];
+      norm = 1.0f / (s + (p.router == RouterKind::SigmoidGroupTopK ? 1e-20f : 0.0f));
+    }
+    for (int i = 0; i < k; ++i) weights[size_t(i)] = probs[order[i]] * norm * p.routed_scaling_factor;
+  }
+
+  // out = down(act(gate x + gate_bias, up x + up_bias)) + down_bias
+  void expert_mlp(const Buffer& x, const MlpWeights& w, const MoeParams& p, Buffer& out) {
+    const int64_t T = x.rows, inter = w.gate.rows;
+    Buffer g = scratch(0, T, inter), u = scratch(1, T, inter);
+    linear(x, w.gate, w.gate_bias ? &w.gate_bias : nullptr, g);
+    linear(x, w.up, w.up_bias ? &w.up_bias : nullptr, u);
+    const int64_t n = g.rows * g.cols;
+    if (p.activation == ExpertActivation::SwiGlu) {
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = g.data[i];
+        g.data[i] = a / (1.0f + std::exp(-a)) * u.data[i];
+      }
+    } else {
+      const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
+      for (int64_t i = 0; i < n; ++i) {
+        const float a = std::min(g.data[i], limit), b = std::min(std::max(u.data[i], -limit), limit);
+        g.data[i] = (b + 1.0f) * (a / (1.0f + std::exp(-alpha * a)));
+      }
+    }
+    linear(g, w.down, w.down_bias ? &w.down_bias : nullptr, out);
   }
 
   // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.
@@ -301,6 +404,11 @@ class CpuBackend final : public Backend {
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
   std::vector<int> expert_ids_;
   std::vector<int64_t> first_row_;
+  struct RouteScratch {  // behind route(), reused
+    std::vector<float> choice, group_score;
+    std::vector<int> groups;
+    std::vector<char> kept;
+  } route_;
 };
 
 }  // namespace
