@@ -1,0 +1,165 @@
+// OLMoE (model_type "olmoe"): OLMoE-1B-7B.
+//
+// Each layer: x += attn(rmsnorm(x)); x += moe(rmsnorm(x)). Attention applies RMSNorm to the whole
+// q and k projections (one norm over all heads, not per head), then clamps q, k and v to
+// +-clip_qkv when configured. The MoE is softmax over all experts, top-k, weights renormalized only
+// when norm_topk_prob (false for the published models).
+
+#include "core/error.h"
+#include "experts/expert_store.h"
+#include "io/pack.h"
+#include "io/safetensors.h"
+#include "models/blocks.h"
+#include "models/registry.h"
+
+namespace moestream {
+
+namespace {
+
+struct OlmoeConfig {
+  int64_t vocab_size;         // tokens
+  int64_t hidden_size;        // model width
+  int64_t intermediate_size;  // width of one expert
+  int n_layers;
+  int n_heads, n_kv_heads, head_dim;
+  int n_experts, top_k;
+  bool norm_topk_prob;        // renormalize the top-k routing weights
+  float clip_qkv;             // > 0: clamp of the q, k, v projections; 0 = none
+  bool tie_word_embeddings;
+  float rms_norm_eps;
+  int64_t max_position;
+  RopeParams rope;
+
+  static OlmoeConfig from(const HfConfig& c) {
+    OlmoeConfig m;
+    m.vocab_size = c.get_int("vocab_size");
+    m.hidden_size = c.get_int("hidden_size");
+    m.intermediate_size = c.get_int("intermediate_size");
+    m.n_layers = int(c.get_int("num_hidden_layers"));
+    m.n_heads = int(c.get_int("num_attention_heads"));
+    m.n_kv_heads = int(c.get_int("num_key_value_heads", m.n_heads));
+    m.head_dim = int(c.get_int("head_dim", m.hidden_size / m.n_heads));
+    m.n_experts = int(c.get_int("num_experts"));
+    m.top_k = int(c.get_int("num_experts_per_tok"));
+    m.norm_topk_prob = c.get_bool("norm_topk_prob", false);
+    m.clip_qkv = float(c.get_double("clip_qkv", 0.0));
+    m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
+    m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-5));
+    m.max_position = c.get_int("max_position_embeddings", 32768);
+    m.rope = c.rope();
+    const std::string act = c.get_string("hidden_act", "silu");
+    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+    if (m.n_heads <= 0 || m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
+      fail(c.path(), ": num_attention_heads (", m.n_heads, ") must be a positive multiple of num_key_value_heads (", m.n_kv_heads, ")");
+    if (m.head_dim <= 0 || m.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", m.head_dim);
+    if (m.top_k <= 0 || m.top_k > m.n_experts)
+      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, num_experts = ", m.n_experts, "]");
+    if (m.clip_qkv < 0) fail(c.path(), ": clip_qkv must be positive, found ", m.clip_qkv);
+    return m;
+  }
+};
+
+std::string expert_tensor_name(int layer, int expert, const std::string& role) {
+  return "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + "." + role +
+         "_proj.weight";
+}
+
+struct OlmoeLayer {
+  Vector input_norm, post_attention_norm;
+  GqaAttention attn;
+  Matrix router;  // [n_experts, hidden]
+};
+
+class Olmoe final : public DecoderModel {
+ public:
+  Olmoe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
+      : cfg_(OlmoeConfig::from(hf)) {
+    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
+    pack_ = PackManifest::load(dir);
+    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
+    info_.model_type = "olmoe";
+    info_.dir = dir;
+    info_.vocab_size = cfg_.vocab_size;
+    info_.n_layers = cfg_.n_layers;
+    info_.hidden_size = cfg_.hidden_size;
+    info_.max_position = cfg_.max_position;
+    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+    norm_eps = cfg_.rms_norm_eps;
+
+    WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
+    const int64_t h = cfg_.hidden_size;
+    embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
+    final_norm = w.vector("model.norm.weight", h);
+    lm_head = cfg_.tie_word_embeddings && !w.has("lm_head.weight")
+                  ? embed_tokens : w.matrix("lm_head.weight", cfg_.vocab_size, h);
+    GqaOptions attn_options;
+    attn_options.qk_norm_whole = true;
+    attn_options.clip_qkv = cfg_.clip_qkv;
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      OlmoeLayer layer;
+      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
+      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
+      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
+                                      cfg_.head_dim, cfg_.rms_norm_eps, attn_options);
+      if (!w.has(p + "self_attn.q_norm.weight") || !w.has(p + "self_attn.k_norm.weight"))
+        fail("tensor ", p, "self_attn.q_norm.weight / k_norm.weight: missing (OLMoE normalizes q and k)");
+      layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
+      layers_.push_back(std::move(layer));
+    }
+    const std::vector<bool> moe_layers(size_t(cfg_.n_layers), true);
+    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.intermediate_size, expert_tensor_name);
+    experts_ = make_expert_store(pack_, *backend_, options.experts);
+    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
+    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
+    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.head_dim, kv_dim_);
+    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
+  }
+
+  ExpertStats expert_stats() const override { return experts_->stats(); }
+
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
+  }
+
+ protected:
+  void run_layer(int l, int64_t T, SequenceState& state) override {
+    auto& seq = static_cast<KvSequence&>(state);
+    const OlmoeLayer& layer = layers_[size_t(l)];
+    Backend& be = *backend_;
+    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
+    Buffer out = ws_.ffn_out.rows_view(0, T);
+    {
+      ScopedTimer timer(be.times().attention);
+      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+      layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
+      be.add(x, out);
+    }
+    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
+    MoeParams p;
+    p.n_experts = cfg_.n_experts;
+    p.top_k = cfg_.top_k;
+    p.router = RouterKind::SoftmaxTopK;
+    p.norm_topk_prob = cfg_.norm_topk_prob;
+    p.layer = l;
+    be.moe(xn, layer.router, *experts_, p, out);
+    be.add(x, out);
+  }
+
+ private:
+  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+  OlmoeConfig cfg_;
+  PackManifest pack_;
+  std::vector<OlmoeLayer> layers_;
+  std::unique_ptr<ExpertStore> experts_;
+  RopeTable rope_;
+  int64_t kv_dim_ = 0;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_olmoe(const std::string& dir, const HfConfig& config, const ModelOptions& options) {
+  return std::make_unique<Olmoe>(dir, config, options);
+}
+
+}  // namespace moestream
