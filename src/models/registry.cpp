@@ -19,6 +19,7 @@ const std::vector<Architecture>& architectures() {
        load_qwen3_moe, parse_qwen_expert_tensor},
       {"mixtral", "Mixtral-8x7B, Mixtral-8x22B", load_mixtral, parse_mixtral_expert_tensor},
       {"olmoe", "OLMoE-1B-7B", load_olmoe, parse_qwen_expert_tensor},
+      {"glm4_moe", "GLM-4.5, GLM-4.5-Air, GLM-4.6", load_glm4_moe, parse_qwen_expert_tensor},
       {"qwen3_next", "Qwen3-Next-80B-A3B-Instruct, Qwen3-Next-80B-A3B-Thinking", load_qwen3_next,
        parse_qwen_expert_tensor},
       {"qwen3_5_moe_text", "Qwen3.5-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B (language model)",
