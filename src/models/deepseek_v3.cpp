@@ -1,0 +1,352 @@
+// DeepSeek-V3 (model_type "deepseek_v3"): DeepSeek-V3, DeepSeek-R1, Kimi-K2.
+//
+// Each layer: x += mla(rmsnorm(x)); x += ffn(rmsnorm(x)). The first first_k_dense_replace layers
+// have a dense SwiGLU MLP, the others a routed MoE plus shared experts (sigmoid scores, choice by
+// score + e_score_correction_bias within the best topk_group of n_group groups, weights the chosen
+// scores renormalized, times routed_scaling_factor).
+//
+// Multi-head latent attention, in the absorbed form: the cache keeps per token the normalized
+// latent c (kv_lora_rank) and the shared rotary key k_rope (qk_rope_head_dim), never per-head keys
+// and values. kv_b_proj holds per head W_uk [nope, rank] and W_uv [v, rank], so that
+//   q_h . k_h = (W_uk_h^T q_nope_h) . c + q_rope_h . k_rope      (scores against the latent)
+//   v_h       = W_uv_h (sum_j p_j c_j)                            (values from the latent)
+// and attention runs as one shared key/value head of width rank + rope (values: rank).
+// The cache stores c twice (in K and in V rows): 2 * rank + rope floats per token and layer.
+#include "core/dtype.h"
+#include "core/error.h"
+#include "experts/expert_store.h"
+#include "io/pack.h"
+#include "io/safetensors.h"
+#include "models/blocks.h"
+#include "models/registry.h"
+
+#include <cmath>
+#include <deque>
+
+namespace moestream {
+
+namespace {
+
+struct DeepseekV3Config {
+  int64_t vocab_size;             // tokens
+  int64_t hidden_size;            // model width
+  int64_t intermediate_size;      // dense MLP width (first_k_dense_replace layers)
+  int64_t moe_intermediate_size;  // width of one routed expert
+  int64_t shared_intermediate;    // moe_intermediate_size * n_shared_experts
+  int n_layers, n_heads;
+  int q_lora_rank;                // 0: q_proj directly (DeepSeek-V2-Lite style)
+  int kv_lora_rank;               // latent width
+  int nope_dim, rope_dim, v_dim;  // per head: qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+  bool rope_interleave;           // rotary pairs (2i, 2i+1)
+  int n_experts, top_k, n_group, topk_group;
+  float routed_scaling_factor;
+  bool norm_topk_prob;
+  int first_k_dense_replace;      // layers [0, k) are dense
+  bool tie_word_embeddings;
+  float rms_norm_eps;
+  int64_t max_position;
+  RopeParams rope;
+
+  static DeepseekV3Config from(const HfConfig& c) {
+    DeepseekV3Config m;
+    m.vocab_size = c.get_int("vocab_size");
+    m.hidden_size = c.get_int("hidden_size");
+    m.intermediate_size = c.get_int("intermediate_size");
+    m.moe_intermediate_size = c.get_int("moe_intermediate_size");
+    m.shared_intermediate = m.moe_intermediate_size * c.get_int("n_shared_experts", 1);
+    m.n_layers = int(c.get_int("num_hidden_layers"));
+    m.n_heads = int(c.get_int("num_attention_heads"));
+    m.q_lora_rank = int(c.get_int("q_lora_rank", 0));
+    m.kv_lora_rank = int(c.get_int("kv_lora_rank"));
+    m.nope_dim = int(c.get_int("qk_nope_head_dim"));
+    m.rope_dim = int(c.get_int("qk_rope_head_dim"));
+    m.v_dim = int(c.get_int("v_head_dim"));
+    m.rope_interleave = c.get_bool("rope_interleave", true);
+    m.n_experts = int(c.get_int("n_routed_experts"));
+    m.top_k = int(c.get_int("num_experts_per_tok"));
+    m.n_group = int(c.get_int("n_group", 1));
+    m.topk_group = int(c.get_int("topk_group", 1));
+    m.routed_scaling_factor = float(c.get_double("routed_scaling_factor", 1.0));
+    m.norm_topk_prob = c.get_bool("norm_topk_prob", true);
+    m.first_k_dense_replace = int(c.get_int("first_k_dense_replace", 0));
+    m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
+    m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
+    m.max_position = c.get_int("max_position_embeddings", 163840);
+    m.rope = c.rope();
+    const std::string act = c.get_string("hidden_act", "silu");
+    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+    if (c.get_bool("attention_bias", false)) fail(c.path(), ": attention_bias is not supported for deepseek_v3");
+    if (m.n_heads <= 0 || m.kv_lora_rank <= 0 || m.nope_dim <= 0 || m.v_dim <= 0 || m.q_lora_rank < 0)
+      fail(c.path(), ": num_attention_heads, kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive");
+    if (m.rope_dim <= 0 || m.rope_dim % 2 != 0)
+      fail(c.path(), ": qk_rope_head_dim must be positive and even, found ", m.rope_dim);
+    if (m.rope.partial_rotary_factor != 1.0)
+      fail(c.path(), ": partial_rotary_factor is not supported for deepseek_v3 (qk_rope_head_dim sets the rotated dims)");
+    if (m.top_k <= 0 || m.top_k > m.n_experts)
+      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, n_routed_experts = ", m.n_experts, "]");
+    if (m.n_group <= 0 || m.n_experts % m.n_group != 0 || m.topk_group <= 0 || m.topk_group > m.n_group)
+      fail(c.path(), ": n_group (", m.n_group, ") must divide n_routed_experts (", m.n_experts,
+           ") and topk_group (", m.topk_group, ") must be in [1, n_group]");
+    return m;
+  }
+
+  int qk_dim() const { return nope_dim + rope_dim; }
+  bool is_moe_layer(int l) const { return l >= first_k_dense_replace; }
+  // Softmax scale: qk_dim^-0.5, times mscale^2 under YaRN with mscale_all_dim.
+  float attention_scale() const {
+    float s = 1.0f / std::sqrt(float(qk_dim()));
+    if (rope.type != "default" && rope.mscale_all_dim && *rope.mscale_all_dim != 0) {
+      const float m = float(yarn_mscale(rope.factor, *rope.mscale_all_dim));
+      s *= m * m;
+    }
+    return s;
+  }
+};
+
+std::string expert_tensor_name(int layer, int expert, const std::string& role) {
+  return "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + "." + role +
+         "_proj.weight";
+}
+
+struct MlaWeights {
+  Matrix q_a_proj, q_b_proj, q_proj;  // q_a/q_b with q_lora_rank, else q_proj
+  Vector q_a_norm, kv_a_norm;
+  Matrix kv_a_proj;                   // [rank + rope, hidden]
+  std::vector<Matrix> uk_t;           // per head W_uk^T [rank, nope]
+  std::vector<Matrix> uv;             // per head W_uv [v, rank] (rows of kv_b_proj)
+  Matrix o_proj;                      // [hidden, heads * v]
+};
+
+struct DeepseekV3Layer {
+  Vector input_norm, post_attention_norm;
+  MlaWeights attn;
+  bool moe = false;
+  Matrix router;               // [n_experts, hidden]            (moe layers)
+  Vector correction_bias;      // [n_experts] e_score_correction_bias
+  MlpWeights shared, dense;    // shared experts (moe layers) / dense MLP
+};
+
+// Activations of the latent attention, [max_batch, width] each.
+struct MlaBuffers {
+  Buffer q_a, q, kv_a, latent, q_nope, q_absorbed, q_latent, o_latent, o_heads;
+};
+
+class DeepseekV3 final : public DecoderModel {
+ public:
+  DeepseekV3(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
+      : cfg_(DeepseekV3Config::from(hf)) {
+    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
+    pack_ = PackManifest::load(dir);
+    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
+    info_.model_type = hf.model_type();  // deepseek_v3 or kimi_k2
+    info_.dir = dir;
+    info_.vocab_size = cfg_.vocab_size;
+    info_.n_layers = cfg_.n_layers;
+    info_.hidden_size = cfg_.hidden_size;
+    info_.max_position = cfg_.max_position;
+    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+    norm_eps = cfg_.rms_norm_eps;
+
+    WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
+    const int64_t h = cfg_.hidden_size;
+    embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
+    final_norm = w.vector("model.norm.weight", h);
+    lm_head = cfg_.tie_word_embeddings && !w.has("lm_head.weight")
+                  ? embed_tokens : w.matrix("lm_head.weight", cfg_.vocab_size, h);
+    std::vector<bool> moe_layers;
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      DeepseekV3Layer layer;
+      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
+      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
+      layer.attn = load_mla(w, p + "self_attn.");
+      layer.moe = cfg_.is_moe_layer(l);
+      if (layer.moe) {
+        layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
+        layer.correction_bias = w.vector(p + "mlp.gate.e_score_correction_bias", cfg_.n_experts);
+        layer.shared = load_mlp(w, p + "mlp.shared_experts.", h, cfg_.shared_intermediate);
+      } else {
+        layer.dense = load_mlp(w, p + "mlp.", h, cfg_.intermediate_size);
+      }
+      moe_layers.push_back(layer.moe);
+      layers_.push_back(std::move(layer));
+    }
+    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size, expert_tensor_name);
+    experts_ = make_expert_store(pack_, *backend_, options.experts);
+
+    // Queries rotate their trailing rope dims of each head; the latent row [c, k_rope] its tail.
+    q_rope_ = make_rope_table(cfg_.rope, cfg_.rope_dim, hf.path());
+    q_rope_.interleaved = cfg_.rope_interleave;
+    q_rope_.rot_offset = cfg_.nope_dim;
+    k_rope_ = q_rope_;
+    k_rope_.rot_offset = cfg_.kv_lora_rank;
+    attn_params_.n_heads = cfg_.n_heads;
+    attn_params_.n_kv_heads = 1;
+    attn_params_.head_dim = cfg_.kv_lora_rank + cfg_.rope_dim;
+    attn_params_.v_head_dim = cfg_.kv_lora_rank;
+    attn_params_.scale = cfg_.attention_scale();
+
+    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.v_dim, 1);
+    const int64_t H = cfg_.n_heads, R = cfg_.kv_lora_rank, rope = cfg_.rope_dim;
+    Backend& be = *backend_;
+    buf_.q_a = be.alloc(kMaxBatch, std::max(cfg_.q_lora_rank, 1));
+    buf_.q = be.alloc(kMaxBatch, H * cfg_.qk_dim());
+    buf_.kv_a = be.alloc(kMaxBatch, R + rope);
+    buf_.latent = be.alloc(kMaxBatch, R);
+    buf_.q_nope = be.alloc(kMaxBatch, H * cfg_.nope_dim);
+    buf_.q_absorbed = be.alloc(kMaxBatch, H * R);
+    buf_.q_latent = be.alloc(kMaxBatch, H * (R + rope));
+    buf_.o_latent = be.alloc(kMaxBatch, H * R);
+    buf_.o_heads = be.alloc(kMaxBatch, H * cfg_.v_dim);
+    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
+  }
+
+  ExpertStats expert_stats() const override { return experts_->stats(); }
+
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity,
+                                        cfg_.kv_lora_rank + cfg_.rope_dim, cfg_.kv_lora_rank);
+  }
+
+ protected:
+  void run_layer(int l, int64_t T, SequenceState& state) override {
+    auto& seq = static_cast<KvSequence&>(state);
+    const DeepseekV3Layer& layer = layers_[size_t(l)];
+    Backend& be = *backend_;
+    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
+    Buffer out = ws_.ffn_out.rows_view(0, T);
+    {
+      ScopedTimer timer(be.times().attention);
+      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+      attention(layer.attn, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, out);
+      be.add(x, out);
+    }
+    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
+    if (!layer.moe) {
+      ScopedTimer timer(be.times().dense_mlp);
+      be.mlp(xn, layer.dense, out);
+      be.add(x, out);
+      return;
+    }
+    MoeParams p;
+    p.n_experts = cfg_.n_experts;
+    p.top_k = cfg_.top_k;
+    p.router = RouterKind::SigmoidGroupTopK;
+    p.norm_topk_prob = cfg_.norm_topk_prob;
+    p.layer = l;
+    p.router_bias = &layer.correction_bias;
+    p.n_group = cfg_.n_group;
+    p.topk_group = cfg_.topk_group;
+    p.routed_scaling_factor = cfg_.routed_scaling_factor;
+    be.moe(xn, layer.router, *experts_, p, out);
+    be.add(x, out);
+    Buffer shared{ws_.attn_out.data, T, x.cols};  // attention is done with attn_out
+    {
+      ScopedTimer timer(be.times().dense_mlp);
+      be.mlp(xn, layer.shared, shared);
+    }
+    be.add(x, shared);
+  }
+
+ private:
+  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+
+  MlaWeights load_mla(WeightLoader& w, const std::string& p) {
+    const int64_t h = cfg_.hidden_size, H = cfg_.n_heads, R = cfg_.kv_lora_rank;
+    const int64_t nope = cfg_.nope_dim, vd = cfg_.v_dim;
+    MlaWeights a;
+    if (cfg_.q_lora_rank > 0) {
+      a.q_a_proj = w.matrix(p + "q_a_proj.weight", cfg_.q_lora_rank, h);
+      a.q_a_norm = w.vector(p + "q_a_layernorm.weight", cfg_.q_lora_rank);
+      a.q_b_proj = w.matrix(p + "q_b_proj.weight", H * cfg_.qk_dim(), cfg_.q_lora_rank);
+    } else {
+      a.q_proj = w.matrix(p + "q_proj.weight", H * cfg_.qk_dim(), h);
+    }
+    a.kv_a_proj = w.matrix(p + "kv_a_proj_with_mqa.weight", R + cfg_.rope_dim, h);
+    a.kv_a_norm = w.vector(p + "kv_a_layernorm.weight", R);
+    a.o_proj = w.matrix(p + "o_proj.weight", h, H * vd);
+
+    // kv_b_proj [H * (nope + v), R]: per head nope rows of W_uk, then v rows of W_uv.
+    const std::string name = p + "kv_b_proj.weight";
+    const TensorView& kv_b = w.weights().get(name);
+    check_shape(kv_b, {H * (nope + vd), R});
+    if (kv_b.dtype != DType::BF16 && kv_b.dtype != DType::F16 && kv_b.dtype != DType::F32)
+      fail("tensor ", name, ": dtype ", dtype_name(kv_b.dtype), " is not supported (the latent attention needs bf16, f16 or f32)");
+    const size_t elem = kv_b.nbytes / size_t(kv_b.numel());
+    const auto value = [&](int64_t i) {
+      switch (kv_b.dtype) {
+        case DType::BF16: return bf16_to_f32(kv_b.as<uint16_t>()[i]);
+        case DType::F16: return f16_to_f32(kv_b.as<uint16_t>()[i]);
+        default: return kv_b.as<float>()[i];
+      }
+    };
+    for (int64_t hd = 0; hd < H; ++hd) {
+      const int64_t row0 = hd * (nope + vd);
+      std::vector<float>& t = owned_.emplace_back(size_t(R * nope));  // W_uk^T: [R, nope]
+      for (int64_t i = 0; i < nope; ++i)
+        for (int64_t r = 0; r < R; ++r) t[size_t(r * nope + i)] = value((row0 + i) * R + r);
+      const std::string head = name + "[head " + std::to_string(hd) + "]";
+      a.uk_t.push_back(w.backend().load_matrix(
+          TensorView{head + " W_uk^T", DType::F32, {R, nope}, t.data(), t.size() * sizeof(float)}));
+      const char* uv = static_cast<const char*>(kv_b.data) + size_t((row0 + nope) * R) * elem;
+      a.uv.push_back(w.backend().load_matrix(
+          TensorView{head + " W_uv", kv_b.dtype, {vd, R}, uv, size_t(vd * R) * elem}));
+    }
+    return a;
+  }
+
+  // out (T, hidden) = latent attention of x (T, hidden); [c, k_rope] and c appended to the caches.
+  void attention(const MlaWeights& a, const Buffer& x, Buffer& k_cache, Buffer& v_cache, int64_t n_past,
+                 Buffer& out) {
+    Backend& be = *backend_;
+    const int64_t T = x.rows, H = cfg_.n_heads, R = cfg_.kv_lora_rank;
+    const int64_t nope = cfg_.nope_dim, rope = cfg_.rope_dim, qk = cfg_.qk_dim();
+    const auto rows = [T](const Buffer& b) { return b.rows_view(0, T); };
+    Buffer q = rows(buf_.q), kv_a = rows(buf_.kv_a), latent = rows(buf_.latent);
+    if (cfg_.q_lora_rank > 0) {
+      Buffer q_a = rows(buf_.q_a);
+      be.linear(x, a.q_a_proj, nullptr, q_a);                 // (T, q_lora)
+      be.rmsnorm(q_a, a.q_a_norm, norm_eps, q_a.cols, q_a);
+      be.linear(q_a, a.q_b_proj, nullptr, q);                 // (T, H * (nope + rope))
+    } else {
+      be.linear(x, a.q_proj, nullptr, q);
+    }
+    be.rope(q, int(H), int(qk), q_rope_, n_past);
+    be.linear(x, a.kv_a_proj, nullptr, kv_a);                // (T, R + rope): [c, k_rope]
+    be.rope(kv_a, 1, int(R + rope), k_rope_, n_past);
+    be.copy_columns(kv_a, {0, 0}, latent, {0, 0}, R, 1);
+    be.rmsnorm(latent, a.kv_a_norm, norm_eps, R, latent);    // c (T, R)
+    be.copy_columns(latent, {0, 0}, kv_a, {0, 0}, R, 1);     // key row [c, k_rope]
+
+    // Queries in latent space: [W_uk_h^T q_nope_h, q_rope_h] per head.
+    Buffer q_nope = rows(buf_.q_nope), q_abs = rows(buf_.q_absorbed), q_lat = rows(buf_.q_latent);
+    be.copy_columns(q, {0, qk}, q_nope, {0, nope}, nope, H);
+    be.linear_per_head(q_nope, a.uk_t, q_abs);                // (T, H * R)
+    be.copy_columns(q_abs, {0, R}, q_lat, {0, R + rope}, R, H);
+    be.copy_columns(q, {nope, qk}, q_lat, {R, R + rope}, rope, H);
+
+    AttentionParams p = attn_params_;
+    p.n_past = n_past;
+    Buffer o_lat = rows(buf_.o_latent), o_heads = rows(buf_.o_heads);
+    be.attention(q_lat, kv_a, latent, k_cache, v_cache, p, o_lat);  // (T, H * R)
+    be.linear_per_head(o_lat, a.uv, o_heads);                      // (T, H * v)
+    be.linear(o_heads, a.o_proj, nullptr, out);
+  }
+
+  DeepseekV3Config cfg_;
+  PackManifest pack_;
+  std::vector<DeepseekV3Layer> layers_;
+  std::deque<std::vector<float>> owned_;  // W_uk^T copies behind the uk_t matrices
+  std::unique_ptr<ExpertStore> experts_;
+  RopeTable q_rope_, k_rope_;
+  AttentionParams attn_params_;
+  MlaBuffers buf_;
+};
+
+}  // namespace
+
+std::unique_ptr<Model> load_deepseek_v3(const std::string& dir, const HfConfig& config, const ModelOptions& options) {
+  return std::make_unique<DeepseekV3>(dir, config, options);
+}
+
+}  // namespace moestream
