@@ -19,7 +19,7 @@ namespace moestream {
 namespace {
 
 // Families with a fixture under tests/fixtures/families/<name>_tiny that moestream supports.
-const std::vector<std::string> kFamilies = {"mixtral", "olmoe", "glm4_moe", "deepseek_v3"};
+const std::vector<std::string> kFamilies = {"mixtral", "olmoe", "glm4_moe", "deepseek_v3", "gpt_oss"};
 
 struct Reference {
   std::vector<int32_t> logit_tokens, prompt_tokens, greedy_tokens;

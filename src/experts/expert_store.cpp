@@ -248,8 +248,16 @@ class StreamingExpertStore final : public ExpertStore {
     return m;
   }
 
+  // A bias role (F32 [1, n], checked when the manifest loaded), or an empty vector when absent.
+  static Vector bias(const PackedExpert& pe, const std::string& role, const char* base) {
+    const PackedTensor* t = pe.find(role);
+    if (!t) return {};
+    return Vector{role, reinterpret_cast<const float*>(base + t->offset), t->shape[1]};
+  }
+
   static MlpWeights views(const PackedExpert& pe, const char* base) {
-    return MlpWeights{view(pe, "gate", base), view(pe, "up", base), view(pe, "down", base)};
+    return MlpWeights{view(pe, "gate", base), view(pe, "up", base), view(pe, "down", base),
+                      bias(pe, "gate_bias", base), bias(pe, "up_bias", base), bias(pe, "down_bias", base)};
   }
 
   const PackManifest& pack_;

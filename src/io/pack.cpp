@@ -198,7 +198,10 @@ PackManifest PackManifest::load(const std::string& dir) {
         pe.tensors.push_back(std::move(pt));
       }
       for (const std::string role : {"gate", "up", "down"}) {
+        const PackedTensor* b = pe.find(role + "_bias");
         const PackedTensor* t = pe.find(role);
+        if (b && (b->dtype != DType::F32 || b->shape[0] != 1 || !t || b->shape[1] != t->shape[0]))
+          fail(w, ": '", role, "_bias' must be F32 [1, rows of '", role, "']");
         if (!t) fail(w, ": no '", role, "' tensor");
         if (t->bits == 0) continue;
         const PackedTensor *sc = pe.find(role + ".scales"), *bi = pe.find(role + ".biases");
@@ -339,6 +342,7 @@ CheckpointQuantization read_quantization(const json& config) {
 struct ExpertSource {
   const TensorView* tensor = nullptr;
   int64_t index = -1;
+  ExpertLayout layout = ExpertLayout::OutIn;
 
   std::vector<int64_t> shape() const {
     return index < 0 ? tensor->shape : std::vector<int64_t>(tensor->shape.begin() + 1, tensor->shape.end());
@@ -375,6 +379,74 @@ std::vector<float> to_f32(const ExpertSource& w, const ExpertSource* scales, con
   const auto* bi = reinterpret_cast<const uint16_t*>(biases->data());
   for (int64_t r = 0; r < rows; ++r)
     dequantize_row(f, cols, words + r * shape[1], sc + r * groups, bi + r * groups, out.data() + r * cols);
+  return out;
+}
+
+bool is_bias_role(const std::string& role) {
+  return role.size() > 5 && role.compare(role.size() - 5, 5, "_bias") == 0;
+}
+
+// An expert's tensors as the pack stores them: weights [out, in] (gate_up split into gate and up),
+// biases as F32 [1, out]. Converted tensors live in `bytes` and `views`.
+std::map<std::string, ExpertSource> to_pack_layout(const std::map<std::string, ExpertSource>& parts,
+                                                   std::deque<std::vector<char>>& bytes,
+                                                   std::deque<TensorView>& views) {
+  std::map<std::string, ExpertSource> out;
+  const auto add = [&](const std::string& role, const std::string& name, DType dtype,
+                       std::vector<int64_t> shape, std::vector<char>&& data) {
+    std::vector<char>& b = bytes.emplace_back(std::move(data));
+    const TensorView& v = views.emplace_back(TensorView{name, dtype, std::move(shape), b.data(), b.size()});
+    out[role] = ExpertSource{&v, -1};
+  };
+  for (const auto& [role, src] : parts) {
+    const std::vector<int64_t> shape = src.shape();
+    const std::string& name = src.tensor->name;
+    if (is_bias_role(role)) {
+      if (shape.size() != 1) fail("tensor ", name, ": expected one bias vector per expert, found ", shape_str(shape));
+      const std::vector<float> v = to_f32(src, nullptr, nullptr, 0, 0);
+      const int64_t n = int64_t(v.size());
+      const auto as_bytes = [](const float* f, int64_t count, int64_t stride) {
+        std::vector<char> b(size_t(count) * sizeof(float));
+        for (int64_t i = 0; i < count; ++i) std::memcpy(b.data() + i * 4, f + i * stride, sizeof(float));
+        return b;
+      };
+      if (role == "gate_up_bias") {
+        if (n % 2) fail("tensor ", name, ": interleaved gate/up bias needs an even size, found ", n);
+        add("gate_bias", name, DType::F32, {1, n / 2}, as_bytes(v.data(), n / 2, 2));
+        add("up_bias", name, DType::F32, {1, n / 2}, as_bytes(v.data() + 1, n / 2, 2));
+      } else {
+        add(role, name, DType::F32, {1, n}, as_bytes(v.data(), n, 1));
+      }
+      continue;
+    }
+    if (src.layout == ExpertLayout::OutIn) {
+      out[role] = src;
+      continue;
+    }
+    const size_t elem = dtype_size(src.tensor->dtype);
+    if (shape.size() != 2 || src.tensor->dtype == DType::U32)
+      fail("tensor ", name, ": a transposed expert weight must be a plain matrix, found ",
+           dtype_name(src.tensor->dtype), " ", shape_str(shape));
+    // Element (r, c) of the stored [in, out'] tensor is W'[c][r]; copy element bytes as they are.
+    const int64_t in = shape[0], cols = shape[1];
+    const char* data = src.data();
+    const auto transpose = [&](int64_t first_col, int64_t step) {
+      const int64_t rows_out = (cols - first_col + step - 1) / step;
+      std::vector<char> b(size_t(rows_out * in) * elem);
+      for (int64_t o = 0; o < rows_out; ++o)
+        for (int64_t i = 0; i < in; ++i)
+          std::memcpy(b.data() + size_t(o * in + i) * elem, data + size_t(i * cols + first_col + o * step) * elem, elem);
+      return b;
+    };
+    if (src.layout == ExpertLayout::InOut) {
+      add(role, name, src.tensor->dtype, {cols, in}, transpose(0, 1));
+    } else {
+      if (role != "gate_up" || cols % 2)
+        fail("tensor ", name, ": interleaved gate/up needs role gate_up and an even column count, found ", shape_str(shape));
+      add("gate", name, src.tensor->dtype, {cols / 2, in}, transpose(0, 2));
+      add("up", name, src.tensor->dtype, {cols / 2, in}, transpose(1, 2));
+    }
+  }
   return out;
 }
 
@@ -419,11 +491,13 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     if (!ref->stacked) {
       auto& slot = experts[ref->layer][ref->expert][ref->role];
       if (slot.tensor) fail(src, ": tensors ", slot.tensor->name, " and ", name, " are the same expert part");
-      slot = ExpertSource{&t, -1};
+      slot = ExpertSource{&t, -1, ref->layout};
       continue;
     }
-    if (t.shape.size() != 3) fail("tensor ", name, ": stacked experts need 3 dimensions, found ", shape_str(t.shape));
-    for (int64_t e = 0; e < t.shape[0]; ++e) experts[ref->layer][int(e)][ref->role] = ExpertSource{&t, e};
+    const size_t dims = is_bias_role(ref->role) ? 2 : 3;
+    if (t.shape.size() != dims)
+      fail("tensor ", name, ": stacked experts need ", dims, " dimensions, found ", shape_str(t.shape));
+    for (int64_t e = 0; e < t.shape[0]; ++e) experts[ref->layer][int(e)][ref->role] = ExpertSource{&t, e, ref->layout};
   }
   int n_experts = 0;
   for (const auto& [layer, list] : experts) n_experts = std::max(n_experts, list.rbegin()->first + 1);
@@ -431,8 +505,9 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     if (int(list.size()) != n_experts || list.begin()->first != 0)
       fail(src, ": layer ", layer, " has ", list.size(), " experts, other layers have ", n_experts);
     for (const auto& [e, parts] : list)
-      for (const char* role : {"gate", "up", "down"})
-        if (!parts.count(role)) fail(src, ": layer ", layer, " expert ", e, " has no ", role, " weight");
+      for (const std::string role : {"gate", "up", "down"})
+        if (!parts.count(role) && !(role != "down" && parts.count("gate_up")))
+          fail(src, ": layer ", layer, " expert ", e, " has no ", role, " weight");
   }
 
   int n_layers = experts.empty() ? 0 : experts.rbegin()->first + 1;
@@ -477,8 +552,10 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   owned.clear();
 
   for (const auto& [layer, list] : experts) {
-    for (const auto& [e, parts] : list) {
+    for (const auto& [e, source_parts] : list) {
       std::deque<std::vector<char>> bytes;
+      std::deque<TensorView> converted;
+      const std::map<std::string, ExpertSource> parts = to_pack_layout(source_parts, bytes, converted);
       std::vector<PackWriter::Part> out_parts;
       std::set<std::string> formats;
       for (const std::string role : {"gate", "up", "down"}) {
@@ -535,6 +612,11 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         }
         progress.add(w.nbytes() + (sc ? sc->nbytes() + bi->nbytes() : 0));
       }
+      for (const std::string role : {"gate_bias", "up_bias", "down_bias"})
+        if (parts.count(role)) {
+          const ExpertSource& b = parts.at(role);
+          out_parts.push_back({role, DType::F32, b.tensor->shape, b.data(), b.nbytes()});
+        }
       writer.add_expert(layer, formats.size() == 1 ? *formats.begin() : "mixed", out_parts);
     }
   }

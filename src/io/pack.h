@@ -20,7 +20,8 @@ constexpr const char* kPackManifestName = "moestream-pack.json";
 
 // One tensor inside an expert's block, e.g. role "gate" (later "gate.scales", ...).
 struct PackedTensor {
-  std::string role;             // gate | up | down (+ ".scales" / ".biases" for quantized formats)
+  std::string role;             // gate | up | down (+ ".scales" / ".biases" for quantized formats),
+                                // or gate_bias | up_bias | down_bias: F32 [1, out] added to the output
   DType dtype = DType::BF16;
   std::vector<int64_t> shape;   // as stored: [out, in], or [out, in * bits / 32] words
   uint64_t offset = 0;          // bytes from the start of the expert's block
@@ -57,11 +58,21 @@ struct PackManifest {
 
 bool is_pack_dir(const std::string& dir);
 
+// How a checkpoint's expert tensor is laid out, when not as the pack stores it ([out, in] weights).
+enum class ExpertLayout {
+  OutIn,              // as the pack stores it
+  InOut,              // transposed: the model computes x @ W (gpt-oss down_proj [inter, hidden])
+  GateUpInterleaved,  // gpt-oss gate_up_proj [hidden, 2 * inter] (x @ W) or its bias [2 * inter]:
+                      // gate in the even columns, up in the odd ones
+};
+
 // Which tensors of a checkpoint are routed-expert weights, and what they are.
 struct ExpertTensorRef {
   int layer = 0, expert = 0;
-  std::string role;      // gate | up | down, or gate.scales, gate.biases, ... (quantized)
+  std::string role;      // gate | up | down, or gate.scales, gate.biases, ... (quantized), or
+                         // gate_up (GateUpInterleaved), or gate_bias | up_bias | down_bias | gate_up_bias
   bool stacked = false;  // one tensor holds every expert of the layer along dimension 0 (MLX)
+  ExpertLayout layout = ExpertLayout::OutIn;
 };
 using ExpertTensorParser = std::function<std::optional<ExpertTensorRef>(const std::string& name)>;
 

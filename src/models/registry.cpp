@@ -22,6 +22,7 @@ const std::vector<Architecture>& architectures() {
       {"glm4_moe", "GLM-4.5, GLM-4.5-Air, GLM-4.6", load_glm4_moe, parse_qwen_expert_tensor},
       {"deepseek_v3", "DeepSeek-V3, DeepSeek-R1", load_deepseek_v3, parse_qwen_expert_tensor},
       {"kimi_k2", "Kimi-K2 (the deepseek_v3 architecture)", load_deepseek_v3, parse_qwen_expert_tensor},
+      {"gpt_oss", "gpt-oss-20b, gpt-oss-120b (bf16)", load_gpt_oss, parse_gpt_oss_expert_tensor},
       {"qwen3_next", "Qwen3-Next-80B-A3B-Instruct, Qwen3-Next-80B-A3B-Thinking", load_qwen3_next,
        parse_qwen_expert_tensor},
       {"qwen3_5_moe_text", "Qwen3.5-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B (language model)",

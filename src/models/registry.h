@@ -39,8 +39,11 @@ std::unique_ptr<Model> load_mixtral(const std::string& dir, const HfConfig& conf
 std::unique_ptr<Model> load_olmoe(const std::string& dir, const HfConfig& config, const ModelOptions& options);
 std::unique_ptr<Model> load_glm4_moe(const std::string& dir, const HfConfig& config, const ModelOptions& options);
 std::unique_ptr<Model> load_deepseek_v3(const std::string& dir, const HfConfig& config, const ModelOptions& options);
+std::unique_ptr<Model> load_gpt_oss(const std::string& dir, const HfConfig& config, const ModelOptions& options);
 // Mixtral's "block_sparse_moe.experts.E.w{1,2,3}.weight" (w1 gate, w3 up, w2 down).
 std::optional<ExpertTensorRef> parse_mixtral_expert_tensor(const std::string& name);
+// gpt-oss's stacked "mlp.experts.{gate_up_proj,down_proj}[_bias]" (x @ W, gate/up interleaved).
+std::optional<ExpertTensorRef> parse_gpt_oss_expert_tensor(const std::string& name);
 // Qwen3-Next and Qwen3.5-MoE (qwen3_next.cpp): hybrid Gated DeltaNet / gated attention layers.
 std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& config,
                                        const ModelOptions& options);

@@ -1,0 +1,208 @@
+// gpt-oss (model_type "gpt_oss"): gpt-oss-20b, gpt-oss-120b, in bf16 (MXFP4 experts are not
+// supported yet).
+//
+// Each layer: x += attn(rmsnorm(x)); x += moe(rmsnorm(x)). Attention is grouped-query with biases
+// on q/k/v/o, a learned per-head sink logit in every softmax, YaRN rotary embedding, and a sliding
+// window on the layers that layer_types marks "sliding_attention". The router adds a bias to its
+// logits, takes the top k and softmaxes over those k. Experts have biases and a clamped SwiGLU:
+// gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(1.702 * gate). The checkpoint stacks
+// each layer's experts as x @ W with gate and up in alternating columns; the pack stores them as
+// [out, in] gate/up/down (see ExpertLayout).
+#include <regex>
+
+#include "core/error.h"
+#include "experts/expert_store.h"
+#include "io/pack.h"
+#include "io/safetensors.h"
+#include "models/blocks.h"
+#include "models/registry.h"
+
+namespace moestream {
+
+namespace {
+
+struct GptOssConfig {
+  int64_t vocab_size;         // tokens
+  int64_t hidden_size;        // model width
+  int64_t intermediate_size;  // width of one expert
+  int n_layers;
+  int n_heads, n_kv_heads, head_dim;
+  int n_experts, top_k;
+  int64_t sliding_window;     // positions a sliding layer sees
+  std::vector<bool> sliding;  // per layer: layer_types[l] == "sliding_attention"
+  float swiglu_limit;
+  bool tie_word_embeddings;
+  float rms_norm_eps;
+  int64_t max_position;
+  RopeParams rope;
+
+  static GptOssConfig from(const HfConfig& c) {
+    GptOssConfig m;
+    m.vocab_size = c.get_int("vocab_size");
+    m.hidden_size = c.get_int("hidden_size");
+    m.intermediate_size = c.get_int("intermediate_size");
+    m.n_layers = int(c.get_int("num_hidden_layers"));
+    m.n_heads = int(c.get_int("num_attention_heads"));
+    m.n_kv_heads = int(c.get_int("num_key_value_heads", m.n_heads));
+    m.head_dim = int(c.get_int("head_dim", m.hidden_size / m.n_heads));
+    m.n_experts = int(c.get_int("num_local_experts"));
+    m.top_k = int(c.get_int("num_experts_per_tok"));
+    m.sliding_window = c.get_int("sliding_window", 0);
+    m.swiglu_limit = float(c.get_double("swiglu_limit", 7.0));
+    m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
+    m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-5));
+    m.max_position = c.get_int("max_position_embeddings", 131072);
+    m.rope = c.rope();
+    const std::vector<std::string> types = c.get_string_list("layer_types");
+    if (types.empty()) {
+      // transformers' default: sliding and full layers alternate, starting with sliding.
+      for (int l = 0; l < m.n_layers; ++l) m.sliding.push_back(l % 2 == 0);
+    } else {
+      if (int(types.size()) != m.n_layers)
+        fail(c.path(), ": layer_types has ", types.size(), " entries, num_hidden_layers is ", m.n_layers);
+      for (const auto& t : types) {
+        if (t != "sliding_attention" && t != "full_attention")
+          fail(c.path(), ": layer_types entry '", t, "' is not supported (expected sliding_attention or full_attention)");
+        m.sliding.push_back(t == "sliding_attention");
+      }
+    }
+    if (m.n_heads <= 0 || m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
+      fail(c.path(), ": num_attention_heads (", m.n_heads, ") must be a positive multiple of num_key_value_heads (", m.n_kv_heads, ")");
+    if (m.head_dim <= 0 || m.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", m.head_dim);
+    if (m.top_k <= 0 || m.top_k > m.n_experts)
+      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, num_local_experts = ", m.n_experts, "]");
+    for (bool s : m.sliding)
+      if (s && m.sliding_window <= 0) fail(c.path(), ": sliding layers need a positive sliding_window");
+    return m;
+  }
+};
+
+std::string expert_tensor_name(int layer, int expert, const std::string& role) {
+  return "model.layers." + std::to_string(layer) + ".mlp.experts." + (role == "down" ? "down_proj" : "gate_up_proj") +
+         "[" + std::to_string(expert) + "] (" + role + ")";
+}
+
+struct GptOssLayer {
+  Vector input_norm, post_attention_norm;
+  GqaAttention attn;
+  Matrix router;       // [n_experts, hidden]
+  Vector router_bias;  // [n_experts]
+};
+
+class GptOss final : public DecoderModel {
+ public:
+  GptOss(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
+      : cfg_(GptOssConfig::from(hf)) {
+    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
+    pack_ = PackManifest::load(dir);
+    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
+    info_.model_type = "gpt_oss";
+    info_.dir = dir;
+    info_.vocab_size = cfg_.vocab_size;
+    info_.n_layers = cfg_.n_layers;
+    info_.hidden_size = cfg_.hidden_size;
+    info_.max_position = cfg_.max_position;
+    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+    norm_eps = cfg_.rms_norm_eps;
+
+    WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
+    const int64_t h = cfg_.hidden_size;
+    embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
+    final_norm = w.vector("model.norm.weight", h);
+    lm_head = cfg_.tie_word_embeddings && !w.has("lm_head.weight")
+                  ? embed_tokens : w.matrix("lm_head.weight", cfg_.vocab_size, h);
+    for (int l = 0; l < cfg_.n_layers; ++l) {
+      const std::string p = "model.layers." + std::to_string(l) + ".";
+      GptOssLayer layer;
+      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
+      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
+      GqaOptions attn_options;
+      attn_options.sliding_window = cfg_.sliding[size_t(l)] ? cfg_.sliding_window : 0;
+      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
+                                      cfg_.head_dim, cfg_.rms_norm_eps, attn_options);
+      if (!layer.attn.sinks) fail("tensor ", p, "self_attn.sinks: missing");
+      layer.router = w.matrix(p + "mlp.router.weight", cfg_.n_experts, h);
+      layer.router_bias = w.vector(p + "mlp.router.bias", cfg_.n_experts);
+      layers_.push_back(std::move(layer));
+    }
+    const std::vector<bool> moe_layers(size_t(cfg_.n_layers), true);
+    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.intermediate_size, expert_tensor_name);
+    for (int l = 0; l < cfg_.n_layers; ++l)
+      for (int e = 0; e < cfg_.n_experts; ++e)
+        for (const std::string role : {"gate", "up", "down"}) {
+          const std::vector<int64_t> want{1, role == "down" ? h : cfg_.intermediate_size};
+          const PackedTensor* b = pack_.expert(l, e).find(role + "_bias");
+          if (!b || b->shape != want)
+            fail("tensor ", expert_tensor_name(l, e, role), " bias: expected shape ", shape_str(want), ", found ",
+                 b ? shape_str(b->shape) : std::string("none"));
+        }
+    experts_ = make_expert_store(pack_, *backend_, options.experts);
+    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
+    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
+    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.head_dim, kv_dim_);
+    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
+  }
+
+  ExpertStats expert_stats() const override { return experts_->stats(); }
+
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
+  }
+
+ protected:
+  void run_layer(int l, int64_t T, SequenceState& state) override {
+    auto& seq = static_cast<KvSequence&>(state);
+    const GptOssLayer& layer = layers_[size_t(l)];
+    Backend& be = *backend_;
+    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
+    Buffer out = ws_.ffn_out.rows_view(0, T);
+    {
+      ScopedTimer timer(be.times().attention);
+      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+      layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
+      be.add(x, out);
+    }
+    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
+    MoeParams p;
+    p.n_experts = cfg_.n_experts;
+    p.top_k = cfg_.top_k;
+    p.router = RouterKind::TopKSoftmax;
+    p.router_bias = &layer.router_bias;
+    p.layer = l;
+    p.activation = ExpertActivation::ClampedSwiGlu;
+    p.swiglu_limit = cfg_.swiglu_limit;
+    be.moe(xn, layer.router, *experts_, p, out);
+    be.add(x, out);
+  }
+
+ private:
+  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+  GptOssConfig cfg_;
+  PackManifest pack_;
+  std::vector<GptOssLayer> layers_;
+  std::unique_ptr<ExpertStore> experts_;
+  RopeTable rope_;
+  int64_t kv_dim_ = 0;
+};
+
+}  // namespace
+
+std::optional<ExpertTensorRef> parse_gpt_oss_expert_tensor(const std::string& name) {
+  static const std::regex re(R"(model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)(_bias|_blocks|_scales)?)");
+  std::smatch m;
+  if (!std::regex_match(name, m, re)) return std::nullopt;
+  const int layer = std::stoi(m[1]);
+  const std::string proj = m[2], suffix = m[3];
+  if (suffix == "_blocks" || suffix == "_scales")
+    fail("tensor ", name, ": MXFP4 experts are not supported yet (use a bf16 checkpoint)");
+  const bool gate_up = proj == "gate_up_proj", bias = suffix == "_bias";
+  const std::string role = std::string(gate_up ? "gate_up" : "down") + (bias ? "_bias" : "");
+  const ExpertLayout layout = gate_up ? ExpertLayout::GateUpInterleaved : bias ? ExpertLayout::OutIn : ExpertLayout::InOut;
+  return ExpertTensorRef{layer, -1, role, true, layout};
+}
+
+std::unique_ptr<Model> load_gpt_oss(const std::string& dir, const HfConfig& config, const ModelOptions& options) {
+  return std::make_unique<GptOss>(dir, config, options);
+}
+
+}  // namespace moestream
