@@ -161,6 +161,7 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
   in.precise = precise;
   in.level = kernel_level();
   in.bits = w.quant.bits;
+  in.group_size = w.quant.group_size;
   if (in.bits == 0) return;
 
   const int64_t cols = w.cols;
@@ -196,7 +197,7 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
 
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1) {
-  if (in.bits != w.quant.bits || in.cols != w.cols)
+  if (in.bits != w.quant.bits || in.group_size != w.quant.group_size || in.cols != w.cols)
     fail("weight ", w.name, ": activations were prepared for another matrix");
   const detail::LevelKernels& k = kernels_for(in.level);
   if (w.quant.bits == 0) {

@@ -11,12 +11,15 @@
 //
 // A linear layer runs as prepare_input once per call, then matmul_rows on disjoint row ranges,
 // possibly from several threads. For quantized weights the activations take one of two paths:
-//   precise  float32 activations; each weight is dequantized (q * scale + bias, one fma) and
-//            multiplied in float32.
-//   default  activations quantized to int8 per block of 32 (scale = max|x| / 127, round to
-//            nearest); per block an exact integer dot product with the weight codes, then
-//            y = sum_g scale_g * sum_b dx_b * isum_b + sum_g bias_g * sum_(i in g) x^_i.
-//            The only approximation is x^ (the int8 activations) in place of x.
+//   precise = true   float32 activations; each weight is dequantized (q * scale + bias, one
+//                    fma, bit-identical at every level) and multiplied in float32.
+//   precise = false  activations quantized to int8 per block of 32 (scale dx = max|x| / 127,
+//                    round half to even); per block an exact integer dot product isum with the
+//                    weight codes, then
+//                    y = sum_g scale_g * sum_(b in g) dx_b * isum_b + sum_g bias_g * sum_(i in g) x^_i.
+//                    The only approximation is x^ (the int8 activations) in place of x: about
+//                    0.5% relative error on random data.
+// Plain F32/BF16/F16 weights always take float32 activations.
 #pragma once
 
 #include <cstdint>
@@ -46,19 +49,19 @@ void axpy(float a, const float* x, float* y, int64_t n);
 // Activations prepared once per linear call for the weight's format and the kernel level.
 // Plain weights read x as it is. Quantized weights read copies padded with zeros to a multiple
 // of 64 columns per token, in the element order the level's unpacking produces (a permutation
-// inside each block of 32, so block scales are unaffected).
+// inside each block of 32, so block scales are unaffected; see quant_kernels.h).
 struct PreparedInput {
   const float* x = nullptr;  // [T, cols] float32 as given
   int64_t T = 0, cols = 0;
   bool precise = true;
   KernelLevel level = KernelLevel::Scalar;  // layout below is for this level
-  int bits = 0;                             // weight bits the layout is for (0: plain weights)
+  int bits = 0, group_size = 0;  // weight format the layout is for (bits 0: plain weights)
   int64_t stride = 0;          // padded columns per token in xf / q
   int64_t group_stride = 0;    // weight groups per token in group_sum (padded to 16)
   std::vector<float> xf;       // precise: [T, stride] float32 activations
-  std::vector<int8_t> q;       // default: [T, stride] int8 activations
-  std::vector<float> q_scale;  // default: [T, stride / 4] scale of each 4-element lane's block
-  std::vector<float> group_sum;  // default: [T, group_stride] sum of x^ over each weight group
+  std::vector<int8_t> q;       // int8: [T, stride] int8 activations
+  std::vector<float> q_scale;  // int8: [T, stride / 4] scale of each 4-element lane's block
+  std::vector<float> group_sum;  // int8: [T, group_stride] sum of x^ over each weight group
 };
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in);
 

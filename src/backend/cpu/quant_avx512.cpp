@@ -5,7 +5,9 @@
 // a masked load of the chunk's 8 * b bytes; vpermb gives qword k the b bytes that hold codes
 // 8k .. 8k+7; vpmultishiftqb pulls byte j of each qword from bit offset j * b; & (2^b - 1).
 // Codes stay in natural order. The int8 path multiplies them (u8) with the activations (s8)
-// by vpdpbusd, which sums four products into int32 without intermediate saturation.
+// by vpdpbusd, which sums four products into int32 without intermediate saturation. The float
+// path dequantizes 2- and 4-bit codes by table lookup instead (see dequant_table).
+
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves, which its own
 // -Wuninitialized then reports wherever such an intrinsic is inlined (GCC bug 105593, fixed in
 // 13). The pragma has to precede the header for the warnings to be attributed to it.
