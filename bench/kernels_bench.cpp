@@ -10,7 +10,8 @@
 //   kernels_bench --benchmark_filter=q4            some of them
 //   MOESTREAM_KERNELS=avx2 kernels_bench           another SIMD level
 //
-// Counters: GB/s (weight bytes read per second) and pct_bw (that, as a percentage of the read
+// Quantized formats run both activation paths: /int8 (precise = false) and /f32 (precise =
+// true). Counters: GB/s (weight bytes read per second) and pct_bw (that, as a percentage of the read
 // bandwidth measured with the same thread count). Threads: the calling thread plus
 // ThreadPool workers, splitting rows as the CPU backend does.
 #include <benchmark/benchmark.h>
@@ -217,7 +218,8 @@ void register_all() {
   const Shape experts[] = {{768, 2048}, {2048, 768}};  // gate/up (out, in) and down
   auto add = [](const std::string& fmt, Shape s, int threads, bool precise, bool cold) {
     const std::string name = "gemv/" + fmt + "/" + std::to_string(s.rows) + "x" +
-                             std::to_string(s.cols) + (precise ? "/precise" : "") +
+                             std::to_string(s.cols) +
+                             (fmt[0] != 'q' ? "" : precise ? "/f32" : "/int8") +
                              (cold ? "" : "/cached") + "/threads:" + std::to_string(threads);
     benchmark::RegisterBenchmark(name.c_str(), BM_Gemv, format(fmt), s.rows, s.cols, threads,
                                  precise, cold)
@@ -227,11 +229,12 @@ void register_all() {
   };
   for (const char* fmt : {"bf16", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64"})
     for (Shape s : experts)
-      for (int threads : {1, 2}) add(fmt, s, threads, false, true);
-  for (Shape s : experts)
-    for (int threads : {1, 2}) add("q4g64", s, threads, true, true);
-  add("q4g64", experts[0], 1, false, false);
-  add("q4g64", experts[0], 1, true, false);
+      for (bool precise : {false, true}) {
+        if (precise && std::string(fmt) == "bf16") continue;  // plain weights have one path
+        for (int threads : {1, 2}) add(fmt, s, threads, precise, true);
+      }
+  for (bool precise : {false, true})
+    for (int threads : {1, 2}) add("q4g64", experts[0], threads, precise, false);
   for (int threads : {1, 2}) add("bf16", {151936, 2048}, threads, false, true);
 }
 

@@ -17,6 +17,7 @@ namespace moestream::cpu {
 namespace {
 
 bool cpu_has(KernelLevel level) {
+  __builtin_cpu_init();  // needed when this runs during static initialization
   switch (level) {
     case KernelLevel::Scalar:
       return true;
