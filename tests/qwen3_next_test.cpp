@@ -118,8 +118,6 @@ TEST_P(Qwen3NextFixture, LogitsMatchTransformers) {
     const double err = relative_error(logits, ref.logits.data);
     EXPECT_LE(err, precise ? 1e-3 : 3e-2) << dir << (precise ? " --precise" : " default");
     RecordProperty(precise ? "precise_error" : "default_error", std::to_string(err));
-    std::printf("%s %s: max|d|/max|ref| = %.2e\n", fs::path(dir).filename().c_str(),
-                precise ? "precise" : "default", err);
   }
 }
 
