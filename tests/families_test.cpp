@@ -7,12 +7,16 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "io/npy.h"
 #include "io/pack.h"
+#include "models/blocks.h"
 #include "models/model.h"
+#include "models/registry.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -131,6 +135,76 @@ TEST_P(FamilyFixture, StreamingUnderATinyBudgetIsBitIdentical) {
     ASSERT_EQ(got.size(), reference.size());
     EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0) << policy;
     EXPECT_GT(bounded->expert_stats().misses, base.misses) << "a bounded cache must re-read experts";
+  }
+}
+
+// The latent attention caches one row [c, k_rope] per position and layer, nothing per head.
+TEST(DeepseekV3, KvCacheHoldsTheCompressedLatent) {
+  ModelOptions opt;
+  opt.threads = 2;
+  auto model = load_model(fixture_dir("deepseek_v3"), opt);
+  auto seq = model->new_sequence(16);
+  auto* kv = dynamic_cast<KvSequence*>(seq.get());
+  ASSERT_NE(kv, nullptr);
+  for (size_t l = 0; l < kv->k.size(); ++l) {
+    EXPECT_EQ(kv->k[l].cols, 32 + 8);  // kv_lora_rank + qk_rope_head_dim
+    EXPECT_EQ(kv->v[l].cols, 0);       // values are read from the key rows
+  }
+}
+
+TEST(Mixtral, ExpertNamesMapW1W3W2ToGateUpDown) {
+  const auto ref = [](const std::string& w) {
+    return parse_mixtral_expert_tensor("model.layers.2.block_sparse_moe.experts.5." + w + ".weight");
+  };
+  ASSERT_TRUE(ref("w1") && ref("w2") && ref("w3"));
+  EXPECT_EQ(ref("w1")->role, "gate");
+  EXPECT_EQ(ref("w3")->role, "up");
+  EXPECT_EQ(ref("w2")->role, "down");
+  EXPECT_EQ(ref("w1")->layer, 2);
+  EXPECT_EQ(ref("w1")->expert, 5);
+  EXPECT_FALSE(parse_mixtral_expert_tensor("model.layers.2.block_sparse_moe.gate.weight"));
+}
+
+TEST(GptOss, MxFp4ExpertsAreAnErrorNamingTheTensor) {
+  const std::string name = "model.layers.0.mlp.experts.gate_up_proj_blocks";
+  try {
+    parse_gpt_oss_expert_tensor(name);
+    FAIL() << "no error for " << name;
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find(name), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("MXFP4"), std::string::npos) << e.what();
+  }
+}
+
+// A bad config.json value is an error naming the field.
+TEST(Families, ConfigErrorsNameTheField) {
+  struct Case {
+    std::string family, field;
+    nlohmann::json value;
+  };
+  const std::vector<Case> cases = {
+      {"olmoe", "clip_qkv", -1.0},
+      {"glm4_moe", "n_group", 3},
+      {"deepseek_v3", "qk_rope_head_dim", 7},
+      {"gpt_oss", "layer_types", nlohmann::json::array({"full_attention"})},
+      {"mixtral", "num_experts_per_tok", 7},
+  };
+  for (const Case& c : cases) {
+    const std::string dir = test::temp_dir("config-" + c.family);
+    for (const auto& e : std::filesystem::directory_iterator(fixture_dir(c.family)))
+      std::filesystem::copy_file(e.path(), dir + "/" + e.path().filename().string());
+    auto config = nlohmann::json::parse(test::read_file(dir + "/config.json"));
+    config[c.field] = c.value;
+    std::ofstream(dir + "/config.json") << config.dump(1);
+    ModelOptions opt;
+    opt.threads = 1;
+    opt.cache_dir = test::temp_dir("config-cache-" + c.family);
+    try {
+      load_model(dir, opt);
+      ADD_FAILURE() << c.family << ": no error for " << c.field << " = " << c.value.dump();
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find(c.field), std::string::npos) << c.family << ": " << e.what();
+    }
   }
 }
 

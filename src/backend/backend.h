@@ -79,6 +79,8 @@ struct AttentionParams {
   int v_head_dim = 0;   // width of each value head; 0: head_dim (MLA's values are narrower)
   int64_t sliding_window = 0;     // > 0: a query sees only the last sliding_window keys (itself included)
   const Vector* sinks = nullptr;  // per-head logit that joins each softmax denominator (gpt-oss)
+  // Values are the first v_head_dim columns of each key head (MLA's latent): v and v_cache unused.
+  bool values_in_keys = false;
 };
 
 enum class RouterKind {

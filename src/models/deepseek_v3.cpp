@@ -10,8 +10,8 @@
 // and values. kv_b_proj holds per head W_uk [nope, rank] and W_uv [v, rank], so that
 //   q_h . k_h = (W_uk_h^T q_nope_h) . c + q_rope_h . k_rope      (scores against the latent)
 //   v_h       = W_uv_h (sum_j p_j c_j)                            (values from the latent)
-// and attention runs as one shared key/value head of width rank + rope (values: rank).
-// The cache stores c twice (in K and in V rows): 2 * rank + rope floats per token and layer.
+// and attention runs as one shared key head of width rank + rope whose first rank columns are
+// also the values: the cache holds rank + rope floats per token and layer.
 #include "core/dtype.h"
 #include "core/error.h"
 #include "experts/expert_store.h"
@@ -184,6 +184,7 @@ class DeepseekV3 final : public DecoderModel {
     attn_params_.n_kv_heads = 1;
     attn_params_.head_dim = cfg_.kv_lora_rank + cfg_.rope_dim;
     attn_params_.v_head_dim = cfg_.kv_lora_rank;
+    attn_params_.values_in_keys = true;
     attn_params_.scale = cfg_.attention_scale();
 
     init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.v_dim, 1);
@@ -204,8 +205,8 @@ class DeepseekV3 final : public DecoderModel {
   ExpertStats expert_stats() const override { return experts_->stats(); }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity,
-                                        cfg_.kv_lora_rank + cfg_.rope_dim, cfg_.kv_lora_rank);
+    // Keys [c, k_rope]; values are c, read from the key rows (no V cache).
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, cfg_.kv_lora_rank + cfg_.rope_dim, 0);
   }
 
  protected:
@@ -295,7 +296,7 @@ class DeepseekV3 final : public DecoderModel {
     return a;
   }
 
-  // out (T, hidden) = latent attention of x (T, hidden); [c, k_rope] and c appended to the caches.
+  // out (T, hidden) = latent attention of x (T, hidden); [c, k_rope] appended to the key cache.
   void attention(const MlaWeights& a, const Buffer& x, Buffer& k_cache, Buffer& v_cache, int64_t n_past,
                  Buffer& out) {
     Backend& be = *backend_;

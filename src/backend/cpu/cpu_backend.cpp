@@ -147,11 +147,16 @@ class CpuBackend final : public Backend {
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
     if (p.n_past + T > k_cache.rows)
       fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
-    if (k.cols != kv_dim || k_cache.cols != kv_dim || v.cols != v_dim || v_cache.cols != v_dim)
+    if (k.cols != kv_dim || k_cache.cols != kv_dim ||
+        (p.values_in_keys ? vd > hd : v.cols != v_dim || v_cache.cols != v_dim))
       fail("attention: k/v widths ", k.cols, "/", v.cols, " (caches ", k_cache.cols, "/", v_cache.cols,
            ") do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
     std::memcpy(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float));
-    std::memcpy(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float));
+    if (!p.values_in_keys)
+      std::memcpy(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float));
+    // Value j of kv head h: v_base + j * v_stride + h * v_head.
+    const float* v_base = p.values_in_keys ? k_cache.data : v_cache.data;
+    const int64_t v_stride = p.values_in_keys ? kv_dim : v_dim, v_head = p.values_in_keys ? hd : vd;
     const int group = p.n_heads / p.n_kv_heads;
     pool_.parallel_for(size_t(T * p.n_heads), [&](size_t i0, size_t i1) {
       thread_local std::vector<float> scores;
@@ -173,7 +178,7 @@ class CpuBackend final : public Backend {
         float* o = out.data + t * out.cols + int64_t(h) * vd;
         std::fill(o, o + vd, 0.0f);
         for (int64_t j = first; j < n_keys; ++j)
-          cpu::axpy(scores[j] / sum, v_cache.data + j * v_dim + int64_t(kvh) * vd, o, vd);
+          cpu::axpy(scores[j] / sum, v_base + j * v_stride + int64_t(kvh) * v_head, o, vd);
       }
     });
   }
