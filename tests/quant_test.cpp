@@ -324,23 +324,30 @@ double relative_error(const std::vector<A>& got, const std::vector<B>& want) {
   return std::sqrt(num / den);
 }
 
-// Error of the int8 path against float64 with x^, relative to the size of the terms summed
-// (sum |w_i x^_i| per output): the path sums scale * q x^ and bias * x^ separately, so outputs
-// much smaller than their terms carry float32 rounding of the terms' size.
-double int8_error(const std::vector<float>& got, const std::vector<float>& wd, int64_t rows,
-                  int64_t cols, const std::vector<float>& xq, int64_t T) {
-  std::vector<float> wa(wd.size()), xa(xq.size());
-  for (size_t i = 0; i < wd.size(); ++i) wa[i] = std::abs(wd[i]);
-  for (size_t i = 0; i < xq.size(); ++i) xa[i] = std::abs(xq[i]);
-  const std::vector<double> want = reference(wd, rows, cols, xq, T);
-  const std::vector<double> size = reference(wa, rows, cols, xa, T);
-  double num = 0, den = 0;
-  for (size_t i = 0; i < want.size(); ++i) {
-    num += std::pow(double(got[i]) - want[i], 2);
-    den += size[i] * size[i];
+// Error of the int8 path, relative to the size of the terms summed (sum |w_i x^_i| per output):
+// the path sums scale * q x^ and bias * x^ separately, so outputs much smaller than their terms
+// carry float32 rounding of the terms' size.
+struct Int8Check {
+  std::vector<double> want, size;  // float64 W x^ and sum |w| |x^| per output
+  Int8Check(const std::vector<float>& wd, int64_t rows, int64_t cols, const std::vector<float>& xq,
+            int64_t T) {
+    std::vector<float> wa(wd.size()), xa(xq.size());
+    for (size_t i = 0; i < wd.size(); ++i) wa[i] = std::abs(wd[i]);
+    for (size_t i = 0; i < xq.size(); ++i) xa[i] = std::abs(xq[i]);
+    want = reference(wd, rows, cols, xq, T);
+    size = reference(wa, rows, cols, xa, T);
   }
-  return std::sqrt(num / den);
-}
+  template <class V>
+  double error(const std::vector<float>& got, const V& other) const {
+    double num = 0, den = 0;
+    for (size_t i = 0; i < size.size(); ++i) {
+      num += std::pow(double(got[i]) - double(other[i]), 2);
+      den += size[i] * size[i];
+    }
+    return std::sqrt(num / den);
+  }
+  double error(const std::vector<float>& got) const { return error(got, want); }
+};
 
 class QuantKernels : public ::testing::TestWithParam<KernelLevel> {
  protected:
@@ -352,7 +359,8 @@ class QuantKernels : public ::testing::TestWithParam<KernelLevel> {
 
 // Every format, awkward shapes, T = 1, 2, 5, both activation paths, against float64 products
 // with the dequantized weights: precise with x (within 1e-5 relative over the whole output),
-// int8 with the int8 activations x^ it uses (within 1e-5 of the terms' size, see int8_error). How far x^ moves the result from x is
+// int8 with the int8 activations x^ it uses (within 1e-5 of the terms' size, see Int8Check);
+// the SIMD levels also next to the scalar level's results. How far x^ moves the result from x is
 // QuantKernels.Int8PathIsWithinOnePercent's subject.
 TEST_P(QuantKernels, EveryQuantizedFormatMatchesTheReference) {
   const KernelLevel level = GetParam();
@@ -372,11 +380,15 @@ TEST_P(QuantKernels, EveryQuantizedFormatMatchesTheReference) {
               const std::vector<float> x = gaussian(size_t(T * cols), seed + uint32_t(T));
               SCOPED_TRACE(quant_format_name(f) + " rows " + std::to_string(rows) + " cols " +
                            std::to_string(cols) + " T " + std::to_string(T));
-              EXPECT_LE(relative_error(run(m, x, T, true, level), reference(wd, rows, cols, x, T)),
-                        1e-5);
-              EXPECT_LE(int8_error(run(m, x, T, false, level), wd, rows, cols,
-                                   int8_activations(m, x, T), T),
-                        1e-5);
+              const auto precise = run(m, x, T, true, level);
+              EXPECT_LE(relative_error(precise, reference(wd, rows, cols, x, T)), 1e-5);
+              const auto int8 = run(m, x, T, false, level);
+              const Int8Check check(wd, rows, cols, int8_activations(m, x, T), T);
+              EXPECT_LE(check.error(int8), 1e-5);
+              if (level != KernelLevel::Scalar) {  // and next to the scalar reference
+                EXPECT_LE(relative_error(precise, run(m, x, T, true, KernelLevel::Scalar)), 1e-5);
+                EXPECT_LE(check.error(int8, run(m, x, T, false, KernelLevel::Scalar)), 1e-5);
+              }
               ++checked;
             }
           }
@@ -436,9 +448,8 @@ TEST_P(QuantKernels, LongRowsAndVectorHelpers) {
   const std::vector<float> x = gaussian(4096, 6);
   const auto want = reference(q.dequantized(), 5, 4096, x, 1);
   EXPECT_LE(relative_error(run(q.matrix(), x, 1, true, GetParam()), want), 1e-5);
-  EXPECT_LE(int8_error(run(q.matrix(), x, 1, false, GetParam()), q.dequantized(), 5, 4096,
-                       int8_activations(q.matrix(), x, 1), 1),
-            1e-5);
+  const Int8Check check(q.dequantized(), 5, 4096, int8_activations(q.matrix(), x, 1), 1);
+  EXPECT_LE(check.error(run(q.matrix(), x, 1, false, GetParam())), 1e-5);
   // dot_row and row_to_f32 on quantized rows.
   std::vector<float> row(4096);
   cpu::row_to_f32(q.matrix(), 3, row.data());
