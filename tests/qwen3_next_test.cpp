@@ -214,6 +214,8 @@ TEST_P(Qwen3NextFixture, SharedExpertIsResidentAndNeverARoutedMiss) {
   int shared_tensors = 0;
   for (const auto& name : dense.names()) shared_tensors += name.find(".mlp.shared_expert.") != std::string::npos;
   EXPECT_EQ(shared_tensors, 3 * n_layers) << "gate/up/down of each layer's shared expert stay resident";
+  for (const auto& name : dense.names())
+    EXPECT_TRUE(name.rfind("model.visual.", 0) != 0 && name.rfind("mtp.", 0) != 0) << name << " is packed";
 
   ModelOptions opt;
   opt.threads = 2;

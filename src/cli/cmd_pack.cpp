@@ -28,6 +28,7 @@ void add_pack(CLI::App& app) {
   cmd->callback([f] {
     const HfConfig config = HfConfig::load(f->src + "/config.json").text();
     const Architecture& arch = find_architecture(config.model_type(), config.path());
+    f->options.skip = arch.unused_tensors;
     write_pack(f->src, f->out, arch.expert_tensors, f->options);
     const PackManifest m = PackManifest::load(f->out);
     std::fprintf(stderr, "packed %s into %s: %zu expert files, %.3f GB of experts\n",

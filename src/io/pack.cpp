@@ -478,6 +478,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   std::vector<const TensorView*> others;
   uint64_t total_bytes = 0;
   for (const auto& name : weights.names()) {
+    if (options.skip && options.skip(name)) continue;
     const TensorView& t = weights.get(name);
     total_bytes += t.nbytes;
     auto ref = parse(name);

@@ -82,6 +82,9 @@ struct PackOptions {
   bool quant_all = false;      // also quantize the other linear layers and the embedding
   bool clip_search = false;    // per-group clipping by least squared error
   bool progress = true;        // progress bar on stderr when it is a terminal
+  // Checkpoint tensors the architecture never reads (a multimodal checkpoint's vision tower,
+  // multi-token-prediction layers), left out of the pack; empty: keep every tensor.
+  std::function<bool(const std::string& name)> skip;
 };
 
 // Writes a pack: non-expert weights, then experts layer by layer (experts of a layer in order),

@@ -1,7 +1,7 @@
 // Qwen3-Next (model_type "qwen3_next": Qwen3-Next-80B-A3B) and Qwen3.5-MoE (text model
 // "qwen3_5_moe_text"; "qwen3_5_moe" multimodal checkpoints keep it in text_config with weights
-// under model.language_model.: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B). Vision tower and
-// multi-token-prediction (mtp.*) weights are not used.
+// under model.language_model.: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B). Vision-tower and
+// multi-token-prediction weights (model.visual.*, mtp.*) are left out of the pack.
 //
 // A hybrid stack; each layer's kind comes from layer_types (or full_attention_interval):
 //   linear_attention  Gated DeltaNet: qkv = in_proj_qkv x -> causal conv1d + SiLU (rolling conv
@@ -322,15 +322,20 @@ class Qwen3Next final : public DecoderModel {
       layer.moe = cfg_.is_moe_layer(l);
       if (layer.moe) {
         layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
-        layer.shared = load_mlp(w, p + "mlp.shared_expert.", cfg_.shared_expert_size);
+        layer.shared = load_mlp(w, p + "mlp.shared_expert.", h, cfg_.shared_expert_size);
         layer.shared_gate = w.matrix(p + "mlp.shared_expert_gate.weight", 1, h);
       } else {
-        layer.dense = load_mlp(w, p + "mlp.", cfg_.intermediate_size);
+        layer.dense = load_mlp(w, p + "mlp.", h, cfg_.intermediate_size);
       }
       moe_layers.push_back(layer.moe);
       layers_.push_back(std::move(layer));
     }
-    check_experts(moe_layers);
+    // The shared expert is a plain weight above, never in the pack's expert files.
+    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size,
+                       [&](int l, int e, const std::string& role) {
+                         return prefix_ + "layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) +
+                                "." + role + "_proj.weight";
+                       });
     experts_ = make_expert_store(pack_, *backend_, options.experts);
     rope_ = make_rope_table(cfg_.rope, cfg_.rot_dim, hf.path());
 
@@ -494,39 +499,6 @@ class Qwen3Next final : public DecoderModel {
     return d;
   }
 
-  MlpWeights load_mlp(WeightLoader& w, const std::string& p, int64_t inter) {
-    const int64_t h = cfg_.hidden_size;
-    MlpWeights m;
-    m.gate = w.matrix(p + "gate_proj.weight", inter, h);
-    m.up = w.matrix(p + "up_proj.weight", inter, h);
-    m.down = w.matrix(p + "down_proj.weight", h, inter);
-    return m;
-  }
-
-  // Every MoE layer of the pack holds n_experts routed experts of the config's shape (the shared
-  // expert is a plain weight, never in the pack's expert files).
-  void check_experts(const std::vector<bool>& moe_layers) const {
-    const int64_t h = cfg_.hidden_size, inter = cfg_.moe_intermediate_size;
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const bool packed = size_t(l) < pack_.layers.size() && !pack_.layers[size_t(l)].empty();
-      if (packed != moe_layers[size_t(l)])
-        fail(pack_.dir, ": layer ", l, moe_layers[size_t(l)] ? " needs routed experts, the pack has none"
-                                                             : " is dense in config.json but the pack has experts for it");
-      if (!packed) continue;
-      if (int(pack_.layers[size_t(l)].size()) != cfg_.n_experts)
-        fail(pack_.dir, ": layer ", l, " has ", pack_.layers[size_t(l)].size(), " experts, config.json says ", cfg_.n_experts);
-      for (int e = 0; e < cfg_.n_experts; ++e)
-        for (const std::string role : {"gate", "up", "down"}) {
-          const std::vector<int64_t> want = role == "down" ? std::vector<int64_t>{h, inter}
-                                                            : std::vector<int64_t>{inter, h};
-          const std::vector<int64_t> got = pack_.expert(l, e).logical_shape(role);
-          if (got != want)
-            fail("tensor ", prefix_, "layers.", l, ".mlp.experts.", e, ".", role, "_proj.weight: expected shape ",
-                 shape_str(want), ", found ", shape_str(got));
-        }
-    }
-  }
-
   Qwen3NextConfig cfg_;
   PackManifest pack_;
   std::string prefix_;  // "model." or "model.language_model."
@@ -542,6 +514,10 @@ class Qwen3Next final : public DecoderModel {
 std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& config,
                                        const ModelOptions& options) {
   return std::make_unique<Qwen3Next>(dir, config, options);
+}
+
+bool is_qwen3_next_unused_tensor(const std::string& name) {
+  return name.rfind("model.visual.", 0) == 0 || name.rfind("mtp.", 0) == 0;
 }
 
 std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& name) {

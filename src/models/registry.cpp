@@ -24,11 +24,11 @@ const std::vector<Architecture>& architectures() {
       {"kimi_k2", "Kimi-K2 (the deepseek_v3 architecture)", load_deepseek_v3, parse_qwen_expert_tensor},
       {"gpt_oss", "gpt-oss-20b, gpt-oss-120b (bf16)", load_gpt_oss, parse_gpt_oss_expert_tensor},
       {"qwen3_next", "Qwen3-Next-80B-A3B-Instruct, Qwen3-Next-80B-A3B-Thinking", load_qwen3_next,
-       parse_qwen_expert_tensor},
+       parse_qwen_expert_tensor, is_qwen3_next_unused_tensor},
       {"qwen3_5_moe_text", "Qwen3.5-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B (language model)",
-       load_qwen3_next, parse_qwen3_5_expert_tensor},
+       load_qwen3_next, parse_qwen3_5_expert_tensor, is_qwen3_next_unused_tensor},
       {"qwen3_5_moe", "Qwen3.5-35B-A3B, Qwen3.5-122B-A10B, Qwen3.5-397B-A17B (language model)",
-       load_qwen3_next, parse_qwen3_5_expert_tensor},
+       load_qwen3_next, parse_qwen3_5_expert_tensor, is_qwen3_next_unused_tensor},
   };
   return table;
 }
@@ -98,7 +98,9 @@ std::string ensure_pack(const std::string& dir, const std::string& cache_dir) {
   if (is_pack_dir(out)) return out;
   fs::create_directories(fs::path(out).parent_path());
   try {
-    write_pack(dir, out, arch.expert_tensors, PackOptions{});
+    PackOptions options;
+    options.skip = arch.unused_tensors;
+    write_pack(dir, out, arch.expert_tensors, options);
   } catch (const std::exception&) {
     if (is_pack_dir(out)) return out;  // another process packed it at the same time
     throw;

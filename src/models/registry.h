@@ -23,6 +23,7 @@ struct Architecture {
   std::string examples;    // published models of this family
   ModelLoader load;        // from a pack directory
   ExpertTensorParser expert_tensors;  // which checkpoint tensors are routed experts
+  std::function<bool(const std::string& name)> unused_tensors;  // left out of packs; may be empty
 };
 
 const Architecture& find_architecture(const std::string& model_type, const std::string& where);
@@ -49,5 +50,7 @@ std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& c
                                        const ModelOptions& options);
 // parse_qwen_expert_tensor's names, also under "model.language_model." (multimodal Qwen3.5).
 std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& name);
+// Qwen3-Next / Qwen3.5 tensors the language model never reads: model.visual.*, mtp.*.
+bool is_qwen3_next_unused_tensor(const std::string& name);
 
 }  // namespace moestream
