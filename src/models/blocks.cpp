@@ -218,6 +218,29 @@ KvSequence::~KvSequence() {
   for (auto& b : v) be_.free(b);
 }
 
+void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
+                             const ModelOptions& options, const Dims& dims) {
+  backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
+  pack_ = PackManifest::load(dir);
+  weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
+  info_.model_type = dims.model_type;
+  info_.dir = dir;
+  info_.vocab_size = dims.vocab_size;
+  info_.n_layers = dims.n_layers;
+  info_.hidden_size = dims.hidden_size;
+  info_.max_position = dims.max_position;
+  info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+  norm_eps = dims.norm_eps;
+}
+
+void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
+  const int64_t vocab = info_.vocab_size, h = info_.hidden_size;
+  embed_tokens = w.matrix("model.embed_tokens.weight", vocab, h);
+  final_norm = w.vector("model.norm.weight", h);
+  lm_head = tie_word_embeddings && !w.has("lm_head.weight") ? embed_tokens
+                                                           : w.matrix("lm_head.weight", vocab, h);
+}
+
 void DecoderModel::init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim) {
   Backend& be = *backend_;
   const int64_t h = info_.hidden_size;

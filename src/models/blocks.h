@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "io/hf_config.h"
+#include "io/pack.h"
 #include "models/model.h"
 
 namespace moestream {
@@ -125,7 +126,23 @@ class DecoderModel : public Model {
   virtual void run_layer(int layer, int64_t T, SequenceState& state) = 0;
   void init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim);
 
+  // What open_pack takes from the family's config.
+  struct Dims {
+    std::string model_type;
+    int64_t vocab_size = 0, hidden_size = 0;
+    int n_layers = 0;
+    int64_t max_position = 0;
+    float norm_eps = 1e-6f;
+  };
+  // Opens the pack in `dir`: the backend, the manifest, the non-expert weights, and the ModelInfo
+  // fields every family fills the same way (eos ids from config.json / generation_config.json).
+  void open_pack(const std::string& dir, const HfConfig& hf, const ModelOptions& options,
+                 const Dims& dims);
+  // model.embed_tokens, model.norm and lm_head (the embedding when tied and lm_head is absent).
+  void load_embeddings(WeightLoader& w, bool tie_word_embeddings);
+
   std::unique_ptr<Backend> backend_;
+  PackManifest pack_;
   std::unique_ptr<WeightSet> weights_;
   ModelInfo info_;
   Workspace ws_;

@@ -93,24 +93,12 @@ class GptOss final : public DecoderModel {
  public:
   GptOss(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
       : cfg_(GptOssConfig::from(hf)) {
-    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
-    pack_ = PackManifest::load(dir);
-    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
-    info_.model_type = "gpt_oss";
-    info_.dir = dir;
-    info_.vocab_size = cfg_.vocab_size;
-    info_.n_layers = cfg_.n_layers;
-    info_.hidden_size = cfg_.hidden_size;
-    info_.max_position = cfg_.max_position;
-    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
-    norm_eps = cfg_.rms_norm_eps;
+    open_pack(dir, hf, options, {"gpt_oss", cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
+                                  cfg_.max_position, cfg_.rms_norm_eps});
 
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     const int64_t h = cfg_.hidden_size;
-    embed_tokens = w.matrix("model.embed_tokens.weight", cfg_.vocab_size, h);
-    final_norm = w.vector("model.norm.weight", h);
-    lm_head = cfg_.tie_word_embeddings && !w.has("lm_head.weight")
-                  ? embed_tokens : w.matrix("lm_head.weight", cfg_.vocab_size, h);
+    load_embeddings(w, cfg_.tie_word_embeddings);
     for (int l = 0; l < cfg_.n_layers; ++l) {
       const std::string p = "model.layers." + std::to_string(l) + ".";
       GptOssLayer layer;
@@ -178,7 +166,6 @@ class GptOss final : public DecoderModel {
  private:
   static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
   GptOssConfig cfg_;
-  PackManifest pack_;
   std::vector<GptOssLayer> layers_;
   std::unique_ptr<ExpertStore> experts_;
   RopeTable rope_;

@@ -285,17 +285,8 @@ class Qwen3Next final : public DecoderModel {
  public:
   Qwen3Next(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
       : cfg_(Qwen3NextConfig::from(hf)) {
-    backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
-    pack_ = PackManifest::load(dir);
-    weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
-    info_.model_type = cfg_.model_type;
-    info_.dir = dir;
-    info_.vocab_size = cfg_.vocab_size;
-    info_.n_layers = cfg_.n_layers;
-    info_.hidden_size = cfg_.hidden_size;
-    info_.max_position = cfg_.max_position;
-    info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
-    norm_eps = cfg_.rms_norm_eps;
+    open_pack(dir, hf, options, {cfg_.model_type, cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
+                                  cfg_.max_position, cfg_.rms_norm_eps});
 
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     // Multimodal Qwen3.5 checkpoints keep the language model under model.language_model.
@@ -500,7 +491,6 @@ class Qwen3Next final : public DecoderModel {
   }
 
   Qwen3NextConfig cfg_;
-  PackManifest pack_;
   std::string prefix_;  // "model." or "model.language_model."
   std::vector<Qwen3NextLayer> layers_;
   std::deque<std::vector<char>> regrouped_;  // storage of the regrouped fused weights
