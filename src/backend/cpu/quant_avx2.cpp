@@ -162,7 +162,11 @@ MS_AVX2 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
 MS_AVX2 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                           int64_t r0, int64_t r1) {
   if (in.T == 1) {
-    for (int64_t r = r0; r < r1; ++r) y[r] = dot_plain_row(w, r, in.x);
+    const int64_t ahead = prefetch_rows_ahead(w.cols * int64_t(dtype_size(w.dtype)));
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_plain_row(w, r + ahead);
+      y[r] = dot_plain_row(w, r, in.x);
+    }
     return;
   }
   thread_local std::vector<float> rows;
@@ -325,9 +329,12 @@ MS_AVX2 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int
   };
   if (in.T == 1) {
     const TokenInt8 x = token(0);
-    for (int64_t r = r0; r < r1; ++r)
+    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       y[r] = dot_int8<BITS, GS>(PackedRow<BITS>(row_codes(w, r), blocks), row_scales(w, r),
                                 row_biases(w, r), dt, w.cols, x);
+    }
     return;
   }
   thread_local std::vector<uint8_t> codes;
@@ -379,7 +386,9 @@ MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, 
   const DType dt = w.quant.scale_dtype;
   if (in.T == 1) {
     const float* x = in.xf.data();
+    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
     for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
       for_each_block<BITS, GS>(

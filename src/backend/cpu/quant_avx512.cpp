@@ -153,11 +153,14 @@ MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
 MS_AVX512 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                             int64_t r0, int64_t r1) {
   if (in.T == 1) {
-    for (int64_t r = r0; r < r1; ++r)
+    const int64_t ahead = prefetch_rows_ahead(w.cols * int64_t(dtype_size(w.dtype)));
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_plain_row(w, r + ahead);
       y[r] = w.dtype == DType::F32
                  ? dot_f32(static_cast<const float*>(w.data) + r * w.cols, in.x, w.cols)
                  : dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, in.x, w.cols,
                             w.dtype);
+    }
     return;
   }
   thread_local std::vector<float> rows;
@@ -303,9 +306,12 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
   };
   if (in.T == 1) {
     const TokenInt8 x = token(0);
-    for (int64_t r = r0; r < r1; ++r)
+    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
+    for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       y[r] = dot_int8<BITS, GS>(PackedRow<BITS>{row_codes(w, r)}, row_scales(w, r),
                                 row_biases(w, r), dt, w.cols, x);
+    }
     return;
   }
   const int64_t chunks = (w.cols + 63) / 64;
@@ -418,7 +424,9 @@ MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y
                               int64_t r0, int64_t r1) {
   if (in.T == 1) {
     const float* x = in.xf.data();
+    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
     for (int64_t r = r0; r < r1; ++r) {
+      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
       for_each_dequantized<BITS, GS>(

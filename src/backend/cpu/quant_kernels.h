@@ -73,4 +73,28 @@ inline const uint16_t* row_biases(const Matrix& w, int64_t r) {
   return static_cast<const uint16_t*>(w.biases) + r * row_groups(w);
 }
 
+// Single-token products stream each row once. The hardware prefetchers alone left them at about
+// 70% of the DRAM read bandwidth on the 2-core development machine (Sapphire Rapids VM); asking
+// for the row that starts about 4 KB ahead brought them to about 90%.
+constexpr int64_t kPrefetchBytes = 4096;
+inline int64_t prefetch_rows_ahead(int64_t row_bytes) {
+  return (kPrefetchBytes + row_bytes - 1) / row_bytes;
+}
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t o = 0; o < n; o += 64) __builtin_prefetch(c + o);
+  __builtin_prefetch(c + n - 1);
+}
+// Row r of a quantized matrix: codes, scales and biases.
+inline void prefetch_quant_row(const Matrix& w, int64_t r) {
+  prefetch_bytes(row_codes(w, r), row_code_bytes(w));
+  prefetch_bytes(row_scales(w, r), row_groups(w) * 2);
+  prefetch_bytes(row_biases(w, r), row_groups(w) * 2);
+}
+// Row r of a plain matrix.
+inline void prefetch_plain_row(const Matrix& w, int64_t r) {
+  const int64_t bytes = w.cols * int64_t(dtype_size(w.dtype));
+  prefetch_bytes(static_cast<const char*>(w.data) + r * bytes, bytes);
+}
+
 }  // namespace moestream::cpu::detail
