@@ -241,6 +241,16 @@ void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
                                                            : w.matrix("lm_head.weight", vocab, h);
 }
 
+void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
+                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T) {
+  Backend& be = *backend_;
+  ScopedTimer timer(be.times().attention);
+  Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
+  be.rmsnorm(x, norm, norm_eps, x.cols, xn);
+  attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope, out);
+  be.add(x, out);
+}
+
 void DecoderModel::init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim) {
   Backend& be = *backend_;
   const int64_t h = info_.hidden_size;

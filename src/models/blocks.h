@@ -140,6 +140,9 @@ class DecoderModel : public Model {
                  const Dims& dims);
   // model.embed_tokens, model.norm and lm_head (the embedding when tied and lm_head is absent).
   void load_embeddings(WeightLoader& w, bool tie_word_embeddings);
+  // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase.
+  void attention_residual(const Vector& norm, const GqaAttention& attn, KvSequence& seq, int l,
+                          const RopeTable& rope, int64_t T);
 
   std::unique_ptr<Backend> backend_;
   PackManifest pack_;

@@ -144,12 +144,7 @@ class GptOss final : public DecoderModel {
     Backend& be = *backend_;
     Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
     Buffer out = ws_.ffn_out.rows_view(0, T);
-    {
-      ScopedTimer timer(be.times().attention);
-      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
-      layer.attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope_, out);
-      be.add(x, out);
-    }
+    attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
     MoeParams p;
     p.n_experts = cfg_.n_experts;
