@@ -18,6 +18,7 @@ void add_pack(CLI::App& app);
 void add_synth(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_perplexity(CLI::App& app);
+void add_template(CLI::App& app);  // render a conversation with the chat template
 
 // "1,2,3" -> {1, 2, 3}; throws Error naming the flag on anything else.
 std::vector<int32_t> parse_token_list(const std::string& text, const std::string& flag);

@@ -1,0 +1,53 @@
+// Template: parse once, render many times (from any thread).
+#include "text/jinja.h"
+
+#include "text/jinja_ast.h"
+#include "text/jinja_interp.h"
+
+namespace moestream::jinja {
+
+namespace {
+
+[[noreturn]] void rethrow(const RenderError& e, const std::string& name) {
+  std::string what = name + " line " + std::to_string(e.line) + ": ";
+  what += e.type == "TemplateError" ? e.message : e.type + ": " + e.message;
+  throw TemplateError(what, e.type, e.message, e.line);
+}
+
+const FrameP& globals() {
+  static const FrameP g = make_globals();  // never written after this: shared by all renders
+  return g;
+}
+
+}  // namespace
+
+Template Template::parse(std::string_view source, std::string name) {
+  Template t;
+  try {
+    t.program_ = parse_program(source, name);
+  } catch (const RenderError& e) {
+    rethrow(e, name);
+  }
+  return t;
+}
+
+const std::string& Template::name() const { return program_->name; }
+
+std::string Template::render(const nlohmann::ordered_json& variables, const RenderOptions& options) const {
+  if (!program_) throw Error("jinja: render of an empty Template");
+  if (!variables.is_object()) throw Error(program_->name + ": template variables must be a JSON object");
+  auto context = std::make_shared<Frame>(globals());
+  context->vars.reserve(variables.size());
+  for (auto it = variables.begin(); it != variables.end(); ++it) context->set(it.key(), from_json(it.value()));
+  auto root = std::make_shared<Frame>(context);
+  Interp interp(options.now ? *options.now : std::time(nullptr));
+  std::string out;
+  try {
+    interp.render(program_->body, root, out);
+  } catch (const RenderError& e) {
+    rethrow(e, program_->name);
+  }
+  return out;
+}
+
+}  // namespace moestream::jinja

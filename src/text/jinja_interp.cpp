@@ -1,0 +1,628 @@
+// The evaluator: statements, expressions and scoping as jinja2 runs them. A for-loop iteration, a
+// macro call and a with-block get a scope of their own (a set inside them does not leak out); if
+// blocks do not. Macros see the scope they were defined in.
+#include "text/jinja_interp.h"
+
+#include <cmath>
+
+namespace moestream::jinja {
+
+namespace {
+
+[[noreturn]] void undefined_error(const Value& v) { throw_error("UndefinedError", v.undefined_hint()); }
+
+int64_t py_floordiv(int64_t a, int64_t b) {
+  int64_t q = a / b;
+  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
+  return q;
+}
+
+int64_t py_mod(int64_t a, int64_t b) {
+  int64_t r = a % b;
+  if (r != 0 && ((r < 0) != (b < 0))) r += b;
+  return r;
+}
+
+std::string object_type_repr(const Value& v) {
+  if (v.is_none()) return "None";
+  return std::string(type_name(v)) + " object";
+}
+
+}  // namespace
+
+// ---- object protocol ----
+
+Value Interp::getattr(const Value& obj, std::string_view name) {
+  if (obj.is_undefined()) undefined_error(obj);
+  if (obj.is_namespace()) {
+    if (Value* v = obj.ns().find(name)) return *v;
+  } else if (has_method(obj, name)) {
+    std::string n(name);
+    Value self = obj;
+    return Value::function(n, [self, n](Interp& in, Args& a) { return call_method(in, self, n, a); });
+  } else if (obj.is_dict()) {
+    if (const Value* v = obj.dict().find(name)) return *v;
+  }
+  return Value::undefined("'" + object_type_repr(obj) + "' has no attribute '" + std::string(name) + "'");
+}
+
+Value Interp::getitem(const Value& obj, const Value& key) {
+  if (obj.is_undefined()) undefined_error(obj);
+  if (obj.is_dict()) {
+    if (const Value* v = obj.dict().find(key)) return *v;
+  } else if ((obj.is_list() || obj.is_string()) && (key.is_int() || key.is_bool())) {
+    int64_t i = key.as_int();
+    if (obj.is_list()) {
+      const List& l = obj.list();
+      int64_t n = int64_t(l.size());
+      if (i < 0) i += n;
+      if (i >= 0 && i < n) return l[size_t(i)];
+    } else {
+      const std::string& s = obj.str();
+      bool ascii = true;
+      for (unsigned char c : s) ascii = ascii && c < 0x80;
+      if (ascii) {
+        int64_t n = int64_t(s.size());
+        if (i < 0) i += n;
+        if (i >= 0 && i < n) return Value(std::string(1, s[size_t(i)]));
+      } else {
+        auto cps = cp_split(s);
+        int64_t n = int64_t(cps.size());
+        if (i < 0) i += n;
+        if (i >= 0 && i < n) return Value(std::string(cps[size_t(i)]));
+      }
+    }
+    return Value::undefined(object_type_repr(obj) + " has no element " + to_repr(key));
+  }
+  if (key.is_string()) return getattr(obj, key.str());
+  return Value::undefined(object_type_repr(obj) + " has no element " + to_repr(key));
+}
+
+std::vector<Value> Interp::iterate(const Value& v) {
+  if (v.is_list()) return v.list();
+  if (v.is_undefined()) return {};
+  if (v.is_dict()) {
+    std::vector<Value> out;
+    out.reserve(v.dict().items.size());
+    for (const auto& kv : v.dict().items) out.push_back(kv.first);
+    return out;
+  }
+  if (v.is_string()) {
+    std::vector<Value> out;
+    for (auto cp : cp_split(v.str())) out.emplace_back(std::string(cp));
+    return out;
+  }
+  throw_error("TypeError", std::string("'") + type_name(v) + "' object is not iterable");
+}
+
+bool Interp::contains(const Value& c, const Value& item) {
+  if (c.is_string()) {
+    if (!item.is_string()) {
+      if (item.is_undefined()) undefined_error(item);
+      throw_error("TypeError", std::string("'in <string>' requires string as left operand, not ") + type_name(item));
+    }
+    return c.str().find(item.str()) != std::string::npos;
+  }
+  if (c.is_list()) {
+    for (const auto& x : c.list())
+      if (equals(x, item)) return true;
+    return false;
+  }
+  if (c.is_dict()) return c.dict().find(item) != nullptr;
+  if (c.is_undefined()) return false;
+  throw_error("TypeError", std::string("argument of type '") + type_name(c) + "' is not iterable");
+}
+
+// ---- statements ----
+
+void Interp::render(const Body& body, const FrameP& frame, std::string& out) {
+  Flow f = exec(body, frame, out);
+  (void)f;
+}
+
+Interp::Flow Interp::exec(const Body& body, const FrameP& frame, std::string& out) {
+  for (const auto& s : body) {
+    Flow f;
+    try {
+      f = exec_stmt(*s, frame, out);
+    } catch (RenderError& e) {
+      if (e.line == 0) e.line = s->line;
+      throw;
+    }
+    if (f != Flow::Normal) return f;
+  }
+  return Flow::Normal;
+}
+
+void Interp::assign(const Target& t, Value v, const FrameP& frame) {
+  if (!t.attr.empty()) {
+    Value obj = lookup(t.names[0], frame);
+    if (!obj.is_namespace()) throw_error("TemplateRuntimeError", "cannot assign attribute on non-namespace object");
+    Namespace& ns = obj.ns();
+    if (Value* p = ns.find(t.attr)) *p = std::move(v);
+    else ns.attrs.emplace_back(t.attr, std::move(v));
+    return;
+  }
+  if (!t.tuple) {
+    frame->set(t.names[0], std::move(v));
+    return;
+  }
+  std::vector<Value> items = iterate(v);
+  if (items.size() != t.names.size())
+    throw_error("ValueError", items.size() > t.names.size()
+                                  ? "too many values to unpack (expected " + std::to_string(t.names.size()) + ")"
+                                  : "not enough values to unpack (expected " + std::to_string(t.names.size()) +
+                                        ", got " + std::to_string(items.size()) + ")");
+  for (size_t i = 0; i < items.size(); ++i) frame->set(t.names[i], std::move(items[i]));
+}
+
+Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& out) {
+  switch (s.kind) {
+    case Stmt::Text: out += s.text; return Flow::Normal;
+    case Stmt::Output: {
+      Value v = eval(*s.expr, frame);
+      if (v.is_string()) out += v.str();
+      else if (!v.is_undefined()) out += to_str(v);
+      return Flow::Normal;
+    }
+    case Stmt::If: {
+      if (truthy(eval(*s.cond, frame))) return exec(s.body, frame, out);
+      return exec(s.orelse, frame, out);
+    }
+    case Stmt::For: exec_for(s, frame, out); return Flow::Normal;
+    case Stmt::Set: assign(s.target, eval(*s.expr, frame), frame); return Flow::Normal;
+    case Stmt::SetBlock: {
+      std::string text;
+      auto inner = std::make_shared<Frame>(frame);
+      exec(s.body, inner, text);
+      Value v(std::move(text));
+      for (const auto& f : s.filters) {
+        Args a;
+        eval_args(f->args, frame, a);
+        v = apply_filter(f->name, v, a);
+      }
+      assign(s.target, std::move(v), frame);
+      return Flow::Normal;
+    }
+    case Stmt::Macro: frame->set(s.macro->name, make_macro(s.macro, frame)); return Flow::Normal;
+    case Stmt::CallBlock: {
+      const Expr& call = *s.expr;
+      Value fn = eval(*call.a, frame);
+      Args a;
+      eval_args(call.args, frame, a);
+      a.kw.emplace_back("caller", make_macro(s.macro, frame));
+      Value r = this->call(fn, a);
+      out += to_str(r);
+      return Flow::Normal;
+    }
+    case Stmt::FilterBlock: {
+      std::string text;
+      exec(s.body, frame, text);
+      Value v(std::move(text));
+      for (const auto& f : s.filters) {
+        Args a;
+        eval_args(f->args, frame, a);
+        v = apply_filter(f->name, v, a);
+      }
+      out += to_str(v);
+      return Flow::Normal;
+    }
+    case Stmt::With: {
+      auto inner = std::make_shared<Frame>(frame);
+      for (const auto& [t, e] : s.assigns) assign(t, eval(*e, frame), inner);
+      return exec(s.body, inner, out);
+    }
+    case Stmt::Break: return Flow::Break;
+    case Stmt::Continue: return Flow::Continue;
+    case Stmt::Scope: return exec(s.body, frame, out);
+  }
+  return Flow::Normal;
+}
+
+void Interp::exec_for(const Stmt& s, const FrameP& frame, std::string& out) {
+  std::vector<Value> items = iterate(eval(*s.expr, frame));
+  if (s.cond) {
+    std::vector<Value> kept;
+    for (auto& it : items) {
+      auto f = std::make_shared<Frame>(frame);
+      assign(s.target, it, f);
+      if (truthy(eval(*s.cond, f))) kept.push_back(std::move(it));
+    }
+    items = std::move(kept);
+  }
+  const int64_t n = int64_t(items.size());
+  for (int64_t i = 0; i < n; ++i) {
+    auto f = std::make_shared<Frame>(frame);
+    assign(s.target, items[size_t(i)], f);
+    auto loop = std::make_shared<Dict>();
+    auto& L = loop->items;
+    L.reserve(12);
+    L.emplace_back(Value("index"), Value(i + 1));
+    L.emplace_back(Value("index0"), Value(i));
+    L.emplace_back(Value("revindex"), Value(n - i));
+    L.emplace_back(Value("revindex0"), Value(n - i - 1));
+    L.emplace_back(Value("first"), Value(i == 0));
+    L.emplace_back(Value("last"), Value(i == n - 1));
+    L.emplace_back(Value("length"), Value(n));
+    L.emplace_back(Value("depth"), Value(int64_t(1)));
+    L.emplace_back(Value("depth0"), Value(int64_t(0)));
+    L.emplace_back(Value("previtem"), i > 0 ? items[size_t(i - 1)] : Value::undefined("there is no previous item"));
+    L.emplace_back(Value("nextitem"), i + 1 < n ? items[size_t(i + 1)] : Value::undefined("there is no next item"));
+    L.emplace_back(Value("cycle"), Value::function("cycle", [i](Interp&, Args& a) -> Value {
+                     if (a.pos.empty()) throw_error("TypeError", "no items for cycling given");
+                     return a.pos[size_t(i) % a.pos.size()];
+                   }));
+    f->set("loop", Value(std::shared_ptr<const Dict>(std::move(loop))));
+    Flow fl = exec(s.body, f, out);
+    if (fl == Flow::Break) break;
+  }
+  if (n == 0 && !s.orelse.empty()) {
+    auto f = std::make_shared<Frame>(frame);
+    exec(s.orelse, f, out);
+  }
+}
+
+Value Interp::lookup(const std::string& name, const FrameP& frame) {
+  for (Frame* f = frame.get(); f; f = f->parent.get())
+    if (Value* v = f->find_local(name)) return *v;
+  return Value::undefined("'" + name + "' is undefined");
+}
+
+// ---- macros ----
+
+Value Interp::make_macro(std::shared_ptr<const MacroDef> m, const FrameP& frame) {
+  std::weak_ptr<Frame> def_frame = frame;  // weak: the frame holds the macro (no reference cycle)
+  std::string name = m->name;
+  return Value::function(name, [m = std::move(m), def_frame](Interp& in, Args& a) {
+    FrameP f = def_frame.lock();
+    return in.call_macro(*m, f, a);
+  });
+}
+
+Value Interp::call_macro(const MacroDef& m, const FrameP& def_frame, Args& args) {
+  if (++depth_ > 200) throw_error("RecursionError", "maximum recursion depth exceeded in macro '" + m.name + "'");
+  struct Depth {
+    int& d;
+    ~Depth() { --d; }
+  } guard{depth_};
+  auto f = std::make_shared<Frame>(def_frame);
+  std::vector<bool> set(m.params.size(), false);
+  List varargs;
+  for (size_t i = 0; i < args.pos.size(); ++i) {
+    if (i < m.params.size()) {
+      f->set(m.params[i].first, args.pos[i]);
+      set[i] = true;
+    } else if (m.uses_varargs) {
+      varargs.push_back(args.pos[i]);
+    } else {
+      throw_error("TypeError", "macro '" + m.name + "' takes not more than " + std::to_string(m.params.size()) +
+                                   " argument(s)");
+    }
+  }
+  auto kwargs = std::make_shared<Dict>();
+  bool caller_given = false;
+  for (auto& [k, v] : args.kw) {
+    size_t i = 0;
+    while (i < m.params.size() && m.params[i].first != k) ++i;
+    if (i < m.params.size()) {
+      if (set[i]) throw_error("TypeError", "macro '" + m.name + "' got multiple values for argument '" + k + "'");
+      f->set(k, v);
+      set[i] = true;
+    } else if (k == "caller") {
+      f->set("caller", v);
+      caller_given = true;
+    } else if (m.uses_kwargs) {
+      kwargs->items.emplace_back(Value(k), v);
+    } else {
+      throw_error("TypeError", "macro '" + m.name + "' takes no keyword argument '" + k + "'");
+    }
+  }
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    if (set[i]) continue;
+    if (m.params[i].second) f->set(m.params[i].first, eval(*m.params[i].second, f));
+    else f->set(m.params[i].first, Value::undefined("parameter '" + m.params[i].first + "' was not provided"));
+  }
+  if (m.uses_varargs) f->set("varargs", Value(std::move(varargs)));
+  if (m.uses_kwargs) f->set("kwargs", Value(std::shared_ptr<const Dict>(std::move(kwargs))));
+  if (m.uses_caller && !caller_given) f->set("caller", Value::undefined("No caller defined"));
+  std::string out;
+  exec(m.body, f, out);
+  return Value(std::move(out));
+}
+
+// ---- expressions ----
+
+void Interp::eval_args(const CallArgs& ca, const FrameP& frame, Args& out) {
+  for (const auto& e : ca.pos) out.pos.push_back(eval(*e, frame));
+  if (ca.star) {
+    for (auto& v : iterate(eval(*ca.star, frame))) out.pos.push_back(std::move(v));
+  }
+  for (const auto& [k, e] : ca.kw) out.kw.emplace_back(k, eval(*e, frame));
+  if (ca.starstar) {
+    Value d = eval(*ca.starstar, frame);
+    if (!d.is_dict()) throw_error("TypeError", "argument after ** must be a mapping");
+    for (const auto& [k, v] : d.dict().items) out.kw.emplace_back(to_str(k), v);
+  }
+}
+
+Value Interp::call(const Value& fn, Args& args) {
+  if (fn.is_function()) return fn.fn().fn(*this, args);
+  if (fn.is_undefined()) undefined_error(fn);
+  throw_error("TypeError", std::string("'") + type_name(fn) + "' object is not callable");
+}
+
+Value Interp::apply_filter(std::string_view name, const Value& v, Args& args) {
+  FilterFn f = find_filter(name);
+  if (!f) throw_error("TemplateAssertionError", "No filter named '" + std::string(name) + "'.");
+  return f(*this, v, args);
+}
+
+bool Interp::apply_test(std::string_view name, const Value& v, Args& args) {
+  TestFn t = find_test(name);
+  if (!t) throw_error("TemplateAssertionError", "No test named '" + std::string(name) + "'.");
+  return t(*this, v, args);
+}
+
+static void require_defined(const Value& v) {
+  if (v.is_undefined()) undefined_error(v);
+}
+
+Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
+  if (op == "~") return Value(to_str(a) + to_str(b));
+  require_defined(a);
+  require_defined(b);
+  auto unsupported = [&]() -> Value {
+    throw_error("TypeError", "unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" +
+                                 type_name(b) + "'");
+  };
+  char c = op[0];
+  if (a.is_number() && b.is_number()) {
+    bool fl = a.is_float() || b.is_float();
+    if (op == "/") {
+      if (b.as_double() == 0) throw_error("ZeroDivisionError", "division by zero");
+      return Value(a.as_double() / b.as_double());
+    }
+    if (op == "**") {
+      if (!fl && b.as_int() >= 0) {
+        int64_t r = 1, base = a.as_int();
+        for (int64_t k = 0; k < b.as_int(); ++k) r *= base;
+        return Value(r);
+      }
+      return Value(std::pow(a.as_double(), b.as_double()));
+    }
+    if (fl) {
+      double x = a.as_double(), y = b.as_double();
+      switch (c) {
+        case '+': return Value(x + y);
+        case '-': return Value(x - y);
+        case '*': return Value(x * y);
+        case '%': {
+          if (y == 0) throw_error("ZeroDivisionError", "float modulo");
+          double r = std::fmod(x, y);
+          if (r != 0 && ((r < 0) != (y < 0))) r += y;
+          return Value(r);
+        }
+        default:  // "//"
+          if (y == 0) throw_error("ZeroDivisionError", "float floor division by zero");
+          return Value(std::floor(x / y));
+      }
+    }
+    int64_t x = a.as_int(), y = b.as_int();
+    switch (c) {
+      case '+': return Value(x + y);
+      case '-': return Value(x - y);
+      case '*': return Value(x * y);
+      case '%':
+        if (y == 0) throw_error("ZeroDivisionError", "integer modulo by zero");
+        return Value(py_mod(x, y));
+      default:
+        if (y == 0) throw_error("ZeroDivisionError", "integer division or modulo by zero");
+        return Value(py_floordiv(x, y));
+    }
+  }
+  if (op == "+") {
+    if (a.is_string() && b.is_string()) return Value(a.str() + b.str());
+    if (a.is_list() && b.is_list()) {
+      List l = a.list();
+      l.insert(l.end(), b.list().begin(), b.list().end());
+      return Value(std::move(l));
+    }
+    if (a.is_string())
+      throw_error("TypeError", std::string("can only concatenate str (not \"") + type_name(b) + "\") to str");
+    if (a.is_list())
+      throw_error("TypeError", std::string("can only concatenate list (not \"") + type_name(b) + "\") to list");
+    return unsupported();
+  }
+  if (op == "*") {
+    const Value* seq = a.is_number() ? &b : &a;
+    const Value* cnt = a.is_number() ? &a : &b;
+    if (cnt->is_number() && !cnt->is_float() && (seq->is_string() || seq->is_list())) {
+      int64_t n = cnt->as_int();
+      if (seq->is_string()) {
+        std::string r;
+        for (int64_t k = 0; k < n; ++k) r += seq->str();
+        return Value(std::move(r));
+      }
+      List r;
+      for (int64_t k = 0; k < n; ++k) r.insert(r.end(), seq->list().begin(), seq->list().end());
+      return Value(std::move(r));
+    }
+    return unsupported();
+  }
+  if (op == "%" && a.is_string()) {
+    // printf-style formatting: %s, %r, %d, %i, %%.
+    std::vector<Value> vals = b.is_list() ? b.list() : std::vector<Value>{b};
+    std::string r;
+    const std::string& f = a.str();
+    size_t k = 0;
+    for (size_t i = 0; i < f.size(); ++i) {
+      if (f[i] != '%' || i + 1 >= f.size()) {
+        r += f[i];
+        continue;
+      }
+      char t = f[++i];
+      if (t == '%') {
+        r += '%';
+        continue;
+      }
+      if (k >= vals.size()) throw_error("TypeError", "not enough arguments for format string");
+      const Value& v = vals[k++];
+      if (t == 's') r += to_str(v);
+      else if (t == 'r') r += to_repr(v);
+      else if ((t == 'd' || t == 'i') && v.is_number()) r += std::to_string(v.is_float() ? int64_t(v.real()) : v.as_int());
+      else throw_error("TypeError", "unsupported format character");
+    }
+    return Value(std::move(r));
+  }
+  return unsupported();
+}
+
+Value Interp::slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
+  if (obj.is_undefined()) undefined_error(obj);
+  if (!obj.is_list() && !obj.is_string()) return Value::undefined(object_type_repr(obj) + " has no element slice");
+  auto idx = [](const Value& v, bool& given) -> int64_t {
+    given = !(v.is_none() || v.is_undefined());
+    if (!given) return 0;
+    if (!v.is_int() && !v.is_bool()) throw_error("TypeError", "slice indices must be integers or None");
+    return v.as_int();
+  };
+  bool has_start, has_stop, has_step;
+  int64_t st = idx(step, has_step);
+  if (!has_step) st = 1;
+  if (st == 0) throw_error("ValueError", "slice step cannot be zero");
+  int64_t b = idx(start, has_start), e = idx(stop, has_stop);
+  std::vector<std::string_view> cps;
+  bool ascii = true;
+  if (obj.is_string()) {
+    for (unsigned char ch : obj.str()) ascii = ascii && ch < 0x80;
+    if (!ascii) cps = cp_split(obj.str());
+  }
+  int64_t n = obj.is_list() ? int64_t(obj.list().size()) : ascii ? int64_t(obj.str().size()) : int64_t(cps.size());
+  // Python's PySlice_AdjustIndices.
+  if (!has_start) b = st < 0 ? n - 1 : 0;
+  else if (b < 0) b = std::max<int64_t>(b + n, st < 0 ? -1 : 0);
+  else if (b >= n) b = st < 0 ? n - 1 : n;
+  if (!has_stop) e = st < 0 ? -1 : n;
+  else if (e < 0) e = std::max<int64_t>(e + n, st < 0 ? -1 : 0);
+  else if (e >= n) e = st < 0 ? n - 1 : n;
+  if (obj.is_list()) {
+    List r;
+    for (int64_t i = b; st > 0 ? i < e : i > e; i += st) r.push_back(obj.list()[size_t(i)]);
+    return Value(std::move(r));
+  }
+  std::string r;
+  if (ascii && st == 1) return Value(b < e ? obj.str().substr(size_t(b), size_t(e - b)) : std::string());
+  for (int64_t i = b; st > 0 ? i < e : i > e; i += st) {
+    if (ascii) r += obj.str()[size_t(i)];
+    else r += cps[size_t(i)];
+  }
+  return Value(std::move(r));
+}
+
+Value Interp::eval(const Expr& e, const FrameP& frame) {
+  try {
+    switch (e.kind) {
+      case Expr::Literal: return e.value;
+      case Expr::Name: return lookup(e.name, frame);
+      case Expr::GetAttr: return getattr(eval(*e.a, frame), e.name);
+      case Expr::GetItem: return getitem(eval(*e.a, frame), eval(*e.b, frame));
+      case Expr::Slice: {
+        Value obj = eval(*e.a, frame);
+        Value b = e.b ? eval(*e.b, frame) : Value(None{});
+        Value c = e.c ? eval(*e.c, frame) : Value(None{});
+        Value d = e.d ? eval(*e.d, frame) : Value(None{});
+        return slice(obj, b, c, d);
+      }
+      case Expr::Call: {
+        Value fn = eval(*e.a, frame);
+        Args a;
+        eval_args(e.args, frame, a);
+        return call(fn, a);
+      }
+      case Expr::Filter: {
+        Value v = eval(*e.a, frame);
+        Args a;
+        eval_args(e.args, frame, a);
+        return apply_filter(e.name, v, a);
+      }
+      case Expr::Test: {
+        Value v = eval(*e.a, frame);
+        Args a;
+        eval_args(e.args, frame, a);
+        bool r = apply_test(e.name, v, a);
+        return Value(e.negated ? !r : r);
+      }
+      case Expr::Neg:
+      case Expr::Pos: {
+        Value v = eval(*e.a, frame);
+        require_defined(v);
+        if (v.is_float()) return Value(e.kind == Expr::Neg ? -v.real() : v.real());
+        if (v.is_number()) return Value(e.kind == Expr::Neg ? -v.as_int() : v.as_int());
+        throw_error("TypeError", std::string("bad operand type for unary ") + (e.kind == Expr::Neg ? "-" : "+") +
+                                     ": '" + type_name(v) + "'");
+      }
+      case Expr::Not: return Value(!truthy(eval(*e.a, frame)));
+      case Expr::And: {
+        Value a = eval(*e.a, frame);
+        if (!truthy(a)) return a;
+        return eval(*e.b, frame);
+      }
+      case Expr::Or: {
+        Value a = eval(*e.a, frame);
+        if (truthy(a)) return a;
+        return eval(*e.b, frame);
+      }
+      case Expr::Binary: return binary(e.name, eval(*e.a, frame), eval(*e.b, frame));
+      case Expr::Compare: {
+        Value left = eval(*e.a, frame);
+        for (size_t i = 0; i < e.ops.size(); ++i) {
+          Value right = eval(*e.items[i], frame);
+          const std::string& op = e.ops[i];
+          bool r;
+          if (op == "==") r = equals(left, right);
+          else if (op == "!=") r = !equals(left, right);
+          else if (op == "<") r = less(left, right);
+          else if (op == ">") r = less(right, left);
+          else if (op == "<=") r = less(left, right) || equals(left, right);
+          else if (op == ">=") r = less(right, left) || equals(left, right);
+          else if (op == "in") r = contains(right, left);
+          else r = !contains(right, left);
+          if (!r) return Value(false);
+          left = std::move(right);
+        }
+        return Value(true);
+      }
+      case Expr::CondExpr: {
+        if (truthy(eval(*e.b, frame))) return eval(*e.a, frame);
+        if (e.c) return eval(*e.c, frame);
+        return Value::undefined("the inline if-expression on line " + std::to_string(e.line) +
+                                " evaluated to false and no else section was defined.");
+      }
+      case Expr::ListLit:
+      case Expr::TupleLit: {
+        List l;
+        l.reserve(e.items.size());
+        for (const auto& x : e.items) l.push_back(eval(*x, frame));
+        return Value(std::move(l));
+      }
+      case Expr::DictLit: {
+        auto d = std::make_shared<Dict>();
+        for (size_t i = 0; i + 1 < e.items.size(); i += 2) {
+          Value k = eval(*e.items[i], frame);
+          Value v = eval(*e.items[i + 1], frame);
+          bool replaced = false;
+          for (auto& kv : d->items)
+            if (equals(kv.first, k)) kv.second = v, replaced = true;
+          if (!replaced) d->items.emplace_back(std::move(k), std::move(v));
+        }
+        return Value(std::shared_ptr<const Dict>(std::move(d)));
+      }
+    }
+  } catch (RenderError& err) {
+    if (err.line == 0) err.line = e.line;
+    throw;
+  }
+  return Value();
+}
+
+}  // namespace moestream::jinja

@@ -1,0 +1,79 @@
+// The evaluator of the Jinja interpreter (internal): scopes, statements, expressions, and the
+// builtin filters, tests, globals and methods (jinja_builtins.cpp) it calls.
+#pragma once
+
+#include <ctime>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "text/jinja_ast.h"
+#include "text/jinja_value.h"
+
+namespace moestream::jinja {
+
+// A scope: a loop iteration, a macro call, the template's top level, the render variables, the
+// globals. Lookups walk the parents.
+struct Frame {
+  std::shared_ptr<Frame> parent;
+  std::vector<std::pair<std::string, Value>> vars;
+  explicit Frame(std::shared_ptr<Frame> p) : parent(std::move(p)) {}
+  Value* find_local(std::string_view name) {
+    for (auto& [k, v] : vars)
+      if (k == name) return &v;
+    return nullptr;
+  }
+  void set(std::string_view name, Value v) {
+    if (Value* p = find_local(name)) *p = std::move(v);
+    else vars.emplace_back(std::string(name), std::move(v));
+  }
+};
+using FrameP = std::shared_ptr<Frame>;
+
+class Interp {
+ public:
+  explicit Interp(std::time_t now) : now_(now) {}
+
+  void render(const Body& body, const FrameP& frame, std::string& out);
+  Value eval(const Expr& e, const FrameP& frame);
+  Value call(const Value& fn, Args& args);
+  Value apply_filter(std::string_view name, const Value& v, Args& args);
+  bool apply_test(std::string_view name, const Value& v, Args& args);
+  std::time_t now() const { return now_; }
+
+  // Python/jinja2 object protocol.
+  Value getattr(const Value& obj, std::string_view name);
+  Value getitem(const Value& obj, const Value& key);
+  static std::vector<Value> iterate(const Value& v);  // list(v); TypeError when not iterable
+  static bool contains(const Value& container, const Value& item);
+
+ private:
+  enum class Flow { Normal, Break, Continue };
+  Flow exec(const Body& body, const FrameP& frame, std::string& out);
+  Flow exec_stmt(const Stmt& s, const FrameP& frame, std::string& out);
+  void exec_for(const Stmt& s, const FrameP& frame, std::string& out);
+  void assign(const Target& t, Value v, const FrameP& frame);
+  Value lookup(const std::string& name, const FrameP& frame);
+  Value make_macro(std::shared_ptr<const MacroDef> m, const FrameP& frame);
+  Value call_macro(const MacroDef& m, const FrameP& def_frame, Args& args);
+  void eval_args(const CallArgs& ca, const FrameP& frame, Args& out);
+  Value binary(const std::string& op, const Value& a, const Value& b);
+  Value slice(const Value& obj, const Value& start, const Value& stop, const Value& step);
+  std::time_t now_;
+  int depth_ = 0;
+};
+
+// Builtins (jinja_builtins.cpp).
+using FilterFn = Value (*)(Interp&, const Value&, Args&);
+using TestFn = bool (*)(Interp&, const Value&, Args&);
+FilterFn find_filter(std::string_view name);
+TestFn find_test(std::string_view name);
+// The method `name` of a str, dict or list value bound to it, or nullopt-like Undefined when the
+// type has no such method.
+bool has_method(const Value& obj, std::string_view name);
+Value call_method(Interp& in, const Value& obj, std::string_view name, Args& args);
+// The frame of globals: range, namespace, dict, raise_exception, strftime_now, cycler, joiner.
+FrameP make_globals();
+
+}  // namespace moestream::jinja

@@ -1,0 +1,500 @@
+// Python semantics of the interpreter's values: str(), repr(), json.dumps, ==, <, truthiness.
+#include <utf8proc.h>
+
+#include <algorithm>
+#include <charconv>
+#include <cmath>
+#include <cstdio>
+
+#include "text/jinja_value.h"
+
+namespace moestream::jinja {
+
+void throw_error(std::string type, std::string message) { throw RenderError{std::move(type), std::move(message), 0}; }
+
+std::string Value::undefined_hint() const {
+  const auto& u = std::get<Undefined>(v);
+  return u.hint ? *u.hint : std::string("value is undefined");
+}
+
+const Value* Dict::find(std::string_view key) const {
+  for (const auto& [k, val] : items)
+    if (k.is_string() && k.str() == key) return &val;
+  return nullptr;
+}
+
+const Value* Dict::find(const Value& key) const {
+  if (key.is_string()) return find(std::string_view(key.str()));
+  for (const auto& [k, val] : items)
+    if (equals(k, key)) return &val;
+  return nullptr;
+}
+
+Value* Namespace::find(std::string_view key) {
+  for (auto& [k, val] : attrs)
+    if (k == key) return &val;
+  return nullptr;
+}
+
+std::vector<Value> Args::bind(std::string_view fname,
+                              const std::vector<std::pair<std::string, const Value*>>& params) const {
+  std::vector<Value> out(params.size());
+  std::vector<bool> set(params.size(), false);
+  if (pos.size() > params.size())
+    throw_error("TypeError", std::string(fname) + "() takes at most " + std::to_string(params.size()) +
+                                 " arguments (" + std::to_string(pos.size()) + " given)");
+  for (size_t i = 0; i < pos.size(); ++i) out[i] = pos[i], set[i] = true;
+  for (const auto& [k, val] : kw) {
+    size_t i = 0;
+    while (i < params.size() && params[i].first != k) ++i;
+    if (i == params.size())
+      throw_error("TypeError", std::string(fname) + "() got an unexpected keyword argument '" + k + "'");
+    if (set[i]) throw_error("TypeError", std::string(fname) + "() got multiple values for argument '" + k + "'");
+    out[i] = val, set[i] = true;
+  }
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (set[i]) continue;
+    if (!params[i].second)
+      throw_error("TypeError", std::string(fname) + "() missing required argument '" + params[i].first + "'");
+    out[i] = *params[i].second;
+  }
+  return out;
+}
+
+const char* type_name(const Value& v) {
+  switch (v.v.index()) {
+    case 0: return "Undefined";
+    case 1: return "NoneType";
+    case 2: return "bool";
+    case 3: return "int";
+    case 4: return "float";
+    case 5: return "str";
+    case 6: return "list";
+    case 7: return "dict";
+    case 8: return "Namespace";
+    default: return "function";
+  }
+}
+
+bool truthy(const Value& v) {
+  switch (v.v.index()) {
+    case 0:
+    case 1: return false;
+    case 2: return v.boolean();
+    case 3: return v.integer() != 0;
+    case 4: return v.real() != 0.0;
+    case 5: return !v.str().empty();
+    case 6: return !v.list().empty();
+    case 7: return !v.dict().items.empty();
+    default: return true;
+  }
+}
+
+bool equals(const Value& a, const Value& b) {
+  if (a.is_number() && b.is_number()) {
+    if (a.is_float() || b.is_float()) return a.as_double() == b.as_double();
+    return a.as_int() == b.as_int();
+  }
+  if (a.v.index() != b.v.index()) return false;
+  switch (a.v.index()) {
+    case 0:
+    case 1: return true;
+    case 5: return a.str() == b.str();
+    case 6: {
+      const List &x = a.list(), &y = b.list();
+      if (x.size() != y.size()) return false;
+      for (size_t i = 0; i < x.size(); ++i)
+        if (!equals(x[i], y[i])) return false;
+      return true;
+    }
+    case 7: {
+      const Dict &x = a.dict(), &y = b.dict();
+      if (x.items.size() != y.items.size()) return false;
+      for (const auto& [k, val] : x.items) {
+        const Value* o = y.find(k);
+        if (!o || !equals(val, *o)) return false;
+      }
+      return true;
+    }
+    case 8: return &a.ns() == &b.ns();
+    case 9: return &a.fn() == &b.fn();
+  }
+  return false;
+}
+
+bool less(const Value& a, const Value& b) {
+  if (a.is_undefined() || b.is_undefined())
+    throw_error("UndefinedError", (a.is_undefined() ? a : b).undefined_hint());
+  if (a.is_number() && b.is_number()) {
+    if (a.is_float() || b.is_float()) return a.as_double() < b.as_double();
+    return a.as_int() < b.as_int();
+  }
+  if (a.is_string() && b.is_string()) return a.str() < b.str();  // UTF-8 byte order == code point order
+  if (a.is_list() && b.is_list()) {
+    const List &x = a.list(), &y = b.list();
+    for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
+      if (equals(x[i], y[i])) continue;
+      return less(x[i], y[i]);
+    }
+    return x.size() < y.size();
+  }
+  throw_error("TypeError", std::string("'<' not supported between instances of '") + type_name(a) + "' and '" +
+                               type_name(b) + "'");
+}
+
+// ---- UTF-8 ----
+
+char32_t decode(std::string_view s, size_t& i) {
+  auto c = static_cast<unsigned char>(s[i]);
+  size_t len = c < 0x80 ? 1 : (c >> 5) == 6 ? 2 : (c >> 4) == 14 ? 3 : (c >> 3) == 30 ? 4 : 1;
+  if (len == 1 || i + len > s.size()) {
+    ++i;
+    return c;
+  }
+  char32_t cp = c & (0x7F >> len);
+  for (size_t k = 1; k < len; ++k) cp = (cp << 6) | (static_cast<unsigned char>(s[i + k]) & 0x3F);
+  i += len;
+  return cp;
+}
+
+size_t cp_count(std::string_view s) {
+  size_t n = 0;
+  for (unsigned char c : s) n += (c & 0xC0) != 0x80;
+  return n;
+}
+
+std::vector<std::string_view> cp_split(std::string_view s) {
+  std::vector<std::string_view> out;
+  out.reserve(s.size());
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t start = i;
+    decode(s, i);
+    out.push_back(s.substr(start, i - start));
+  }
+  return out;
+}
+
+bool py_isspace(char32_t c) {
+  if (c < 0x80) return c == ' ' || (c >= 0x09 && c <= 0x0D) || (c >= 0x1C && c <= 0x1F);
+  if (c == 0x85) return true;
+  auto cat = utf8proc_category(static_cast<utf8proc_int32_t>(c));
+  return cat == UTF8PROC_CATEGORY_ZS || cat == UTF8PROC_CATEGORY_ZL || cat == UTF8PROC_CATEGORY_ZP;
+}
+
+void append_cp(std::string& out, char32_t cp) {
+  if (cp < 0x80) {
+    out += static_cast<char>(cp);
+  } else if (cp < 0x800) {
+    out += static_cast<char>(0xC0 | (cp >> 6));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else if (cp < 0x10000) {
+    out += static_cast<char>(0xE0 | (cp >> 12));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  } else {
+    out += static_cast<char>(0xF0 | (cp >> 18));
+    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+    out += static_cast<char>(0x80 | (cp & 0x3F));
+  }
+}
+
+// ---- str() / repr() ----
+
+std::string float_repr(double d) {
+  if (std::isnan(d)) return "nan";
+  if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+  if (d == 0) return std::signbit(d) ? "-0.0" : "0.0";
+  char buf[64];
+  auto res = std::to_chars(buf, buf + sizeof buf, d, std::chars_format::scientific);
+  std::string sci(buf, res.ptr);  // e.g. "-1.2345e+17" (shortest round-trip digits)
+  bool neg = sci[0] == '-';
+  if (neg) sci.erase(0, 1);
+  size_t epos = sci.find('e');
+  int exp = std::stoi(sci.substr(epos + 1));
+  std::string digits;
+  for (size_t i = 0; i < epos; ++i)
+    if (sci[i] != '.') digits += sci[i];
+  std::string out = neg ? "-" : "";
+  if (exp >= -5 + 1 && exp < 16) {  // Python repr: fixed notation when -4 <= exp < 16
+    if (exp >= 0) {
+      if (digits.size() <= size_t(exp) + 1) {
+        out += digits + std::string(size_t(exp) + 1 - digits.size(), '0') + ".0";
+      } else {
+        out += digits.substr(0, size_t(exp) + 1) + "." + digits.substr(size_t(exp) + 1);
+      }
+    } else {
+      out += "0." + std::string(size_t(-exp - 1), '0') + digits;
+    }
+  } else {
+    out += digits.substr(0, 1);
+    if (digits.size() > 1) out += "." + digits.substr(1);
+    char eb[16];
+    std::snprintf(eb, sizeof eb, "e%c%02d", exp < 0 ? '-' : '+', exp < 0 ? -exp : exp);
+    out += eb;
+  }
+  return out;
+}
+
+static bool py_isprintable(char32_t c) {
+  if (c < 0x80) return c >= 0x20 && c < 0x7F;
+  switch (utf8proc_category(static_cast<utf8proc_int32_t>(c))) {
+    case UTF8PROC_CATEGORY_CC:
+    case UTF8PROC_CATEGORY_CF:
+    case UTF8PROC_CATEGORY_CS:
+    case UTF8PROC_CATEGORY_CO:
+    case UTF8PROC_CATEGORY_CN:
+    case UTF8PROC_CATEGORY_ZL:
+    case UTF8PROC_CATEGORY_ZP:
+    case UTF8PROC_CATEGORY_ZS: return false;
+    default: return true;
+  }
+}
+
+std::string str_repr(std::string_view s) {
+  char quote = '\'';
+  if (s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos) quote = '"';
+  std::string out(1, quote);
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t start = i;
+    char32_t c = decode(s, i);
+    char buf[16];
+    if (c == static_cast<char32_t>(quote) || c == '\\') {
+      out += '\\';
+      out += static_cast<char>(c);
+    } else if (c == '\t') {
+      out += "\\t";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else if (c == '\r') {
+      out += "\\r";
+    } else if (py_isprintable(c)) {
+      out.append(s.substr(start, i - start));
+    } else {
+      if (c < 0x100)
+        std::snprintf(buf, sizeof buf, "\\x%02x", unsigned(c));
+      else if (c < 0x10000)
+        std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(c));
+      else
+        std::snprintf(buf, sizeof buf, "\\U%08x", unsigned(c));
+      out += buf;
+    }
+  }
+  out += quote;
+  return out;
+}
+
+static void repr_into(std::string& out, const Value& v);
+
+static void str_into(std::string& out, const Value& v) {
+  switch (v.v.index()) {
+    case 0: return;
+    case 1: out += "None"; return;
+    case 2: out += v.boolean() ? "True" : "False"; return;
+    case 3: out += std::to_string(v.integer()); return;
+    case 4: out += float_repr(v.real()); return;
+    case 5: out += v.str(); return;
+    default: repr_into(out, v);
+  }
+}
+
+static void repr_into(std::string& out, const Value& v) {
+  switch (v.v.index()) {
+    case 0: out += "Undefined"; return;
+    case 5: out += str_repr(v.str()); return;
+    case 6: {
+      out += '[';
+      bool first = true;
+      for (const auto& x : v.list()) {
+        if (!first) out += ", ";
+        first = false;
+        repr_into(out, x);
+      }
+      out += ']';
+      return;
+    }
+    case 7: {
+      out += '{';
+      bool first = true;
+      for (const auto& [k, x] : v.dict().items) {
+        if (!first) out += ", ";
+        first = false;
+        repr_into(out, k);
+        out += ": ";
+        repr_into(out, x);
+      }
+      out += '}';
+      return;
+    }
+    case 8: {
+      out += "<Namespace {";
+      bool first = true;
+      for (const auto& [k, x] : v.ns().attrs) {
+        if (!first) out += ", ";
+        first = false;
+        out += str_repr(k) + ": ";
+        repr_into(out, x);
+      }
+      out += "}>";
+      return;
+    }
+    case 9: out += "<function " + v.fn().name + ">"; return;
+    default: str_into(out, v);
+  }
+}
+
+std::string to_str(const Value& v) {
+  if (v.is_string()) return v.str();
+  std::string out;
+  str_into(out, v);
+  return out;
+}
+
+std::string to_repr(const Value& v) {
+  std::string out;
+  repr_into(out, v);
+  return out;
+}
+
+// ---- json.dumps ----
+
+static void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
+  out += '"';
+  size_t i = 0;
+  while (i < s.size()) {
+    size_t start = i;
+    char32_t c = decode(s, i);
+    char buf[16];
+    switch (c) {
+      case '"': out += "\\\""; continue;
+      case '\\': out += "\\\\"; continue;
+      case '\n': out += "\\n"; continue;
+      case '\r': out += "\\r"; continue;
+      case '\t': out += "\\t"; continue;
+      case '\b': out += "\\b"; continue;
+      case '\f': out += "\\f"; continue;
+      default: break;
+    }
+    if (c < 0x20 || (ensure_ascii && c >= 0x7F)) {
+      if (c >= 0x10000) {
+        char32_t v = c - 0x10000;
+        std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", unsigned(0xD800 | (v >> 10)), unsigned(0xDC00 | (v & 0x3FF)));
+      } else {
+        std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(c));
+      }
+      out += buf;
+    } else {
+      out.append(s.substr(start, i - start));
+    }
+  }
+  out += '"';
+}
+
+static std::string json_key(const Value& k) {
+  if (k.is_string()) return k.str();
+  if (k.is_bool()) return k.boolean() ? "true" : "false";
+  if (k.is_int()) return std::to_string(k.integer());
+  if (k.is_float()) return float_repr(k.real());
+  if (k.is_none()) return "null";
+  throw_error("TypeError", std::string("keys must be str, int, float, bool or None, not ") + type_name(k));
+}
+
+static void dump_into(std::string& out, const Value& v, const DumpOptions& o, int depth) {
+  auto newline = [&](int d) {
+    out += '\n';
+    for (int i = 0; i < d; ++i) out += o.indent;
+  };
+  switch (v.v.index()) {
+    case 1: out += "null"; return;
+    case 2: out += v.boolean() ? "true" : "false"; return;
+    case 3: out += std::to_string(v.integer()); return;
+    case 4: {
+      double d = v.real();
+      if (std::isnan(d)) out += "NaN";
+      else if (std::isinf(d)) out += d > 0 ? "Infinity" : "-Infinity";
+      else out += float_repr(d);
+      return;
+    }
+    case 5: json_string(out, v.str(), o.ensure_ascii); return;
+    case 6: {
+      const List& l = v.list();
+      if (l.empty()) {
+        out += "[]";
+        return;
+      }
+      out += '[';
+      for (size_t i = 0; i < l.size(); ++i) {
+        if (i) out += o.item_sep;
+        if (o.has_indent) newline(depth + 1);
+        dump_into(out, l[i], o, depth + 1);
+      }
+      if (o.has_indent) newline(depth);
+      out += ']';
+      return;
+    }
+    case 7: {
+      const Dict& d = v.dict();
+      if (d.items.empty()) {
+        out += "{}";
+        return;
+      }
+      std::vector<std::pair<std::string, const Value*>> items;
+      items.reserve(d.items.size());
+      for (const auto& [k, x] : d.items) items.emplace_back(json_key(k), &x);
+      if (o.sort_keys)
+        std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
+      out += '{';
+      for (size_t i = 0; i < items.size(); ++i) {
+        if (i) out += o.item_sep;
+        if (o.has_indent) newline(depth + 1);
+        json_string(out, items[i].first, o.ensure_ascii);
+        out += o.key_sep;
+        dump_into(out, *items[i].second, o, depth + 1);
+      }
+      if (o.has_indent) newline(depth);
+      out += '}';
+      return;
+    }
+    default:
+      throw_error("TypeError", std::string("Object of type ") + type_name(v) + " is not JSON serializable");
+  }
+}
+
+std::string json_dumps(const Value& v, const DumpOptions& o) {
+  std::string out;
+  dump_into(out, v, o, 0);
+  return out;
+}
+
+Value from_json(const nlohmann::ordered_json& j) {
+  using T = nlohmann::ordered_json::value_t;
+  switch (j.type()) {
+    case T::null: return Value(None{});
+    case T::boolean: return Value(j.get<bool>());
+    case T::number_integer: return Value(j.get<int64_t>());
+    case T::number_unsigned: {
+      auto u = j.get<uint64_t>();
+      if (u <= uint64_t(INT64_MAX)) return Value(int64_t(u));
+      return Value(double(u));
+    }
+    case T::number_float: return Value(j.get<double>());
+    case T::string: return Value(j.get<std::string>());
+    case T::array: {
+      List l;
+      l.reserve(j.size());
+      for (const auto& x : j) l.push_back(from_json(x));
+      return Value(std::move(l));
+    }
+    case T::object: {
+      auto d = std::make_shared<Dict>();
+      d->items.reserve(j.size());
+      for (auto it = j.begin(); it != j.end(); ++it) d->items.emplace_back(Value(it.key()), from_json(it.value()));
+      return Value(std::shared_ptr<const Dict>(std::move(d)));
+    }
+    default: return Value(None{});
+  }
+}
+
+}  // namespace moestream::jinja
