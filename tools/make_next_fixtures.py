@@ -30,9 +30,8 @@ gap on that path):
                          come from transformers running on the *dequantized* weights.
 
 Every fixture is reloaded from the written files by transformers (the reference for MLX is that
-reloaded model), and the DeltaNet kernels are forced to transformers' torch implementations
-(torch_chunk_gated_delta_rule, chunk size 64), so the reference does not depend on optional
-CUDA packages. One failing fixture does not stop the others; a summary is printed at the end and
+reloaded model). The DeltaNet runs transformers' torch implementations (torch_chunk_gated_delta_rule,
+chunk size 64) where the optional CUDA packages are absent; ref.json records which were importable. One failing fixture does not stop the others; a summary is printed at the end and
 the exit status is non-zero when any failed.
 
 Run on the GPU machine (CPU is used):
@@ -164,23 +163,34 @@ def torch_kernel(module, fn):
 
 
 def force_torch_kernels(model):
-    """Use transformers' torch DeltaNet and conv implementations (chunk 64), never optional CUDA
-    packages: the reference is the same whichever of them the machine has."""
+    """Where the DeltaNet modules keep their kernels as attributes (transformers <= 5.12), point
+    them at transformers' torch implementations (chunk 64). Newer versions call module-level
+    functions, which are the torch ones unless flash-linear-attention / causal-conv1d are
+    installed; kernel_report() records which. Returns the number of modules changed."""
     n = 0
     for module in model.modules():
-        if not hasattr(module, "chunk_gated_delta_rule"):
+        if "chunk_gated_delta_rule" not in vars(module):
             continue
         for attr, fn in (("chunk_gated_delta_rule", "torch_chunk_gated_delta_rule"),
                          ("recurrent_gated_delta_rule", "torch_recurrent_gated_delta_rule"),
                          ("causal_conv1d_update", "torch_causal_conv1d_update")):
-            if hasattr(module, attr):
+            if attr in vars(module):
                 setattr(module, attr, torch_kernel(module, fn))
-        if hasattr(module, "causal_conv1d_fn"):
+        if "causal_conv1d_fn" in vars(module):
             module.causal_conv1d_fn = None
         n += 1
-    if n == 0:
-        raise RuntimeError("no Gated DeltaNet module found")
     return n
+
+
+def kernel_report(model):
+    """Which DeltaNet kernels the reference ran: forced attributes, and whether the optional fast
+    packages were importable (when neither is, transformers runs its torch functions)."""
+    from transformers.utils import import_utils
+    report = {"forced_torch_attributes": force_torch_kernels(model)}
+    for name in ("is_flash_linear_attention_available", "is_causal_conv1d_available"):
+        fn = getattr(import_utils, name, None)
+        report[name] = bool(fn()) if fn else None
+    return report
 
 
 def text_config(config):
@@ -374,7 +384,7 @@ def make_one(spec, out_root, seed):
     config = make_model_config(spec)
     cls = model_class(config)
     model = new_model(cls, config)
-    force_torch_kernels(model)
+    kernels = kernel_report(model)
     n_params = sum(p.numel() for p in model.parameters())
     if n_params > MAX_PARAMS:
         raise RuntimeError(f"{n_params} parameters: a size field was probably not understood")
@@ -435,7 +445,7 @@ def make_one(spec, out_root, seed):
                        versions=dict(transformers=transformers.__version__,
                                      torch=torch.__version__, numpy=np.__version__),
                        model_type=config.model_type, seed=seed, n_params=n_params,
-                       **extra, logit_tokens=logit_tokens, prompt_tokens=prompt,
+                       deltanet_kernels=kernels, **extra, logit_tokens=logit_tokens, prompt_tokens=prompt,
                        greedy_tokens=gen, greedy_min_top2_gap=min_gap,
                        eos_token_ids=[unused[0]], files=sorted(os.listdir(out_dir))),
                   f, indent=1)
