@@ -423,6 +423,19 @@ std::map<std::string, ExpertSource> to_pack_layout(const std::map<std::string, E
       out[role] = src;
       continue;
     }
+    if (src.layout == ExpertLayout::GateUpRows) {
+      // Gate and up are the two halves of the rows: views into the tensor, nothing copied.
+      if (role != "gate_up" || shape.size() != 2 || shape[0] % 2 || src.tensor->dtype == DType::U32)
+        fail("tensor ", name, ": fused gate/up rows need role gate_up and a plain [2 * inter, in] matrix per expert, found ",
+             dtype_name(src.tensor->dtype), " ", shape_str(shape));
+      const uint64_t half = src.nbytes() / 2;
+      for (int i = 0; i < 2; ++i) {
+        const TensorView& v = views.emplace_back(
+            TensorView{name, src.tensor->dtype, {shape[0] / 2, shape[1]}, src.data() + i * half, half});
+        out[i == 0 ? "gate" : "up"] = ExpertSource{&v, -1};
+      }
+      continue;
+    }
     const size_t elem = dtype_size(src.tensor->dtype);
     if (shape.size() != 2 || src.tensor->dtype == DType::U32)
       fail("tensor ", name, ": a transposed expert weight must be a plain matrix, found ",

@@ -64,6 +64,8 @@ enum class ExpertLayout {
   InOut,              // transposed: the model computes x @ W (gpt-oss down_proj [inter, hidden])
   GateUpInterleaved,  // gpt-oss gate_up_proj [hidden, 2 * inter] (x @ W) or its bias [2 * inter]:
                       // gate in the even columns, up in the odd ones
+  GateUpRows,         // transformers' fused experts.gate_up_proj, per expert [2 * inter, hidden]:
+                      // the gate rows, then the up rows (role gate_up)
 };
 
 // Which tensors of a checkpoint are routed-expert weights, and what they are.
