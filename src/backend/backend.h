@@ -157,6 +157,11 @@ class Backend {
   virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
   virtual void free(Buffer& b) = 0;
   virtual void to_host(const Buffer& b, float* dst) = 0;
+  // dst rows [0, rows) = src rows [0, rows): two distinct, non-overlapping buffers of this backend
+  // with the same cols, rows <= src.rows and dst.rows (0 copies nothing); an Error otherwise.
+  // Ordered like the compute ops: it sees what earlier ops wrote to src, later ops see dst.
+  // Sequence snapshots are built on it (SequenceState::clone / restore / truncate).
+  virtual void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) = 0;
 
   // out[t] = table[tokens[t]]      table (vocab, dim)
   virtual void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) = 0;

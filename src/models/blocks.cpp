@@ -206,7 +206,7 @@ KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_d
     : KvSequence(be, n_layers, capacity, kv_dim, kv_dim) {}
 
 KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim)
-    : be_(be), capacity_(capacity) {
+    : be_(be), capacity_(capacity), k_dim_(k_dim), v_dim_(v_dim) {
   for (int l = 0; l < n_layers; ++l) {
     k.push_back(be.alloc(capacity, k_dim));
     v.push_back(be.alloc(capacity, v_dim));
@@ -216,6 +216,68 @@ KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_di
 KvSequence::~KvSequence() {
   for (auto& b : k) be_.free(b);
   for (auto& b : v) be_.free(b);
+}
+
+std::unique_ptr<SequenceState> KvSequence::clone(int64_t capacity) const {
+  if (capacity < n_past) fail("clone: capacity ", capacity, " cannot hold the ", n_past, " positions computed");
+  auto copy = std::make_unique<KvSequence>(be_, int(k.size()), capacity, k_dim_, v_dim_);
+  copy->restore(*this);
+  return copy;
+}
+
+void KvSequence::restore(const SequenceState& snapshot) {
+  if (&snapshot == this) return;
+  const auto* s = dynamic_cast<const KvSequence*>(&snapshot);
+  if (!s) fail("restore: the snapshot is not a KV-cache sequence state (it comes from another model)");
+  check_restore(be_, s->be_, capacity_, s->n_past);
+  copy_state_rows(be_, s->k, k, s->n_past, "K cache");
+  copy_state_rows(be_, s->v, v, s->n_past, "V cache");
+  n_past = s->n_past;
+}
+
+void KvSequence::truncate(int64_t n) {
+  if (!can_truncate(n)) fail_truncate(n, n_past);
+  n_past = n;
+}
+
+int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }
+
+void copy_state_rows(Backend& be, const std::vector<Buffer>& src, std::vector<Buffer>& dst,
+                     int64_t rows, const char* what) {
+  if (src.size() != dst.size())
+    fail("restore: the snapshot has ", src.size(), " ", what, " buffers, this state ", dst.size(),
+         " (another model)");
+  for (size_t l = 0; l < src.size(); ++l) {
+    const Buffer& a = src[l];
+    Buffer& b = dst[l];
+    if ((a.data == nullptr) != (b.data == nullptr) || a.cols != b.cols)
+      fail("restore: layer ", l, "'s ", what, " has ", a.data ? a.cols : 0, " columns in the snapshot, ",
+           b.data ? b.cols : 0, " in this state (another model)");
+    if (!a.data) continue;
+    if (rows > a.rows || rows > b.rows)
+      fail("restore: ", rows, " rows of layer ", l, "'s ", what, " do not fit (snapshot ", a.rows,
+           " rows, this state ", b.rows, ")");
+    be.copy_rows(a, b, rows);
+  }
+}
+
+int64_t state_bytes(const std::vector<Buffer>& buffers) {
+  int64_t n = 0;
+  for (const Buffer& b : buffers) n += b.rows * b.cols * int64_t(sizeof(float));
+  return n;
+}
+
+void check_restore(const Backend& mine, const Backend& theirs, int64_t capacity, int64_t snapshot_n_past) {
+  if (&mine != &theirs) fail("restore: the snapshot belongs to another model instance");
+  if (snapshot_n_past > capacity)
+    fail("restore: the snapshot holds ", snapshot_n_past, " positions, this sequence has room for ", capacity);
+}
+
+void fail_truncate(int64_t n, int64_t n_past) {
+  if (n < 0 || n > n_past) fail("truncate: cannot keep ", n, " positions of a sequence at n_past ", n_past);
+  fail("truncate: this model's linear-attention layers fold every position into a recurrent state, so a "
+       "sequence at n_past ", n_past, " can only be kept whole or reset to 0, not cut to ", n,
+       " (restore a snapshot taken at that length instead)");
 }
 
 void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,

@@ -84,19 +84,41 @@ struct GqaAttention {
 };
 
 // The KV cache of a decoder-only model: one K and one V buffer [capacity, kv_dim] per layer
-// (V [capacity, v_dim] where values are narrower than keys).
+// (V [capacity, v_dim] where values are narrower than keys). Rows at n_past and beyond are never
+// read, so truncation only moves n_past and a snapshot copies n_past rows per buffer.
 class KvSequence : public SequenceState {
  public:
   KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim);
   KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim);
   ~KvSequence() override;
+  KvSequence(const KvSequence&) = delete;
+  KvSequence& operator=(const KvSequence&) = delete;
   int64_t capacity() const override { return capacity_; }
+  using SequenceState::clone;
+  std::unique_ptr<SequenceState> clone(int64_t capacity) const override;
+  void restore(const SequenceState& snapshot) override;
+  bool can_truncate(int64_t n) const override { return n >= 0 && n <= n_past; }
+  void truncate(int64_t n) override;
+  int64_t bytes() const override;
   std::vector<Buffer> k, v;
 
  private:
   Backend& be_;
-  int64_t capacity_;
+  int64_t capacity_, k_dim_, v_dim_;
 };
+
+// Helpers for SequenceState implementations. Buffers with data == nullptr (a layer without that
+// kind of state) are skipped; `what` names the buffers in errors ("K cache", "conv state").
+// The first `rows` rows of each src buffer into dst, after checking that both lists have the same
+// shape (count, columns) and that `rows` fits every buffer.
+void copy_state_rows(Backend& be, const std::vector<Buffer>& src, std::vector<Buffer>& dst,
+                     int64_t rows, const char* what);
+int64_t state_bytes(const std::vector<Buffer>& buffers);  // rows * cols * 4 over the list
+// Checks what every restore needs: the same backend (so the same model) and room for n_past.
+void check_restore(const Backend& mine, const Backend& theirs, int64_t capacity, int64_t snapshot_n_past);
+// The Error of truncate(n) where can_truncate(n) is false: n outside [0, n_past], or (for a
+// state with recurrent layers) 0 < n < n_past.
+[[noreturn]] void fail_truncate(int64_t n, int64_t n_past);
 
 // Helpers the MoE families share.
 struct PackManifest;

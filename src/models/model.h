@@ -36,13 +36,34 @@ struct ModelInfo {
   int64_t active_bytes_per_token = 0;  // bytes read per decoded token (non-expert + top-k experts)
 };
 
-// Everything a sequence carries between forward calls (KV cache, recurrent state), sized for
-// `capacity` positions at creation.
+// Everything a sequence carries between forward calls (KV caches, the conv and recurrent states
+// of linear-attention layers), sized for `capacity` positions at creation. The state is one unit:
+// a prefix cache snapshots it after a prompt, restores it later to skip recomputing that prompt,
+// and cuts it back when a continuation diverges. Only the first n_past positions of a KV cache
+// are meaningful; recurrent states summarize all n_past positions at once.
 class SequenceState {
  public:
   virtual ~SequenceState() = default;
   int64_t n_past = 0;       // positions already processed
   virtual int64_t capacity() const = 0;
+
+  // A deep copy of everything computed so far, sharing nothing with this state; forwarding
+  // either leaves the other unchanged. clone() keeps the capacity; clone(capacity) sizes the
+  // copy for `capacity` >= n_past positions (a snapshot need hold no more than n_past). Allocates.
+  std::unique_ptr<SequenceState> clone() const { return clone(capacity()); }
+  virtual std::unique_ptr<SequenceState> clone(int64_t capacity) const = 0;
+  // Makes this state equal to `snapshot`: a state of the same model (from its new_sequence or a
+  // clone of one) whose n_past fits this capacity. Copies only what the snapshot computed; never
+  // allocates. An Error names the mismatch otherwise.
+  virtual void restore(const SequenceState& snapshot) = 0;
+  // Whether truncate(n) can keep exactly the first n positions: any 0 <= n <= n_past for
+  // attention-only models; with recurrent state only n == n_past (nothing to do) or n == 0 (a
+  // fresh sequence), since the state after n positions is not kept once later ones are folded in.
+  virtual bool can_truncate(int64_t n) const = 0;
+  // Keeps the first n positions (n_past = n); an Error when !can_truncate(n). No allocation.
+  virtual void truncate(int64_t n) = 0;
+  // Bytes of backend memory this state holds (sized by capacity, not n_past).
+  virtual int64_t bytes() const = 0;
 };
 
 class Model {

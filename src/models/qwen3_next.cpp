@@ -170,17 +170,23 @@ struct Qwen3NextLayer {
   MlpWeights dense;         // dense layers
 };
 
-// The KV cache of the full-attention layers and the conv and recurrent states of the linear ones.
+// The KV cache of the full-attention layers and the conv and recurrent states of the linear ones,
+// one sequence state: snapshots copy n_past KV rows and the (small, fixed-size) conv and recurrent
+// states whole. A recurrent state cannot be rewound, so truncation keeps everything or resets to
+// a fresh sequence, copying the model's zero state into each linear layer.
 class HybridSequence final : public SequenceState {
  public:
-  HybridSequence(Backend& be, const Qwen3NextConfig& c, int64_t capacity) : be_(be), capacity_(capacity) {
+  // `zero`: a zero-filled DeltaNetState of one linear layer, owned by the model.
+  HybridSequence(Backend& be, const Qwen3NextConfig& c, int64_t capacity, const DeltaNetState& zero)
+      : be_(be), cfg_(c), zero_(zero), capacity_(capacity) {
     k.resize(size_t(c.n_layers));
     v.resize(size_t(c.n_layers));
-    delta.resize(size_t(c.n_layers));
+    conv.resize(size_t(c.n_layers));
+    recurrent.resize(size_t(c.n_layers));
     for (int l = 0; l < c.n_layers; ++l) {
       if (c.linear_layer[size_t(l)]) {
-        delta[size_t(l)].conv = be.alloc(c.delta.conv_kernel - 1, c.conv_dim());
-        delta[size_t(l)].recurrent = be.alloc(int64_t(c.delta.n_v_heads) * c.delta.k_head_dim, c.delta.v_head_dim);
+        conv[size_t(l)] = be.alloc(zero.conv.rows, zero.conv.cols);
+        recurrent[size_t(l)] = be.alloc(zero.recurrent.rows, zero.recurrent.cols);
       } else {
         k[size_t(l)] = be.alloc(capacity, c.kv_dim());
         v[size_t(l)] = be.alloc(capacity, c.kv_dim());
@@ -188,28 +194,66 @@ class HybridSequence final : public SequenceState {
     }
   }
   ~HybridSequence() override {
-    for (auto* list : {&k, &v})
+    for (auto* list : {&k, &v, &conv, &recurrent})
       for (Buffer& b : *list)
         if (b.data) be_.free(b);
-    for (DeltaNetState& s : delta) {
-      if (s.conv.data) be_.free(s.conv);
-      if (s.recurrent.data) be_.free(s.recurrent);
-    }
   }
+  HybridSequence(const HybridSequence&) = delete;
+  HybridSequence& operator=(const HybridSequence&) = delete;
   int64_t capacity() const override { return capacity_; }
 
-  std::vector<Buffer> k, v;           // [capacity, kv_dim] for full-attention layers
-  std::vector<DeltaNetState> delta;   // for linear-attention layers
+  using SequenceState::clone;
+  std::unique_ptr<SequenceState> clone(int64_t capacity) const override {
+    if (capacity < n_past) fail("clone: capacity ", capacity, " cannot hold the ", n_past, " positions computed");
+    auto copy = std::make_unique<HybridSequence>(be_, cfg_, capacity, zero_);
+    copy->restore(*this);
+    return copy;
+  }
+  void restore(const SequenceState& snapshot) override {
+    if (&snapshot == this) return;
+    const auto* s = dynamic_cast<const HybridSequence*>(&snapshot);
+    if (!s) fail("restore: the snapshot is not a Qwen3-Next sequence state (it comes from another model)");
+    check_restore(be_, s->be_, capacity_, s->n_past);
+    copy_state_rows(be_, s->k, k, s->n_past, "K cache");
+    copy_state_rows(be_, s->v, v, s->n_past, "V cache");
+    copy_state_rows(be_, s->conv, conv, zero_.conv.rows, "conv state");
+    copy_state_rows(be_, s->recurrent, recurrent, zero_.recurrent.rows, "recurrent state");
+    n_past = s->n_past;
+  }
+  bool can_truncate(int64_t n) const override { return n == n_past || n == 0; }
+  void truncate(int64_t n) override {
+    if (!can_truncate(n)) fail_truncate(n, n_past);
+    if (n == n_past) return;
+    for (size_t l = 0; l < conv.size(); ++l) {
+      if (!conv[l].data) continue;
+      be_.copy_rows(zero_.conv, conv[l], zero_.conv.rows);
+      be_.copy_rows(zero_.recurrent, recurrent[l], zero_.recurrent.rows);
+    }
+    n_past = 0;
+  }
+  int64_t bytes() const override {
+    return state_bytes(k) + state_bytes(v) + state_bytes(conv) + state_bytes(recurrent);
+  }
+
+  DeltaNetState delta(int l) { return DeltaNetState{conv[size_t(l)], recurrent[size_t(l)]}; }
+
+  // Per layer; empty buffers where the layer has no state of that kind.
+  std::vector<Buffer> k, v;                // [capacity, kv_dim] for full-attention layers
+  std::vector<Buffer> conv, recurrent;     // DeltaNetState of linear-attention layers
 
  private:
   Backend& be_;
+  const Qwen3NextConfig& cfg_;
+  const DeltaNetState& zero_;
   int64_t capacity_;
 };
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).
-Vector load_offset_norm(WeightLoader& w, const std::string& name, int64_t size) {
+// mlx-lm's checkpoints already store 1 + w (`stored_with_offset`), read as they are.
+Vector load_offset_norm(WeightLoader& w, const std::string& name, int64_t size, bool stored_with_offset) {
   const TensorView& t = w.weights().get(name);
   check_shape(t, {size});
+  if (stored_with_offset) return w.backend().load_vector(t);
   std::vector<float> values(static_cast<size_t>(size));
   for (int64_t i = 0; i < size; ++i) {
     float x;
@@ -224,12 +268,24 @@ Vector load_offset_norm(WeightLoader& w, const std::string& name, int64_t size) 
   return w.backend().load_vector(TensorView{name, DType::F32, {size}, values.data(), values.size() * sizeof(float)});
 }
 
-// The depthwise conv1d weight [channels, 1, kernel] as one vector, channel-major.
+// The depthwise conv1d weight as one vector, channel-major: transformers stores it [channels, 1,
+// kernel], mlx-lm [channels, kernel, 1]; both hold tap j of channel c at c * kernel + j.
 Vector load_conv(WeightLoader& w, const std::string& name, int64_t channels, int kernel) {
   TensorView t = w.weights().get(name);
-  check_shape(t, {channels, 1, kernel});
+  if (t.shape != std::vector<int64_t>{channels, kernel, 1}) check_shape(t, {channels, 1, kernel});
   t.shape = {channels * kernel};
   return w.backend().load_vector(t);
+}
+
+// Whether the checkpoint is in mlx-lm's layout, whose sanitize step stores the zero-centred norm
+// weights as 1 + w: told by the conv1d weights ([channels, kernel, 1]); where the two layouts
+// coincide (a kernel of 1, or no linear-attention layer) by config.json's MLX quantization entry.
+bool is_mlx_layout(const WeightSet& weights, const HfConfig& hf, const std::string& first_conv, int kernel) {
+  if (kernel > 1 && !first_conv.empty() && weights.has(first_conv)) {
+    const std::vector<int64_t>& shape = weights.get(first_conv).shape;
+    return shape.size() == 3 && shape[1] == kernel && shape[2] == 1;
+  }
+  return hf.json().contains("quantization");
 }
 
 // Row ranges [begin, begin + count) of a fused weight, taken in order.
@@ -291,9 +347,16 @@ class Qwen3Next final : public DecoderModel {
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     // Multimodal Qwen3.5 checkpoints keep the language model under model.language_model.
     prefix_ = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
+    const auto first_linear = std::find(cfg_.linear_layer.begin(), cfg_.linear_layer.end(), true);
+    mlx_norms_ = is_mlx_layout(
+        *weights_, hf,
+        first_linear == cfg_.linear_layer.end()
+            ? std::string()
+            : prefix_ + "layers." + std::to_string(first_linear - cfg_.linear_layer.begin()) + ".linear_attn.conv1d.weight",
+        cfg_.delta.conv_kernel);
     const int64_t h = cfg_.hidden_size;
     embed_tokens = w.matrix(prefix_ + "embed_tokens.weight", cfg_.vocab_size, h);
-    final_norm = load_offset_norm(w, prefix_ + "norm.weight", h);
+    final_norm = load_offset_norm(w, prefix_ + "norm.weight", h, mlx_norms_);
     if (cfg_.tie_word_embeddings && !w.has("lm_head.weight"))
       lm_head = embed_tokens;
     else
@@ -303,8 +366,8 @@ class Qwen3Next final : public DecoderModel {
     for (int l = 0; l < cfg_.n_layers; ++l) {
       const std::string p = prefix_ + "layers." + std::to_string(l) + ".";
       Qwen3NextLayer layer;
-      layer.input_norm = load_offset_norm(w, p + "input_layernorm.weight", h);
-      layer.post_attention_norm = load_offset_norm(w, p + "post_attention_layernorm.weight", h);
+      layer.input_norm = load_offset_norm(w, p + "input_layernorm.weight", h, mlx_norms_);
+      layer.post_attention_norm = load_offset_norm(w, p + "post_attention_layernorm.weight", h, mlx_norms_);
       layer.linear = cfg_.linear_layer[size_t(l)];
       if (layer.linear)
         layer.delta = load_linear_attention(w, p + "linear_attn.");
@@ -340,6 +403,9 @@ class Qwen3Next final : public DecoderModel {
     a_ = be.alloc(kMaxBatch, cfg_.delta.n_v_heads);
     shared_out_ = be.alloc(kMaxBatch, h);
     shared_gate_ = be.alloc(kMaxBatch, 1);
+    // A fresh linear layer's state (alloc zero-fills): what truncate(0) copies back.
+    zero_state_.conv = be.alloc(cfg_.delta.conv_kernel - 1, cfg_.conv_dim());
+    zero_state_.recurrent = be.alloc(int64_t(cfg_.delta.n_v_heads) * cfg_.delta.k_head_dim, cfg_.delta.v_head_dim);
 
     // Bytes of what this model reads (a multimodal checkpoint's vision and mtp weights excluded).
     int64_t dense_bytes = 0;
@@ -356,7 +422,7 @@ class Qwen3Next final : public DecoderModel {
   ExpertStats expert_stats() const override { return experts_->stats(); }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<HybridSequence>(*backend_, cfg_, capacity);
+    return std::make_unique<HybridSequence>(*backend_, cfg_, capacity, zero_state_);
   }
 
  protected:
@@ -370,10 +436,12 @@ class Qwen3Next final : public DecoderModel {
     {
       ScopedTimer timer(be.times().attention);
       be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
-      if (layer.linear)
-        linear_attention(layer.delta, xn, seq.delta[size_t(l)], out);
-      else
+      if (layer.linear) {
+        DeltaNetState state = seq.delta(l);
+        linear_attention(layer.delta, xn, state, out);
+      } else {
         gated_attention(layer.attn, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, out);
+      }
       be.add(x, out);
     }
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
@@ -453,8 +521,8 @@ class Qwen3Next final : public DecoderModel {
     a.k_proj = w.matrix(p + "k_proj.weight", kv_dim, h);
     a.v_proj = w.matrix(p + "v_proj.weight", kv_dim, h);
     a.o_proj = w.matrix(p + "o_proj.weight", h, q_dim);
-    a.q_norm = load_offset_norm(w, p + "q_norm.weight", hd);
-    a.k_norm = load_offset_norm(w, p + "k_norm.weight", hd);
+    a.q_norm = load_offset_norm(w, p + "q_norm.weight", hd, mlx_norms_);
+    a.k_norm = load_offset_norm(w, p + "k_norm.weight", hd, mlx_norms_);
     return a;
   }
 
@@ -492,11 +560,13 @@ class Qwen3Next final : public DecoderModel {
 
   Qwen3NextConfig cfg_;
   std::string prefix_;  // "model." or "model.language_model."
+  bool mlx_norms_ = false;  // zero-centred norm weights stored as 1 + w (mlx-lm's layout)
   std::vector<Qwen3NextLayer> layers_;
   std::deque<std::vector<char>> regrouped_;  // storage of the regrouped fused weights
   std::unique_ptr<ExpertStore> experts_;
   RopeTable rope_;
   Buffer gate_, qkv_, z_, core_, b_, a_, shared_out_, shared_gate_;  // [kMaxBatch, ...] activations
+  DeltaNetState zero_state_;  // all zeros; sequences reset their linear layers from it
 };
 
 }  // namespace
@@ -514,8 +584,14 @@ std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& na
   // The text-only layout (model.layers.) and the multimodal one (model.language_model.layers.).
   static const std::regex hub(
       R"(model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight)");
+  // transformers' fused form (as it holds experts in memory): gate_up_proj [E, 2 * inter, hidden],
+  // gate rows then up rows; down_proj [E, hidden, inter].
+  static const std::regex fused(R"(model\.(?:language_model\.)?layers\.(\d+)\.mlp\.experts\.(gate_up|down)_proj)");
   std::smatch m;
   if (std::regex_match(name, m, hub)) return ExpertTensorRef{std::stoi(m[1]), std::stoi(m[2]), m[3], false};
+  if (std::regex_match(name, m, fused))
+    return m[2] == "down" ? ExpertTensorRef{std::stoi(m[1]), -1, "down", true}
+                          : ExpertTensorRef{std::stoi(m[1]), -1, "gate_up", true, ExpertLayout::GateUpRows};
   if (name.rfind("model.language_model.", 0) == 0)
     return parse_qwen_expert_tensor("model." + name.substr(std::string("model.language_model.").size()));
   return parse_qwen_expert_tensor(name);

@@ -78,6 +78,15 @@ class CpuBackend final : public Backend {
   void to_host(const Buffer& b, float* dst) override {
     std::memcpy(dst, b.data, size_t(b.rows * b.cols) * sizeof(float));
   }
+  void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
+    if (src.cols != dst.cols || rows < 0 || rows > src.rows || rows > dst.rows)
+      fail("copy_rows: ", rows, " rows from a [", src.rows, ", ", src.cols, "] buffer into a [",
+           dst.rows, ", ", dst.cols, "] one");
+    const size_t n = size_t(rows * src.cols);
+    if (n == 0) return;
+    if (src.data < dst.data + n && dst.data < src.data + n) fail("copy_rows: source and destination overlap");
+    std::memcpy(dst.data, src.data, n * sizeof(float));
+  }
 
   void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) override {
     for (size_t t = 0; t < tokens.size(); ++t) {
