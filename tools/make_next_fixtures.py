@@ -194,7 +194,8 @@ def kernel_report(model):
 
 
 def text_config(config):
-    return config.text_config if hasattr(config, "text_config") else config
+    """The language model's config: text_config of a multimodal config, else the config."""
+    return config.text_config if config.model_type == "qwen3_5_moe" else config
 
 
 def reload(cls, out_dir):
