@@ -107,6 +107,7 @@ struct Format {
 Format format(const std::string& name) {
   if (name == "bf16") return {name, DType::BF16, {}};
   if (name == "f16") return {name, DType::F16, {}};
+  if (name == "mxfp4") return {name, DType::U8, kMxfp4Format};
   return {name, DType::U32, parse_quant_format(name)};
 }
 
@@ -130,6 +131,10 @@ struct MatrixSet {
       auto* h = reinterpret_cast<uint16_t*>(one.data());
       for (size_t i = 0; i < w.size(); ++i)
         h[i] = f.dtype == DType::F16 ? f32_to_f16(w[i]) : f32_to_bf16(w[i]);
+    } else if (f.quant.scheme == QuantScheme::Mxfp4) {
+      data_bytes = rows * cols / 2;
+      one.resize(size_t(data_bytes + rows * cols / 32));
+      quantize_mxfp4(w.data(), rows, cols, one.data(), one.data() + data_bytes);
     } else {
       data_bytes = rows * quant_words_per_row(f.quant, cols) * 4;
       side_bytes = rows * quant_groups_per_row(f.quant, cols) * 2;
@@ -153,7 +158,7 @@ struct MatrixSet {
       m.quant = f.quant;
       if (f.quant.bits) {
         m.scales = base + data_bytes;
-        m.biases = base + data_bytes + side_bytes;
+        m.biases = f.quant.scheme == QuantScheme::Mxfp4 ? nullptr : base + data_bytes + side_bytes;
       }
       matrices.push_back(m);
     }
@@ -219,7 +224,7 @@ void register_all() {
   auto add = [](const std::string& fmt, Shape s, int threads, bool precise, bool cold) {
     const std::string name = "gemv/" + fmt + "/" + std::to_string(s.rows) + "x" +
                              std::to_string(s.cols) +
-                             (fmt[0] != 'q' ? "" : precise ? "/f32" : "/int8") +
+                             (fmt[0] != 'q' && fmt != "mxfp4" ? "" : precise ? "/f32" : "/int8") +
                              (cold ? "" : "/cached") + "/threads:" + std::to_string(threads);
     benchmark::RegisterBenchmark(name.c_str(), BM_Gemv, format(fmt), s.rows, s.cols, threads,
                                  precise, cold)
@@ -227,7 +232,7 @@ void register_all() {
         ->UseRealTime()
         ->MinTime(0.3);
   };
-  for (const char* fmt : {"bf16", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64"})
+  for (const char* fmt : {"bf16", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64", "mxfp4"})
     for (Shape s : experts)
       for (bool precise : {false, true}) {
         if (precise && std::string(fmt) == "bf16") continue;  // plain weights have one path

@@ -22,19 +22,37 @@ namespace moestream {
 class ThreadPool;
 class ExpertStore;
 
-// Group-wise affine quantization as MLX stores it: for each group of group_size consecutive
-// input elements a scale and a bias (scale_dtype), value = q * scale + bias, q of `bits` bits
-// packed little-endian into uint32 words. bits == 0 means not quantized.
+// How the codes of a quantized matrix become values (core/quant.h has the details).
+enum class QuantScheme : uint8_t {
+  // MLX's group-wise affine format: for each group of group_size consecutive input elements a
+  // scale and a bias (scale_dtype), value = q * scale + bias, q unsigned of `bits` bits.
+  Affine,
+  // OCP microscaling FP4 as gpt-oss publishes its experts: bits 4, group_size 32, scale_dtype
+  // U8. Each code is an FP4 E2M1 value (bit 3 the sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+  // for codes 0..7) and each group of 32 has one E8M0 exponent byte e: value = fp4 * 2^(e - 127).
+  // No biases.
+  Mxfp4,
+};
+
+// A quantized format; bits == 0 means not quantized. Both schemes pack codes little-endian:
+// element i of a row in bits [i * bits, (i + 1) * bits) of the row's bit stream, so for 4 bits
+// element 2j is the low nibble of byte j and element 2j + 1 its high nibble.
 struct QuantFormat {
-  int bits = 0;              // 2, 3, 4, 6, 8
-  int group_size = 0;        // 32, 64, 128
-  DType scale_dtype = DType::BF16;  // BF16 or F16
+  int bits = 0;              // 2, 3, 4, 6, 8 (Mxfp4: 4)
+  int group_size = 0;        // 32, 64, 128 (Mxfp4: 32)
+  DType scale_dtype = DType::BF16;  // BF16 or F16 (Mxfp4: U8, the E8M0 exponent)
+  QuantScheme scheme = QuantScheme::Affine;
   bool operator==(const QuantFormat&) const = default;
 };
 
 // A weight matrix W (out, in) in its stored format, as the backend will read it.
-// Plain: dtype F32/BF16/F16, data rows*cols elements. Quantized (quant.bits > 0): dtype U32,
-// data rows * (cols * bits / 32) words, scales and biases rows * (cols / group_size) values.
+// Plain: dtype F32/BF16/F16, data rows*cols elements.
+// Affine (quant.bits > 0): dtype U32, data rows * (cols * bits / 32) words, scales and biases
+//   rows * (cols / group_size) values of quant.scale_dtype.
+// Mxfp4: dtype U8, data rows * cols / 2 bytes (a row's 16-byte blocks of 32 codes back to back,
+//   which is the checkpoint's [rows, cols / 32, 16] *_blocks tensor), scales rows * cols / 32
+//   E8M0 bytes (the *_scales tensor [rows, cols / 32]), biases nullptr. A backend that cannot
+//   compute a scheme must refuse the matrix when it loads, naming it.
 struct Matrix {
   std::string name;
   DType dtype = DType::BF16;

@@ -51,6 +51,12 @@ double reconstruction_error(const float* w, int n, Affine a, float n_bins, DType
 }  // namespace
 
 void check_quant_format(const QuantFormat& f, std::string_view what) {
+  if (f.scheme == QuantScheme::Mxfp4) {
+    if (f != kMxfp4Format)
+      fail(what, ": MXFP4 needs 4-bit codes in groups of 32 with U8 exponents, found ", f.bits,
+           "-bit groups of ", f.group_size, " with ", dtype_name(f.scale_dtype), " scales");
+    return;
+  }
   if (!valid_bits(f.bits))
     fail(what, ": quantization bits ", f.bits, " not supported (2, 3, 4, 6 or 8)");
   if (!valid_group(f.group_size))
@@ -103,6 +109,7 @@ QuantFormat parse_quant_format(std::string_view spec) {
 }
 
 std::string quant_format_name(const QuantFormat& f) {
+  if (f.scheme == QuantScheme::Mxfp4) return "mxfp4";
   std::string s = "q" + std::to_string(f.bits) + "g" + std::to_string(f.group_size);
   if (f.scale_dtype == DType::F16) s += "-f16";
   return s;
@@ -209,6 +216,78 @@ void dequantize_row(const QuantFormat& f, int64_t cols, const uint32_t* words,
                  f.group_size, f.bits, codes);
     for (int i = 0; i < f.group_size; ++i)
       out[g * f.group_size + i] = std::fma(float(codes[i]), s, b);
+  }
+}
+
+// ---- MXFP4 ----
+
+namespace {
+constexpr float kFp4Magnitude[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+}  // namespace
+
+float fp4_value(uint8_t code) {
+  const float m = kFp4Magnitude[code & 7];
+  return code & 8 ? -m : m;
+}
+
+float e8m0_to_f32(uint8_t e) {
+  if (e == 255) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, int(e) - 127);
+}
+
+const std::array<float, 256>& mxfp4_affine_scales() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int e = 0; e < 256; ++e) t[size_t(e)] = e == 255 ? e8m0_to_f32(255) : std::ldexp(1.0f, e - 128);
+    return t;
+  }();
+  return table;
+}
+
+void quantize_mxfp4(const float* w, int64_t rows, int64_t cols, uint8_t* codes, uint8_t* exponents,
+                    std::string_view what) {
+  check_quant_shape(kMxfp4Format, cols, what);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t g = 0; g < cols / 32; ++g) {
+      const float* x = w + r * cols + g * 32;
+      float amax = 0;
+      for (int i = 0; i < 32; ++i) {
+        if (!std::isfinite(x[i])) fail(what, ": row ", r, " holds a non-finite value");
+        amax = std::max(amax, std::abs(x[i]));
+      }
+      // Smallest e with amax <= 6 * 2^(e - 127), within the E8M0 range 0..254.
+      int e = 0;
+      if (amax > 0) {
+        e = int(std::ceil(std::log2(double(amax) / 6.0))) + 127;
+        if (e > 0 && double(amax) <= 6.0 * std::ldexp(1.0, e - 1 - 127)) --e;  // log2 rounding
+        e = std::clamp(e, 0, int(kMxfp4MaxExponent));
+      }
+      const double scale = std::ldexp(1.0, e - 127);
+      uint8_t* out = codes + r * cols / 2 + g * 16;
+      for (int i = 0; i < 32; ++i) {
+        const double v = double(x[i]) / scale;
+        int best = 0;
+        for (int m = 1; m < 8; ++m)
+          if (std::abs(std::abs(v) - kFp4Magnitude[m]) < std::abs(std::abs(v) - kFp4Magnitude[best])) best = m;
+        const uint8_t c = uint8_t(best == 0 ? 0 : best | (v < 0 ? 8 : 0));
+        if (i % 2 == 0) {
+          out[i / 2] = c;
+        } else {
+          out[i / 2] = uint8_t(out[i / 2] | (c << 4));
+        }
+      }
+      exponents[r * cols / 32 + g] = uint8_t(e);
+    }
+  }
+}
+
+void dequantize_mxfp4_row(int64_t cols, const uint8_t* codes, const uint8_t* exponents, float* out) {
+  for (int64_t g = 0; g < cols / 32; ++g) {
+    const float s = e8m0_to_f32(exponents[g]);
+    for (int i = 0; i < 32; ++i) {
+      const uint8_t byte = codes[g * 16 + i / 2];
+      out[g * 32 + i] = fp4_value(i % 2 ? uint8_t(byte >> 4) : uint8_t(byte & 15)) * s;
+    }
   }
 }
 

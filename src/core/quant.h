@@ -26,8 +26,22 @@
 // float32 input that holds BF16 (F16) weights and a BF16 (F16) scale_dtype, the result is the
 // bits mlx.core.quantize writes for those weights. (MLX's Metal kernel differs in two details:
 // round-half-away instead of rint, and w_max starts at 0 rather than -inf.)
+//
+// MXFP4 (QuantScheme::Mxfp4, gpt-oss's experts; OCP Microscaling spec v1.0, as transformers'
+// integrations/mxfp4.py decodes it): 4-bit codes packed like the affine 4-bit format (element 2j
+// in the low nibble of byte j), one E8M0 exponent byte e per group of 32. Code c is an E2M1
+// float: sign = bit 3, magnitude FP4_VALUES[c & 7] = 0, 0.5, 1, 1.5, 2, 3, 4, 6; the element is
+// magnitude * 2^(e - 127). Exponents above kMxfp4MaxExponent (252: scales beyond 2^125, where
+// float32 overflows; 255 is NaN in the spec) are refused when a checkpoint is packed.
+//
+// The kernels compute MXFP4 as an affine format with the same group of 32: code c becomes the
+// unsigned c' = 2 * fp4(c) + 12 (0..24, kMxfp4AffineCode), scale' = 2^(e - 128), bias' =
+// -12 * scale'. Then c' * scale' + bias' = fp4(c) * 2^(e - 127) exactly (every product and sum
+// is a small multiple of a power of two), so one fma per weight reproduces the exact value and
+// the int8-activation path needs no signed-by-signed products.
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -36,8 +50,11 @@
 
 namespace moestream {
 
+// The one MXFP4 format.
+inline constexpr QuantFormat kMxfp4Format{4, 32, DType::U8, QuantScheme::Mxfp4};
+
 // Fails naming `what` unless bits is 2, 3, 4, 6 or 8, group_size 32, 64 or 128 and scale_dtype
-// BF16 or F16.
+// BF16 or F16 (affine), or f is kMxfp4Format.
 void check_quant_format(const QuantFormat& f, std::string_view what);
 // check_quant_format, and cols a positive multiple of the group size.
 void check_quant_shape(const QuantFormat& f, int64_t cols, std::string_view what);
@@ -45,7 +62,7 @@ void check_quant_shape(const QuantFormat& f, int64_t cols, std::string_view what
 // "q<bits>[g<group_size>][-bf16|-f16]", e.g. "q4" (group 64, BF16 scales, MLX's default
 // group), "q2g32", "q8g128-f16". Fails naming the spec if it is not one of those.
 QuantFormat parse_quant_format(std::string_view spec);
-// The canonical spelling of f: "q4g64", "q3g32-f16" (BF16 scales are not spelled out).
+// The canonical spelling of f: "q4g64", "q3g32-f16" (BF16 scales are not spelled out), "mxfp4".
 std::string quant_format_name(const QuantFormat& f);
 
 inline int64_t quant_words_per_row(const QuantFormat& f, int64_t cols) {
@@ -83,5 +100,29 @@ void quantize_affine(const float* w, int64_t rows, int64_t cols, const QuantForm
 // One packed row back to float32: out[i] = q_i * scale + bias (one float32 fma).
 void dequantize_row(const QuantFormat& f, int64_t cols, const uint32_t* words,
                     const uint16_t* scales, const uint16_t* biases, float* out);
+
+// ---- MXFP4 ----
+
+// The E2M1 value of a 4-bit code.
+float fp4_value(uint8_t code);
+// 2^(e - 127) for an E8M0 byte (NaN for 255).
+float e8m0_to_f32(uint8_t e);
+// The affine view of MXFP4 the kernels use (see above): code -> 2 * fp4(code) + 12, and the
+// table of scale' = 2^(e - 128) for every exponent byte (NaN for 255).
+inline constexpr std::array<uint8_t, 16> kMxfp4AffineCode{12, 13, 14, 15, 16, 18, 20, 24,
+                                                         12, 11, 10, 9,  8,  6,  4,  0};
+inline constexpr float kMxfp4AffineBiasCodes = 12.0f;  // bias' = -12 * scale'
+inline constexpr uint8_t kMxfp4MaxExponent = 252;      // beyond it bias' overflows float32
+const std::array<float, 256>& mxfp4_affine_scales();
+
+// Quantizes w (rows, cols) float32, cols a multiple of 32: codes (rows, cols / 2) bytes and
+// exponents (rows, cols / 32). Per group the exponent is the smallest that puts max|w| within
+// 6 * 2^(e - 127) (no clipping; at most kMxfp4MaxExponent), each value rounds to the nearest E2M1 magnitude (ties to the
+// smaller one), zero is +0. `what` names the tensor in errors (non-finite values).
+void quantize_mxfp4(const float* w, int64_t rows, int64_t cols, uint8_t* codes, uint8_t* exponents,
+                    std::string_view what = "matrix");
+
+// One MXFP4 row back to float32 (exact).
+void dequantize_mxfp4_row(int64_t cols, const uint8_t* codes, const uint8_t* exponents, float* out);
 
 }  // namespace moestream

@@ -76,6 +76,11 @@ void check_matrix(const Matrix& w) {
     return;
   }
   check_quant_shape(w.quant, w.cols, w.name);
+  if (w.quant.scheme == QuantScheme::Mxfp4) {
+    if (w.dtype != DType::U8) fail("weight ", w.name, ": MXFP4 codes must be U8, found ", dtype_name(w.dtype));
+    if (!w.scales) fail("weight ", w.name, ": MXFP4 weights need their exponents");
+    return;
+  }
   if (w.dtype != DType::U32)
     fail("weight ", w.name, ": quantized weights must be U32 words, found ", dtype_name(w.dtype));
   if (!w.scales || !w.biases)
@@ -119,6 +124,10 @@ void axpy(float a, const float* x, float* y, int64_t n) { active().axpy(a, x, y,
 void row_to_f32(const Matrix& w, int64_t row, float* dst) {
   check_matrix(w);
   const int64_t n = w.cols;
+  if (detail::is_mxfp4(w)) {
+    dequantize_mxfp4_row(n, detail::row_codes(w, row), detail::row_exponents(w, row), dst);
+    return;
+  }
   if (w.quant.bits > 0) {
     dequantize_row(w.quant, n, static_cast<const uint32_t*>(w.data) +
                                    row * quant_words_per_row(w.quant, n),
@@ -198,6 +207,7 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
 
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1) {
+  // The activation layout depends on bits and group size only, so MXFP4 shares 4-bit group 32's.
   if (in.bits != w.quant.bits || in.group_size != w.quant.group_size || in.cols != w.cols)
     fail("weight ", w.name, ": activations were prepared for another matrix");
   const detail::LevelKernels& k = kernels_for(in.level);

@@ -13,6 +13,8 @@
 // The int8 path multiplies codes (u8) by activations (s8) with maddubs + madd. 8-bit codes
 // would overflow maddubs's int16 pairs, so they are used as q - 128 (signed) and the lost
 // 128 * sum(x^) is added back through the group bias (bias + 128 * scale).
+// MXFP4 runs as 4-bit affine groups of 32 (core/quant.h): the unpacked nibbles go through a
+// pshufb with kMxfp4AffineCode, and each group's exponent gives scale' and bias'.
 #include <immintrin.h>
 
 #include <algorithm>
@@ -21,6 +23,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_kernels.h"
+#include "core/quant.h"
 
 #define MS_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
 
@@ -232,9 +235,60 @@ MS_AVX2 inline __m256i unpack32(const uint8_t* p) {
   }
 }
 
+// MXFP4 nibbles to their affine codes (core/quant.h), the table in both 128-bit lanes.
+alignas(32) constexpr uint8_t kMxfp4Table[32] = {
+    kMxfp4AffineCode[0],  kMxfp4AffineCode[1],  kMxfp4AffineCode[2],  kMxfp4AffineCode[3],
+    kMxfp4AffineCode[4],  kMxfp4AffineCode[5],  kMxfp4AffineCode[6],  kMxfp4AffineCode[7],
+    kMxfp4AffineCode[8],  kMxfp4AffineCode[9],  kMxfp4AffineCode[10], kMxfp4AffineCode[11],
+    kMxfp4AffineCode[12], kMxfp4AffineCode[13], kMxfp4AffineCode[14], kMxfp4AffineCode[15],
+    kMxfp4AffineCode[0],  kMxfp4AffineCode[1],  kMxfp4AffineCode[2],  kMxfp4AffineCode[3],
+    kMxfp4AffineCode[4],  kMxfp4AffineCode[5],  kMxfp4AffineCode[6],  kMxfp4AffineCode[7],
+    kMxfp4AffineCode[8],  kMxfp4AffineCode[9],  kMxfp4AffineCode[10], kMxfp4AffineCode[11],
+    kMxfp4AffineCode[12], kMxfp4AffineCode[13], kMxfp4AffineCode[14], kMxfp4AffineCode[15]};
+
+// 32 codes of a block, as the affine kernels read them: MXFP4 nibbles translated.
+template <int BITS, bool MX>
+MS_AVX2 inline __m256i codes32(const uint8_t* p) {
+  if constexpr (MX) {
+    static_assert(BITS == 4);
+    return _mm256_shuffle_epi8(_mm256_load_si256(reinterpret_cast<const __m256i*>(kMxfp4Table)),
+                               unpack32<4>(p));
+  } else {
+    return unpack32<BITS>(p);
+  }
+}
+
+// Scales and biases of one row's groups as floats, up to eight at a time: stored halves
+// (affine), or the E8M0 exponents as MXFP4's scale' and bias' (core/quant.h).
+template <bool MX>
+struct RowGroups {
+  const void* scales;
+  const void* biases;
+  DType dt;
+  MS_AVX2 RowGroups(const Matrix& w, int64_t r)
+      : scales(MX ? static_cast<const void*>(row_exponents(w, r)) : row_scales(w, r)),
+        biases(MX ? nullptr : row_biases(w, r)),
+        dt(w.quant.scale_dtype) {}
+  // Groups g0 .. g0 + n (n <= 8); zeros after them.
+  MS_AVX2 void load(int64_t g0, int64_t n, __m256& s, __m256& b) const {
+    if constexpr (MX) {
+      int64_t bytes = 0;
+      std::memcpy(&bytes, static_cast<const uint8_t*>(scales) + g0, size_t(std::min<int64_t>(n, 8)));
+      const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+      const __m256 valid = _mm256_castsi256_ps(
+          _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
+      s = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), mxfp4_affine_scales().data(), idx, valid, 4);
+      b = _mm256_mul_ps(s, _mm256_set1_ps(-kMxfp4AffineBiasCodes));
+    } else {
+      s = load_half_n(static_cast<const uint16_t*>(scales) + g0, n, dt);
+      b = load_half_n(static_cast<const uint16_t*>(biases) + g0, n, dt);
+    }
+  }
+};
+
 // Reads the packed blocks of one row; for 3 and 6 bits the last block comes from a zero-padded
 // copy, since unpack32 reads past the block it decodes.
-template <int BITS>
+template <int BITS, bool MX = false>
 struct PackedRow {
   static constexpr int kBlockBytes = 4 * BITS;
   static constexpr bool kPadLast = BITS == 3 || BITS == 6;
@@ -250,7 +304,7 @@ struct PackedRow {
   MS_AVX2 __m256i block(int64_t b) const {
     if constexpr (kPadLast)
       if (b == last) return unpack32<BITS>(tail);
-    return unpack32<BITS>(p + b * kBlockBytes);
+    return codes32<BITS, MX>(p + b * kBlockBytes);
   }
 };
 
@@ -283,9 +337,8 @@ struct TokenInt8 {
 
 // The int8 dot product of one row with one token. Two accumulators alternate between groups so
 // that the chain of fmas into them does not bound the loop.
-template <int BITS, int GS, class Row>
-MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases, DType dt,
-                       int64_t cols, const TokenInt8& x) {
+template <int BITS, int GS, bool MX, class Row>
+MS_AVX2 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t cols, const TokenInt8& x) {
   constexpr int kBlocks = GS / 32;  // per group
   const int64_t groups = cols / GS;
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps(), acc_bias = _mm256_setzero_ps();
@@ -302,8 +355,8 @@ MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* b
   };
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int64_t n = std::min<int64_t>(8, groups - g0);
-    const __m256 s = load_half_n(scales + g0, n, dt);
-    __m256 b = load_half_n(biases + g0, n, dt);
+    __m256 s, b;
+    params.load(g0, n, s, b);
     if constexpr (BITS == 8) b = _mm256_fmadd_ps(s, _mm256_set1_ps(128.0f), b);
     acc_bias = _mm256_fmadd_ps(b, _mm256_loadu_ps(x.group_sum + g0), acc_bias);
     _mm256_store_ps(sf, s);
@@ -318,11 +371,10 @@ MS_AVX2 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* b
   return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), acc_bias));
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, bool MX>
 MS_AVX2 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                          int64_t r0, int64_t r1) {
   const int64_t blocks = w.cols / 32;
-  const DType dt = w.quant.scale_dtype;
   auto token = [&](int64_t t) {
     return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
                      in.group_sum.data() + t * in.group_stride};
@@ -332,37 +384,38 @@ MS_AVX2 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int
     const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
     for (int64_t r = r0; r < r1; ++r) {
       if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>(row_codes(w, r), blocks), row_scales(w, r),
-                                row_biases(w, r), dt, w.cols, x);
+      y[r] = dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>(row_codes(w, r), blocks),
+                                    RowGroups<MX>(w, r), w.cols, x);
     }
     return;
   }
   thread_local std::vector<uint8_t> codes;
   codes.resize(size_t(w.cols));
   for (int64_t r = r0; r < r1; ++r) {
-    const PackedRow<BITS> packed(row_codes(w, r), blocks);
+    const PackedRow<BITS, MX> packed(row_codes(w, r), blocks);
     for (int64_t b = 0; b < blocks; ++b)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + b * 32), packed.block(b));
     const UnpackedRow row{codes.data()};
     for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] =
-          dot_int8<BITS, GS>(row, row_scales(w, r), row_biases(w, r), dt, w.cols, token(t));
+      y[t * ldy + r] = dot_int8<BITS, GS, MX>(row, RowGroups<MX>(w, r), w.cols, token(t));
   }
 }
 
 // Calls f(s, b, codes, k) for every block of 32 codes of a row: the block's group scale and
 // bias broadcast, its codes, and its index.
-template <int BITS, int GS, class F>
-MS_AVX2 inline void for_each_block(const uint8_t* packed, const uint16_t* scales,
-                                   const uint16_t* biases, DType dt, int64_t cols, F&& f) {
+template <int BITS, int GS, bool MX, class F>
+MS_AVX2 inline void for_each_block(const Matrix& w, int64_t r, F&& f) {
   constexpr int kBlocksPerGroup = GS / 32;
-  const int64_t groups = cols / GS;
-  const PackedRow<BITS> row(packed, cols / 32);
+  const int64_t groups = w.cols / GS;
+  const PackedRow<BITS, MX> row(row_codes(w, r), w.cols / 32);
+  const RowGroups<MX> params(w, r);
   alignas(32) float sf[8], bf[8];
   for (int64_t g0 = 0; g0 < groups; g0 += 8) {
     const int64_t n = std::min<int64_t>(8, groups - g0);
-    _mm256_store_ps(sf, load_half_n(scales + g0, n, dt));
-    _mm256_store_ps(bf, load_half_n(biases + g0, n, dt));
+    __m256 s8, b8;
+    params.load(g0, n, s8, b8);
+    _mm256_store_ps(sf, s8);
+    _mm256_store_ps(bf, b8);
     for (int64_t k = 0; k < n; ++k) {
       const __m256 s = _mm256_set1_ps(sf[k]), b = _mm256_set1_ps(bf[k]);
       const int64_t first = (g0 + k) * kBlocksPerGroup;
@@ -380,10 +433,9 @@ MS_AVX2 inline void codes_to_f32(__m256i c, __m256 out[4]) {
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, bool MX>
 MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                             int64_t r0, int64_t r1) {
-  const DType dt = w.quant.scale_dtype;
   if (in.T == 1) {
     const float* x = in.xf.data();
     const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
@@ -391,9 +443,8 @@ MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, 
       if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
                        _mm256_setzero_ps()};
-      for_each_block<BITS, GS>(
-          row_codes(w, r), row_scales(w, r), row_biases(w, r), dt, w.cols,
-          [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+      for_each_block<BITS, GS, MX>(
+          w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
             __m256 q[4];
             codes_to_f32(c, q);
             for (int i = 0; i < 4; ++i)
@@ -410,8 +461,7 @@ MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, 
     const int64_t n = std::min<int64_t>(4, r1 - r);
     for (int64_t j = 0; j < n; ++j) {
       float* out = rows.data() + j * w.cols;
-      for_each_block<BITS, GS>(row_codes(w, r + j), row_scales(w, r + j), row_biases(w, r + j), dt,
-                               w.cols, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+      for_each_block<BITS, GS, MX>(w, r + j, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
                                  __m256 q[4];
                                  codes_to_f32(c, q);
                                  for (int i = 0; i < 4; ++i)
@@ -484,26 +534,27 @@ MS_AVX2 void quantize_activations(const float* x, int64_t cols, int group_size, 
   }
 }
 
-template <template <int, int> class Pick>
+template <template <int, int, bool> class Pick>
 MatmulFn pick_format(const Matrix& w) {
+  if (is_mxfp4(w)) return Pick<4, 32, true>::fn;
   const int b = w.quant.bits, g = w.quant.group_size;
 #define MS_CASE(B)                                       \
   if (b == B) {                                          \
-    if (g == 32) return Pick<B, 32>::fn;                 \
-    if (g == 64) return Pick<B, 64>::fn;                 \
-    return Pick<B, 128>::fn;                             \
+    if (g == 32) return Pick<B, 32, false>::fn;          \
+    if (g == 64) return Pick<B, 64, false>::fn;          \
+    return Pick<B, 128, false>::fn;                      \
   }
   MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
 #undef MS_CASE
   return nullptr;
 }
-template <int B, int G>
+template <int B, int G, bool MX>
 struct PickInt8 {
-  static constexpr MatmulFn fn = matmul_int8<B, G>;
+  static constexpr MatmulFn fn = matmul_int8<B, G, MX>;
 };
-template <int B, int G>
+template <int B, int G, bool MX>
 struct PickPrecise {
-  static constexpr MatmulFn fn = matmul_precise<B, G>;
+  static constexpr MatmulFn fn = matmul_precise<B, G, MX>;
 };
 
 void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,

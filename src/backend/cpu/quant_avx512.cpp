@@ -7,6 +7,8 @@
 // Codes stay in natural order. The int8 path multiplies them (u8) with the activations (s8)
 // by vpdpbusd, which sums four products into int32 without intermediate saturation. The float
 // path dequantizes 2- and 4-bit codes by table lookup instead (see dequant_table).
+// MXFP4 runs as 4-bit affine groups of 32 (core/quant.h): unpacked nibbles go through a vpshufb
+// with kMxfp4AffineCode (int8 path) or index a table of the group's exact values (float path).
 
 // GCC 12's AVX-512 headers initialise "undefined" vectors from themselves, which its own
 // -Wuninitialized then reports wherever such an intrinsic is inlined (GCC bug 105593, fixed in
@@ -23,6 +25,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_kernels.h"
+#include "core/quant.h"
 
 #define MS_AVX512                                                                         \
   __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,avx512vbmi,avx2,fma," \
@@ -206,16 +209,59 @@ MS_AVX512 inline __m512i unpack64(const uint8_t* p, __mmask64 bytes) {
   }
 }
 
+// MXFP4 nibbles to their affine codes (core/quant.h), the table in every 128-bit lane.
+struct Mxfp4Table {
+  alignas(64) uint8_t code[64];
+};
+constexpr Mxfp4Table make_mxfp4_table() {
+  Mxfp4Table t{};
+  for (int i = 0; i < 64; ++i) t.code[i] = kMxfp4AffineCode[size_t(i % 16)];
+  return t;
+}
+constexpr Mxfp4Table kMxfp4Table = make_mxfp4_table();
+
+// Scales and biases of one row's groups as floats, up to 16 at a time: stored halves (affine),
+// or the E8M0 exponents as MXFP4's scale' and bias' (core/quant.h).
+template <bool MX>
+struct RowGroups {
+  const void* scales;
+  const void* biases;
+  DType dt;
+  MS_AVX512 RowGroups(const Matrix& w, int64_t r)
+      : scales(MX ? static_cast<const void*>(row_exponents(w, r)) : row_scales(w, r)),
+        biases(MX ? nullptr : row_biases(w, r)),
+        dt(w.quant.scale_dtype) {}
+  // Groups g0 .. g0 + n (n <= 16); zeros after them.
+  MS_AVX512 void load(int64_t g0, int64_t n, __m512& s, __m512& b) const {
+    if constexpr (MX) {
+      const __mmask16 m = __mmask16((1u << n) - 1);
+      const __m512i idx = _mm512_cvtepu8_epi32(
+          _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(scales) + g0));
+      s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, mxfp4_affine_scales().data(), 4);
+      b = _mm512_mul_ps(s, _mm512_set1_ps(-kMxfp4AffineBiasCodes));
+    } else {
+      s = load_half_n(static_cast<const uint16_t*>(scales) + g0, n, dt);
+      b = load_half_n(static_cast<const uint16_t*>(biases) + g0, n, dt);
+    }
+  }
+};
+
 // Chunks of 64 codes of one packed row. When cols is an odd multiple of 32 the row ends in a
-// half chunk of 32 codes, read with half(); the rest of it reads as zeros.
-template <int BITS>
+// half chunk of 32 codes, read with half(); the rest of it reads as zeros (MXFP4: as code 12,
+// which the half chunk's zero activations cancel).
+template <int BITS, bool MX = false>
 struct PackedRow {
   static constexpr int kChunkBytes = 8 * BITS;
   static constexpr __mmask64 kFull = BITS == 8 ? ~__mmask64(0) : (__mmask64(1) << kChunkBytes) - 1;
   static constexpr __mmask64 kHalf = (__mmask64(1) << (kChunkBytes / 2)) - 1;
   const uint8_t* p;
-  MS_AVX512 __m512i chunk(int64_t c) const { return unpack64<BITS>(p + c * kChunkBytes, kFull); }
-  MS_AVX512 __m512i half(int64_t c) const { return unpack64<BITS>(p + c * kChunkBytes, kHalf); }
+  MS_AVX512 static __m512i codes(__m512i c) {
+    if constexpr (MX)
+      return _mm512_shuffle_epi8(_mm512_load_si512(reinterpret_cast<const __m512i*>(kMxfp4Table.code)), c);
+    return c;
+  }
+  MS_AVX512 __m512i chunk(int64_t c) const { return codes(unpack64<BITS>(p + c * kChunkBytes, kFull)); }
+  MS_AVX512 __m512i half(int64_t c) const { return codes(unpack64<BITS>(p + c * kChunkBytes, kHalf)); }
 };
 
 // Codes already unpacked to bytes, padded to a multiple of 64 (a row reused for many tokens).
@@ -242,17 +288,17 @@ MS_AVX512 inline __m512 chunk_sum(__m512i codes, const TokenInt8& x, int64_t c) 
 
 // The int8 dot product of one row with one token. Two accumulators alternate between groups
 // (or chunks) so that the chain of fmas into them does not bound the loop.
-template <int BITS, int GS, class Row>
-MS_AVX512 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t* biases,
-                         DType dt, int64_t cols, const TokenInt8& x) {
+template <int BITS, int GS, bool MX, class Row>
+MS_AVX512 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t cols,
+                         const TokenInt8& x) {
   const int64_t groups = cols / GS;
   __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc_bias = _mm512_setzero_ps();
   alignas(64) float sf[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
-    const __m512 s = load_half_n(scales + g0, n, dt);
-    acc_bias = _mm512_fmadd_ps(load_half_n(biases + g0, n, dt), _mm512_loadu_ps(x.group_sum + g0),
-                               acc_bias);
+    __m512 s, b;
+    params.load(g0, n, s, b);
+    acc_bias = _mm512_fmadd_ps(b, _mm512_loadu_ps(x.group_sum + g0), acc_bias);
     if constexpr (GS == 32) {
       // A chunk spans two groups: lanes 0-7 (codes 0-31) and lanes 8-15 (codes 32-63); `pick`
       // spreads their two scales over those lanes.
@@ -296,10 +342,9 @@ MS_AVX512 float dot_int8(const Row& row, const uint16_t* scales, const uint16_t*
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), acc_bias));
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, bool MX>
 MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                            int64_t r0, int64_t r1) {
-  const DType dt = w.quant.scale_dtype;
   auto token = [&](int64_t t) {
     return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
                      in.group_sum.data() + t * in.group_stride};
@@ -309,8 +354,8 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
     const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
     for (int64_t r = r0; r < r1; ++r) {
       if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      y[r] = dot_int8<BITS, GS>(PackedRow<BITS>{row_codes(w, r)}, row_scales(w, r),
-                                row_biases(w, r), dt, w.cols, x);
+      y[r] = dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>{row_codes(w, r)}, RowGroups<MX>(w, r),
+                                    w.cols, x);
     }
     return;
   }
@@ -318,14 +363,13 @@ MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, i
   thread_local std::vector<uint8_t> codes;
   codes.resize(size_t(chunks * 64));
   for (int64_t r = r0; r < r1; ++r) {
-    const PackedRow<BITS> packed{row_codes(w, r)};
+    const PackedRow<BITS, MX> packed{row_codes(w, r)};
     for (int64_t c = 0; c < chunks; ++c)
       _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes.data() + c * 64),
                           c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
     const UnpackedRow row{codes.data()};
     for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] =
-          dot_int8<BITS, GS>(row, row_scales(w, r), row_biases(w, r), dt, w.cols, token(t));
+      y[t * ldy + r] = dot_int8<BITS, GS, MX>(row, RowGroups<MX>(w, r), w.cols, token(t));
   }
 }
 
@@ -354,10 +398,15 @@ MS_AVX512 inline __m512 quarter_f32(__m512i codes) {
 // identical), using only the low 4 bits of each dword. The codes reach those bits by a
 // broadcast load and per-dword shifts (CodeOrder::Halves for 4 bits, natural for 2), with no
 // byte shuffles.
-template <int BITS>
+// MXFP4 tables hold c' * scale' + bias' for the affine codes c' of the 16 nibbles, which is the
+// exact value of each.
+template <int BITS, bool MX>
 MS_AVX512 inline __m512 dequant_table(float scale, float bias) {
-  const __m512 q = BITS == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
-                             : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512 q =
+      MX ? _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+               _mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Table.code))))
+      : BITS == 2 ? _mm512_setr_ps(0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3, 0, 1, 2, 3)
+                  : _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   return _mm512_fmadd_ps(q, _mm512_set1_ps(scale), _mm512_set1_ps(bias));
 }
 // Table indices of codes 16 i .. 16 i + 15 of the chunk at p (their low 4 bits).
@@ -379,26 +428,26 @@ MS_AVX512 inline __m512i table_index(const uint8_t* p, int i) {
 // Calls f(w0, w1, w2, w3, c) for every chunk c of row r, w_i the dequantized floats of codes
 // 16 i .. 16 i + 15 of the chunk (in the precise code order). Past the end of a half chunk
 // they are zeros.
-template <int BITS, int GS, class F>
+template <int BITS, int GS, bool MX, class F>
 MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
-  const DType dt = w.quant.scale_dtype;
-  const uint16_t* scales = row_scales(w, r);
-  const uint16_t* biases = row_biases(w, r);
+  const RowGroups<MX> params(w, r);
   const int64_t groups = w.cols / GS;
-  const PackedRow<BITS> row{row_codes(w, r)};
+  const PackedRow<BITS, MX> row{row_codes(w, r)};
   alignas(64) float sf[16], bf[16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
-    _mm512_store_ps(sf, load_half_n(scales + g0, n, dt));
-    _mm512_store_ps(bf, load_half_n(biases + g0, n, dt));
+    __m512 s16, b16;
+    params.load(g0, n, s16, b16);
+    _mm512_store_ps(sf, s16);
+    _mm512_store_ps(bf, b16);
     const int64_t c_end = ((g0 + n) * GS + 63) / 64;
     for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
       // Group (within the batch) of the codes 16 i .. of chunk c.
       auto k = [&](int i) { return (c * 64 + 16 * i) / GS - g0; };
       if constexpr (BITS == 2 || BITS == 4) {
         const uint8_t* p = row.p + c * 8 * BITS;
-        const __m512 t0 = dequant_table<BITS>(sf[k(0)], bf[k(0)]);
-        const __m512 t2 = GS == 32 ? dequant_table<BITS>(sf[k(2)], bf[k(2)]) : t0;
+        const __m512 t0 = dequant_table<BITS, MX>(sf[k(0)], bf[k(0)]);
+        const __m512 t2 = GS == 32 ? dequant_table<BITS, MX>(sf[k(2)], bf[k(2)]) : t0;
         const __m512 w0 = _mm512_permutexvar_ps(table_index<BITS>(p, 0), t0);
         const __m512 w1 = _mm512_permutexvar_ps(table_index<BITS>(p, 1), t0);
         if (c < w.cols / 64) {
@@ -419,7 +468,7 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
-template <int BITS, int GS>
+template <int BITS, int GS, bool MX>
 MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
                               int64_t r0, int64_t r1) {
   if (in.T == 1) {
@@ -429,7 +478,7 @@ MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y
       if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
       __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for_each_dequantized<BITS, GS>(
+      for_each_dequantized<BITS, GS, MX>(
           w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
             const float* xc = x + c * 64;
             a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xc), a0);
@@ -447,7 +496,7 @@ MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y
     const int64_t n = std::min<int64_t>(4, r1 - r);
     for (int64_t j = 0; j < n; ++j) {
       float* out = rows.data() + j * in.stride;
-      for_each_dequantized<BITS, GS>(
+      for_each_dequantized<BITS, GS, MX>(
           w, r + j, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
             _mm512_storeu_ps(out + c * 64, w0);
             _mm512_storeu_ps(out + c * 64 + 16, w1);
@@ -482,26 +531,27 @@ MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size
   }
 }
 
-template <template <int, int> class Pick>
+template <template <int, int, bool> class Pick>
 MatmulFn pick_format(const Matrix& w) {
+  if (is_mxfp4(w)) return Pick<4, 32, true>::fn;
   const int b = w.quant.bits, g = w.quant.group_size;
-#define MS_CASE(B)                       \
-  if (b == B) {                          \
-    if (g == 32) return Pick<B, 32>::fn; \
-    if (g == 64) return Pick<B, 64>::fn; \
-    return Pick<B, 128>::fn;             \
+#define MS_CASE(B)                              \
+  if (b == B) {                                 \
+    if (g == 32) return Pick<B, 32, false>::fn; \
+    if (g == 64) return Pick<B, 64, false>::fn; \
+    return Pick<B, 128, false>::fn;             \
   }
   MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
 #undef MS_CASE
   return nullptr;
 }
-template <int B, int G>
+template <int B, int G, bool MX>
 struct PickInt8 {
-  static constexpr MatmulFn fn = matmul_int8<B, G>;
+  static constexpr MatmulFn fn = matmul_int8<B, G, MX>;
 };
-template <int B, int G>
+template <int B, int G, bool MX>
 struct PickPrecise {
-  static constexpr MatmulFn fn = matmul_precise<B, G>;
+  static constexpr MatmulFn fn = matmul_precise<B, G, MX>;
 };
 
 void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,

@@ -60,7 +60,9 @@ inline int position_in_block(CodeOrder order, int e) {
 }
 
 // Parts of row r of a quantized matrix (see core/quant.h for the layout). Code bytes are read
-// straight from the uint32 words, which assumes a little-endian CPU (x86-64).
+// straight from the uint32 words, which assumes a little-endian CPU (x86-64). MXFP4 rows have
+// the 4-bit code layout, one exponent byte per group (row_exponents) and no biases; the kernels
+// run them as affine 4-bit groups of 32 through the table in core/quant.h (kMxfp4AffineCode).
 inline int64_t row_code_bytes(const Matrix& w) { return w.cols * w.quant.bits / 8; }
 inline const uint8_t* row_codes(const Matrix& w, int64_t r) {
   return static_cast<const uint8_t*>(w.data) + r * row_code_bytes(w);
@@ -71,6 +73,10 @@ inline const uint16_t* row_scales(const Matrix& w, int64_t r) {
 }
 inline const uint16_t* row_biases(const Matrix& w, int64_t r) {
   return static_cast<const uint16_t*>(w.biases) + r * row_groups(w);
+}
+inline bool is_mxfp4(const Matrix& w) { return w.quant.scheme == QuantScheme::Mxfp4; }
+inline const uint8_t* row_exponents(const Matrix& w, int64_t r) {
+  return static_cast<const uint8_t*>(w.scales) + r * row_groups(w);
 }
 
 // Single-token products stream each row once. The hardware prefetchers alone left them at about
@@ -88,6 +94,10 @@ inline void prefetch_bytes(const void* p, int64_t n) {
 // Row r of a quantized matrix: codes, scales and biases.
 inline void prefetch_quant_row(const Matrix& w, int64_t r) {
   prefetch_bytes(row_codes(w, r), row_code_bytes(w));
+  if (is_mxfp4(w)) {
+    prefetch_bytes(row_exponents(w, r), row_groups(w));
+    return;
+  }
   prefetch_bytes(row_scales(w, r), row_groups(w) * 2);
   prefetch_bytes(row_biases(w, r), row_groups(w) * 2);
 }

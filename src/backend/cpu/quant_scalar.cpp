@@ -49,11 +49,23 @@ void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64
   codes.resize(size_t(w.cols));
   const int gs = w.quant.group_size;
   const int64_t groups = row_groups(w);
+  const bool mx = is_mxfp4(w);
+  thread_local std::vector<float> scales, biases;
+  scales.resize(size_t(groups));
+  biases.resize(size_t(groups));
   for (int64_t r = r0; r < r1; ++r) {
-    unpack_codes(static_cast<const uint32_t*>(w.data) + r * quant_words_per_row(w.quant, w.cols),
-                 w.cols, w.quant.bits, codes.data());
-    const uint16_t* scales = row_scales(w, r);
-    const uint16_t* biases = row_biases(w, r);
+    unpack_codes(reinterpret_cast<const uint32_t*>(row_codes(w, r)), w.cols, w.quant.bits, codes.data());
+    for (int64_t g = 0; g < groups; ++g) {
+      if (mx) {  // the affine view of MXFP4 (core/quant.h)
+        scales[size_t(g)] = mxfp4_affine_scales()[row_exponents(w, r)[g]];
+        biases[size_t(g)] = -kMxfp4AffineBiasCodes * scales[size_t(g)];
+      } else {
+        scales[size_t(g)] = scale_to_f32(row_scales(w, r)[g], w.quant.scale_dtype);
+        biases[size_t(g)] = scale_to_f32(row_biases(w, r)[g], w.quant.scale_dtype);
+      }
+    }
+    if (mx)
+      for (uint8_t& c : codes) c = kMxfp4AffineCode[c];
     for (int64_t t = 0; t < in.T; ++t) {
       const int8_t* q = in.q.data() + t * in.stride;
       const float* lane_scale = in.q_scale.data() + t * in.stride / 4;
@@ -66,8 +78,8 @@ void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64
           for (int64_t i = b * 32; i < b * 32 + 32; ++i) isum += int32_t(codes[i]) * q[i];
           acc_group += float(isum) * lane_scale[b * 8];
         }
-        acc += scale_to_f32(scales[g], w.quant.scale_dtype) * acc_group;
-        acc_bias += scale_to_f32(biases[g], w.quant.scale_dtype) * group_sum[g];
+        acc += scales[size_t(g)] * acc_group;
+        acc_bias += biases[size_t(g)] * group_sum[g];
       }
       y[t * ldy + r] = acc + acc_bias;
     }
