@@ -34,7 +34,8 @@ a direct load that differs is an error (it would mean the layout written here is
 
 For FP8 the dequantized weights are not exact in bf16; ref_logits_bf16.npy holds the logits of
 the same model with every dequantized weight rounded to bf16 (what a loader that dequantizes to
-bf16 computes), and ref.json says by how much the two references differ.
+bf16 computes), ref.json its greedy tokens (greedy_tokens_bf16) and by how much the two
+references differ (bf16_rounding_max_rel_diff).
 
 Run on the GPU machine:  python3 tools/make_quantized_family_fixtures.py --out tests/fixtures/families
 """
@@ -333,7 +334,8 @@ def make_one(name, spec, out_root, seed):
     logits = logits_of(reference, logit_tokens)
     logits_bf16 = logits_of(reference_bf16, logit_tokens)
     gen, min_gap = base.greedy(reference, prompt, base.N_GREEDY)
-    unused = [i for i in range(vocab - 1, -1, -1) if i not in gen]
+    gen_bf16, min_gap_bf16 = base.greedy(reference_bf16, prompt, base.N_GREEDY)
+    unused = [i for i in range(vocab - 1, -1, -1) if i not in gen and i not in gen_bf16]
     config.eos_token_id = unused[0]
     model.generation_config.eos_token_id = [unused[0]]
 
@@ -366,6 +368,8 @@ def make_one(name, spec, out_root, seed):
         quantization_rel_rms_error=stats,
         logit_tokens=logit_tokens, prompt_tokens=prompt, greedy_tokens=gen,
         greedy_min_top2_gap=min_gap, eos_token_ids=[unused[0]],
+        **(dict(greedy_tokens_bf16=gen_bf16, greedy_min_top2_gap_bf16=min_gap_bf16)
+           if spec["quant"] == "fp8" else {}),
         files=sorted(os.listdir(out_dir)) + ["ref.json"])
     with open(os.path.join(out_dir, "ref.json"), "w") as f:
         json.dump(ref, f, indent=1)

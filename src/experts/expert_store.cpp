@@ -240,10 +240,10 @@ class StreamingExpertStore final : public ExpertStore {
     const std::vector<int64_t> shape = pe.logical_shape(role);
     Matrix m{role, t.dtype, base + t.offset, shape[0], shape[1]};
     if (t.bits) {
-      const PackedTensor& scales = *pe.find(role + ".scales");
-      m.quant = QuantFormat{t.bits, t.group_size, scales.dtype};
-      m.scales = base + scales.offset;
-      m.biases = base + pe.find(role + ".biases")->offset;
+      m.quant = pe.quant_format(role);
+      m.scales = base + pe.find(role + ".scales")->offset;
+      const PackedTensor* biases = pe.find(role + ".biases");  // none for MXFP4
+      m.biases = biases ? base + biases->offset : nullptr;
     }
     return m;
   }

@@ -102,7 +102,14 @@ std::vector<int64_t> PackedExpert::logical_shape(const std::string& role) const 
   const PackedTensor* t = find(role);
   if (!t) return {};
   if (t->bits == 0) return t->shape;
-  return {t->shape[0], t->shape[1] * 32 / t->bits};
+  return {t->shape[0], t->shape[1] * int64_t(dtype_size(t->dtype)) * 8 / t->bits};
+}
+
+QuantFormat PackedExpert::quant_format(const std::string& role) const {
+  const PackedTensor* t = find(role);
+  if (!t || t->bits == 0) return {};
+  const PackedTensor* scales = find(role + ".scales");
+  return QuantFormat{t->bits, t->group_size, scales ? scales->dtype : DType::BF16, t->scheme};
 }
 
 bool is_pack_dir(const std::string& dir) { return fs::exists(dir + "/" + kPackManifestName); }
@@ -190,6 +197,12 @@ PackManifest PackManifest::load(const std::string& dir) {
         pt.nbytes = member<uint64_t>(t, "nbytes", w);
         pt.bits = t.value("bits", 0);
         pt.group_size = t.value("group_size", 0);
+        const std::string scheme = t.value("scheme", "affine");
+        if (scheme == "mxfp4") {
+          pt.scheme = QuantScheme::Mxfp4;
+        } else if (scheme != "affine") {
+          fail(w, ": tensor ", pt.role, " has unknown quantization scheme '", scheme, "'");
+        }
         int64_t numel = 1;
         for (int64_t d : pt.shape) numel *= d;
         if (pt.shape.size() != 2 || numel * int64_t(dtype_size(pt.dtype)) != int64_t(pt.nbytes) ||
@@ -205,8 +218,15 @@ PackManifest PackManifest::load(const std::string& dir) {
         if (!t) fail(w, ": no '", role, "' tensor");
         if (t->bits == 0) continue;
         const PackedTensor *sc = pe.find(role + ".scales"), *bi = pe.find(role + ".biases");
-        const QuantFormat f{t->bits, t->group_size, sc ? sc->dtype : DType::BF16};
+        const QuantFormat f = pe.quant_format(role);
         check_quant_format(f, w + " " + role);
+        if (f.scheme == QuantScheme::Mxfp4) {
+          const std::vector<int64_t> groups{t->shape[0], t->shape[1] * 2 / 32};
+          if (t->dtype != DType::U8 || !sc || sc->shape != groups || bi)
+            fail(w, ": MXFP4 '", role, "' needs U8 codes and U8 exponents of shape ", shape_str(groups),
+                 " (no biases)");
+          continue;
+        }
         const int64_t cols = t->shape[1] * 32 / t->bits;
         const std::vector<int64_t> groups{t->shape[0], cols / t->group_size};
         if (t->dtype != DType::U32 || !sc || !bi || sc->shape != groups || bi->shape != groups ||
@@ -269,6 +289,7 @@ void PackWriter::add_expert(int layer, const std::string& format, const std::vec
     if (p.bits) {
       entry["bits"] = p.bits;
       entry["group_size"] = p.group_size;
+      if (p.scheme == QuantScheme::Mxfp4) entry["scheme"] = "mxfp4";
     }
     tensors.push_back(entry);
   }
@@ -315,8 +336,12 @@ void PackWriter::finish(int n_layers) {
 
 namespace {
 
-// config.json's MLX "quantization": a default {bits, group_size} and per-module overrides.
+// config.json's "quantization" (MLX: a default {bits, group_size} and per-module overrides) or
+// "quantization_config" (also its quant_method: "mxfp4" for gpt-oss, "fp8" for DeepSeek-V3 /
+// Kimi-K2 with weight_block_size).
 struct CheckpointQuantization {
+  std::string method;
+  std::vector<int64_t> fp8_block;  // fp8: [rows, cols] of a block sharing one scale_inv
   int bits = 0, group_size = 0;
   std::map<std::string, std::pair<int, int>> modules;
   std::pair<int, int> for_module(const std::string& module) const {
@@ -330,6 +355,16 @@ CheckpointQuantization read_quantization(const json& config) {
   const json* j = config.contains("quantization") ? &config["quantization"]
                   : config.contains("quantization_config") ? &config["quantization_config"] : nullptr;
   if (!j || !j->is_object()) return q;
+  if (j->contains("quant_method") && (*j)["quant_method"].is_string()) q.method = (*j)["quant_method"];
+  if (q.method == "fp8") {
+    if (j->value("fmt", "e4m3") != "e4m3")
+      fail("config.json: quantization_config.fmt '", j->value("fmt", ""), "' is not supported (e4m3)");
+    const json& bs = j->contains("weight_block_size") ? (*j)["weight_block_size"] : json();
+    if (!bs.is_array() || bs.size() != 2 || !bs[0].is_number_integer() || !bs[1].is_number_integer() ||
+        bs[0].get<int64_t>() <= 0 || bs[1].get<int64_t>() <= 0)
+      fail("config.json: quantization_config.weight_block_size must be two positive integers for fp8");
+    q.fp8_block = {bs[0].get<int64_t>(), bs[1].get<int64_t>()};
+  }
   q.bits = j->value("bits", 0);
   q.group_size = j->value("group_size", 0);
   for (const auto& [key, value] : j->items())
@@ -344,8 +379,15 @@ struct ExpertSource {
   int64_t index = -1;
   ExpertLayout layout = ExpertLayout::OutIn;
 
+  // The expert's shape; dimensions after the second are flattened into it (MXFP4 blocks
+  // [rows, cols / 32, 16] are [rows, cols / 2] bytes).
   std::vector<int64_t> shape() const {
-    return index < 0 ? tensor->shape : std::vector<int64_t>(tensor->shape.begin() + 1, tensor->shape.end());
+    std::vector<int64_t> s = index < 0 ? tensor->shape : std::vector<int64_t>(tensor->shape.begin() + 1, tensor->shape.end());
+    while (s.size() > 2) {
+      s[s.size() - 2] *= s.back();
+      s.pop_back();
+    }
+    return s;
   }
   const char* data() const {
     const char* base = static_cast<const char*>(tensor->data);
@@ -354,10 +396,20 @@ struct ExpertSource {
   uint64_t nbytes() const { return index < 0 ? tensor->nbytes : tensor->nbytes / uint64_t(tensor->shape[0]); }
 };
 
-// The float32 values of a weight, dequantizing affine words when it is quantized.
+// The float32 values of a weight, dequantizing it when it is quantized (f.bits > 0).
 std::vector<float> to_f32(const ExpertSource& w, const ExpertSource* scales, const ExpertSource* biases,
-                          int bits, int group) {
+                          const QuantFormat& f) {
   const std::vector<int64_t> shape = w.shape();
+  if (f.scheme == QuantScheme::Mxfp4) {
+    const int64_t rows = shape[0], cols = shape[1] * 2;
+    std::vector<float> out(size_t(rows * cols));
+    const auto* codes = reinterpret_cast<const uint8_t*>(w.data());
+    const auto* exps = reinterpret_cast<const uint8_t*>(scales->data());
+    for (int64_t r = 0; r < rows; ++r)
+      dequantize_mxfp4_row(cols, codes + r * cols / 2, exps + r * cols / 32, out.data() + r * cols);
+    return out;
+  }
+  const int bits = f.bits, group = f.group_size;
   if (bits == 0) {
     TensorView v{w.tensor->name, w.tensor->dtype, shape, w.data(), w.nbytes()};
     std::vector<float> out(size_t(v.numel()));
@@ -371,7 +423,6 @@ std::vector<float> to_f32(const ExpertSource& w, const ExpertSource* scales, con
     }
     return out;
   }
-  const QuantFormat f{bits, group, scales->tensor->dtype};
   const int64_t rows = shape[0], cols = shape[1] * 32 / bits, groups = cols / group;
   std::vector<float> out(size_t(rows * cols));
   const auto* words = reinterpret_cast<const uint32_t*>(w.data());
@@ -379,6 +430,60 @@ std::vector<float> to_f32(const ExpertSource& w, const ExpertSource* scales, con
   const auto* bi = reinterpret_cast<const uint16_t*>(biases->data());
   for (int64_t r = 0; r < rows; ++r)
     dequantize_row(f, cols, words + r * shape[1], sc + r * groups, bi + r * groups, out.data() + r * cols);
+  return out;
+}
+
+// A gpt-oss MXFP4 expert weight: U8 codes [rows, cols / 2] and U8 exponents [rows, cols / 32]
+// under quantization_config.quant_method "mxfp4"; exponents above kMxfp4MaxExponent (scales
+// beyond float32's range, or NaN) are refused.
+void check_mxfp4_source(const ExpertSource& w, const ExpertSource* scales, const ExpertSource* biases,
+                        const std::string& method) {
+  const std::string& name = w.tensor->name;
+  if (method != "mxfp4")
+    fail("tensor ", name, ": U8 expert weights are read as MXFP4 blocks, but config.json's quantization_config.quant_method is '",
+         method, "' (expected mxfp4)");
+  if (!scales || biases) fail("tensor ", name, ": MXFP4 blocks need their _scales tensor (and no biases)");
+  const std::vector<int64_t> shape = w.shape(), want{shape[0], shape[1] * 2 / 32};
+  if (shape.size() != 2 || shape[1] % 16 || scales->tensor->dtype != DType::U8 || scales->shape() != want)
+    fail("tensor ", scales->tensor->name, ": MXFP4 exponents for blocks ", shape_str(shape), " must be U8 ",
+         shape_str(want), ", found ", dtype_name(scales->tensor->dtype), " ", shape_str(scales->shape()));
+  const auto* e = reinterpret_cast<const uint8_t*>(scales->data());
+  for (uint64_t i = 0; i < scales->nbytes(); ++i)
+    if (e[i] > kMxfp4MaxExponent)
+      fail("tensor ", scales->tensor->name, ": exponent ", int(e[i]), " at element ", i, " (above ",
+           int(kMxfp4MaxExponent), ": a scale beyond float32's range, or NaN)");
+}
+
+// FP8 E4M3 (finite-only "fn" variant: 0x7f and 0xff are NaN) to float32.
+float f8_e4m3_to_f32(uint8_t v) {
+  const int sign = v >> 7, exp = (v >> 3) & 15, man = v & 7;
+  float mag;
+  if (exp == 15 && man == 7) {
+    mag = std::numeric_limits<float>::quiet_NaN();
+  } else if (exp == 0) {
+    mag = std::ldexp(float(man), -9);  // subnormal: man / 8 * 2^-6
+  } else {
+    mag = std::ldexp(float(8 + man), exp - 10);  // (1 + man / 8) * 2^(exp - 7)
+  }
+  return sign ? -mag : mag;
+}
+
+// A block-scaled FP8 weight (DeepSeek-V3 / Kimi-K2 checkpoints) dequantized to BF16:
+// w[r][c] = fp8[r][c] * scale_inv[r / block[0]][c / block[1]], rounded to nearest even.
+std::vector<char> dequantize_fp8(const TensorView& w, const TensorView& scale_inv, const std::vector<int64_t>& block) {
+  if (w.shape.size() != 2) fail("tensor ", w.name, ": FP8 weights must be matrices, found ", shape_str(w.shape));
+  const int64_t rows = w.shape[0], cols = w.shape[1];
+  const std::vector<int64_t> want{(rows + block[0] - 1) / block[0], (cols + block[1] - 1) / block[1]};
+  if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
+    fail("tensor ", scale_inv.name, ": expected F32 ", shape_str(want), " (blocks of ", block[0], "x", block[1],
+         " over ", shape_str(w.shape), "), found ", dtype_name(scale_inv.dtype), " ", shape_str(scale_inv.shape));
+  std::vector<char> out(size_t(rows * cols) * 2);
+  auto* dst = reinterpret_cast<uint16_t*>(out.data());
+  const auto* src = static_cast<const uint8_t*>(w.data);
+  const float* s = scale_inv.as<float>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c)
+      dst[r * cols + c] = f32_to_bf16(f8_e4m3_to_f32(src[r * cols + c]) * s[(r / block[0]) * want[1] + c / block[1]]);
   return out;
 }
 
@@ -403,7 +508,7 @@ std::map<std::string, ExpertSource> to_pack_layout(const std::map<std::string, E
     const std::string& name = src.tensor->name;
     if (is_bias_role(role)) {
       if (shape.size() != 1) fail("tensor ", name, ": expected one bias vector per expert, found ", shape_str(shape));
-      const std::vector<float> v = to_f32(src, nullptr, nullptr, 0, 0);
+      const std::vector<float> v = to_f32(src, nullptr, nullptr, {});
       const int64_t n = int64_t(v.size());
       const auto as_bytes = [](const float* f, int64_t count, int64_t stride) {
         std::vector<char> b(size_t(count) * sizeof(float));
@@ -433,6 +538,22 @@ std::map<std::string, ExpertSource> to_pack_layout(const std::map<std::string, E
         const TensorView& v = views.emplace_back(
             TensorView{name, src.tensor->dtype, {shape[0] / 2, shape[1]}, src.data() + i * half, half});
         out[i == 0 ? "gate" : "up"] = ExpertSource{&v, -1};
+      }
+      continue;
+    }
+    if (src.layout == ExpertLayout::GateUpInterleavedRows) {
+      // MXFP4 codes or exponents: even rows are gate, odd rows up; rows are copied whole.
+      const bool scales = role == "gate_up.scales";
+      if ((role != "gate_up" && !scales) || shape.size() != 2 || shape[0] % 2)
+        fail("tensor ", name, ": interleaved gate/up rows need role gate_up or gate_up.scales and an even row count, found ",
+             shape_str(shape));
+      const uint64_t row_bytes = src.nbytes() / uint64_t(shape[0]);
+      for (int half = 0; half < 2; ++half) {
+        std::vector<char> b(size_t(row_bytes) * size_t(shape[0] / 2));
+        for (int64_t r = 0; r < shape[0] / 2; ++r)
+          std::memcpy(b.data() + r * row_bytes, src.data() + (2 * r + half) * row_bytes, row_bytes);
+        add(std::string(half ? "up" : "gate") + (scales ? ".scales" : ""), name, src.tensor->dtype,
+            {shape[0] / 2, shape[1]}, std::move(b));
       }
       continue;
     }
@@ -490,10 +611,37 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   std::map<std::string, std::string> modules;  // "layer/role" -> checkpoint module (for its format)
   std::vector<const TensorView*> others;
   uint64_t total_bytes = 0;
+  // FP8 weights and their scale_inv tensors (quant_method "fp8"): dequantized to BF16 below, one
+  // tensor at a time; the scale_inv tensors themselves are not packed.
+  std::map<const TensorView*, const TensorView*> fp8_scales;
+  for (const auto& name : weights.names()) {
+    const TensorView& t = weights.get(name);
+    if (t.dtype != DType::F8_E4M3 && t.dtype != DType::F8_E5M2) continue;
+    if (checkpoint_quant.method != "fp8" || t.dtype != DType::F8_E4M3)
+      fail("tensor ", name, ": ", dtype_name(t.dtype), " weights are supported as block-scaled E4M3 with quantization_config "
+           "{quant_method: fp8, fmt: e4m3}; config.json has quant_method '", checkpoint_quant.method, "'");
+    if (!weights.has(name + "_scale_inv")) fail("tensor ", name, ": FP8 weight without ", name, "_scale_inv");
+    fp8_scales[&t] = &weights.get(name + "_scale_inv");
+  }
+  const auto is_fp8_scale = [&](const std::string& name) {
+    const size_t n = name.size();
+    if (n < 10 || name.compare(n - 10, 10, "_scale_inv") != 0) return false;
+    const std::string base = name.substr(0, n - 10);
+    return weights.has(base) && fp8_scales.count(&weights.get(base)) > 0;
+  };
+  // The BF16 values of an FP8 tensor, kept in `bytes` / `views` (t itself when not FP8).
+  const auto dequantized = [&](const TensorView* t, std::deque<std::vector<char>>& bytes,
+                               std::deque<TensorView>& views) -> const TensorView* {
+    auto it = fp8_scales.find(t);
+    if (it == fp8_scales.end()) return t;
+    const std::vector<char>& b = bytes.emplace_back(dequantize_fp8(*t, *it->second, checkpoint_quant.fp8_block));
+    return &views.emplace_back(TensorView{t->name, DType::BF16, t->shape, b.data(), b.size()});
+  };
   for (const auto& name : weights.names()) {
     if (options.skip && options.skip(name)) continue;
+    if (is_fp8_scale(name)) continue;
     const TensorView& t = weights.get(name);
-    total_bytes += t.nbytes;
+    total_bytes += fp8_scales.count(&t) ? 2 * t.nbytes : t.nbytes;  // FP8 is written as BF16
     auto ref = parse(name);
     if (!ref) {
       others.push_back(&t);
@@ -508,9 +656,11 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
       slot = ExpertSource{&t, -1, ref->layout};
       continue;
     }
-    const size_t dims = is_bias_role(ref->role) ? 2 : 3;
-    if (t.shape.size() != dims)
-      fail("tensor ", name, ": stacked experts need ", dims, " dimensions, found ", shape_str(t.shape));
+    // Stacked biases [E, out]; weights [E, out, in], MXFP4 blocks [E, out, in / 32, 16].
+    const bool bias = is_bias_role(ref->role);
+    if (bias ? t.shape.size() != 2 : t.shape.size() < 3 || t.shape.size() > 4)
+      fail("tensor ", name, ": stacked experts need ", bias ? "2" : "3 or 4", " dimensions, found ", shape_str(t.shape));
+    if (fp8_scales.count(&t)) fail("tensor ", name, ": stacked FP8 experts are not supported");
     for (int64_t e = 0; e < t.shape[0]; ++e) experts[ref->layer][int(e)][ref->role] = ExpertSource{&t, e, ref->layout};
   }
   int n_experts = 0;
@@ -533,9 +683,11 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   // Non-expert tensors: as they are, or (--quant-all) linear weights and the embedding quantized.
   std::vector<TensorToWrite> rest;
   std::deque<std::vector<char>> owned;  // deque: references stay valid as it grows
+  std::deque<TensorView> owned_views;
   json quant_overrides = json::object();
-  for (const TensorView* t : others) {
-    progress.add(t->nbytes);
+  for (const TensorView* source : others) {
+    progress.add(source->nbytes);
+    const TensorView* t = dequantized(source, owned, owned_views);
     const bool is_float = t->dtype == DType::BF16 || t->dtype == DType::F16 || t->dtype == DType::F32;
     const std::string module = t->name.size() > 7 ? t->name.substr(0, t->name.size() - 7) : "";
     if (!options.quant_all || keep || to_bf16 || !is_float || t->shape.size() != 2 ||
@@ -550,7 +702,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
       quant_overrides[module] = {{"bits", 8}, {"group_size", f.group_size}};
     }
     const ExpertSource whole{t, -1};
-    const std::vector<float> values = to_f32(whole, nullptr, nullptr, 0, 0);
+    const std::vector<float> values = to_f32(whole, nullptr, nullptr, {});
     const int64_t rows = t->shape[0], cols = t->shape[1];
     auto& words = owned.emplace_back(size_t(rows * cols * f.bits / 32) * 4);
     auto& scales = owned.emplace_back(size_t(rows * cols / f.group_size) * 2);
@@ -569,39 +721,46 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     for (const auto& [e, source_parts] : list) {
       std::deque<std::vector<char>> bytes;
       std::deque<TensorView> converted;
-      const std::map<std::string, ExpertSource> parts = to_pack_layout(source_parts, bytes, converted);
+      std::map<std::string, ExpertSource> sources = source_parts;
+      for (auto& [role, part] : sources) part.tensor = dequantized(part.tensor, bytes, converted);
+      const std::map<std::string, ExpertSource> parts = to_pack_layout(sources, bytes, converted);
       std::vector<PackWriter::Part> out_parts;
       std::set<std::string> formats;
       for (const std::string role : {"gate", "up", "down"}) {
         const ExpertSource& w = parts.at(role);
         const ExpertSource* sc = parts.count(role + ".scales") ? &parts.at(role + ".scales") : nullptr;
         const ExpertSource* bi = parts.count(role + ".biases") ? &parts.at(role + ".biases") : nullptr;
-        int bits = 0, group = 0;
+        QuantFormat fmt;  // of the checkpoint's weight; bits 0: plain
         if (w.tensor->dtype == DType::U32) {
           if (!sc || !bi) fail("tensor ", w.tensor->name, ": quantized weight without scales and biases");
-          std::tie(bits, group) = checkpoint_quant.for_module(modules.at(std::to_string(layer) + "/" + role));
+          const auto [bits, group] = checkpoint_quant.for_module(modules.at(std::to_string(layer) + "/" + role));
           if (bits == 0) fail(src, "/config.json: no \"quantization\" entry for ", w.tensor->name);
           if (sc->shape()[1] * group != w.shape()[1] * 32 / bits)
             fail("tensor ", w.tensor->name, ": shape ", shape_str(w.shape()), " does not fit ", bits,
                  "-bit groups of ", group, " with scales ", shape_str(sc->shape()));
+          fmt = QuantFormat{bits, group, sc->tensor->dtype};
+        } else if (w.tensor->dtype == DType::U8) {
+          check_mxfp4_source(w, sc, bi, checkpoint_quant.method);
+          fmt = kMxfp4Format;
         }
         const std::vector<int64_t> shape = w.shape();
         if (shape.size() != 2) fail("tensor ", w.tensor->name, ": expected a matrix, found ", shape_str(shape));
-        const int64_t rows = shape[0], cols = bits ? shape[1] * 32 / bits : shape[1];
-        auto add_raw = [&](const std::string& r, const ExpertSource& x, int b, int g) {
-          out_parts.push_back({r, x.tensor->dtype, x.shape(), x.data(), x.nbytes(), b, g});
+        const int64_t rows = shape[0];
+        const int64_t cols = fmt.bits ? shape[1] * int64_t(dtype_size(w.tensor->dtype)) * 8 / fmt.bits : shape[1];
+        auto add_raw = [&](const std::string& r, const ExpertSource& x, const QuantFormat& f) {
+          out_parts.push_back({r, x.tensor->dtype, x.shape(), x.data(), x.nbytes(), f.bits, f.group_size, f.scheme});
         };
         if (keep) {
-          add_raw(role, w, bits, group);
-          if (bits) {
-            add_raw(role + ".scales", *sc, 0, 0);
-            add_raw(role + ".biases", *bi, 0, 0);
-            formats.insert("q" + std::to_string(bits) + "g" + std::to_string(group));
+          add_raw(role, w, fmt);
+          if (fmt.bits) {
+            add_raw(role + ".scales", *sc, {});
+            if (bi) add_raw(role + ".biases", *bi, {});
+            formats.insert(quant_format_name(QuantFormat{fmt.bits, fmt.group_size, DType::BF16, fmt.scheme}));
           } else {
             formats.insert(format_name(w.tensor->dtype));
           }
         } else if (to_bf16) {
-          std::vector<float> v = to_f32(w, sc, bi, bits, group);
+          std::vector<float> v = to_f32(w, sc, bi, fmt);
           auto& b = bytes.emplace_back(v.size() * 2);
           auto* dst = reinterpret_cast<uint16_t*>(b.data());
           for (size_t i = 0; i < v.size(); ++i) dst[i] = f32_to_bf16(v[i]);
@@ -610,7 +769,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         } else {
           if (cols % target.group_size)
             fail("tensor ", w.tensor->name, ": ", cols, " columns are not a multiple of --group-size ", target.group_size);
-          std::vector<float> v = to_f32(w, sc, bi, bits, group);
+          std::vector<float> v = to_f32(w, sc, bi, fmt);
           auto& words = bytes.emplace_back(size_t(rows * cols * target.bits / 32) * 4);
           auto& scales = bytes.emplace_back(size_t(rows * cols / target.group_size) * 2);
           auto& biases = bytes.emplace_back(size_t(rows * cols / target.group_size) * 2);
@@ -624,7 +783,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
           out_parts.push_back({role + ".biases", DType::BF16, {rows, cols / target.group_size}, biases.data(), biases.size()});
           formats.insert(quant_format_name(target));
         }
-        progress.add(w.nbytes() + (sc ? sc->nbytes() + bi->nbytes() : 0));
+        progress.add(w.nbytes() + (sc ? sc->nbytes() : 0) + (bi ? bi->nbytes() : 0));
       }
       for (const std::string role : {"gate_bias", "up_bias", "down_bias"})
         if (parts.count(role)) {
@@ -644,10 +803,15 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
       fs::copy_file(entry.path(), writer.tmp_dir() + "/" + name);
   }
-  if (options.quant_all && !keep && !to_bf16) {
-    json q = {{"bits", target.bits}, {"group_size", target.group_size}};
-    q.update(quant_overrides);
-    config["quantization"] = q;
+  // FP8 weights are BF16 in the pack: its config no longer says fp8.
+  const bool rewrite_config = (options.quant_all && !keep && !to_bf16) || checkpoint_quant.method == "fp8";
+  if (checkpoint_quant.method == "fp8") config.erase("quantization_config");
+  if (rewrite_config) {
+    if (options.quant_all && !keep && !to_bf16) {
+      json q = {{"bits", target.bits}, {"group_size", target.group_size}};
+      q.update(quant_overrides);
+      config["quantization"] = q;
+    }
     std::ofstream cfg(writer.tmp_dir() + "/config.json");
     cfg << config.dump(2) << "\n";
     if (!cfg) fail(writer.tmp_dir(), "/config.json: write failed");

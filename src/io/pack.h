@@ -11,6 +11,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "core/dtype.h"
 
 namespace moestream {
@@ -23,10 +24,12 @@ struct PackedTensor {
   std::string role;             // gate | up | down (+ ".scales" / ".biases" for quantized formats),
                                 // or gate_bias | up_bias | down_bias: F32 [1, out] added to the output
   DType dtype = DType::BF16;
-  std::vector<int64_t> shape;   // as stored: [out, in], or [out, in * bits / 32] words
+  std::vector<int64_t> shape;   // as stored: [out, in], [out, in * bits / 32] words (affine) or
+                                // [out, in / 2] bytes (MXFP4)
   uint64_t offset = 0;          // bytes from the start of the expert's block
   uint64_t nbytes = 0;
-  int bits = 0, group_size = 0; // quantized weight words (U32); 0 otherwise
+  int bits = 0, group_size = 0; // quantized weight codes; 0 otherwise
+  QuantScheme scheme = QuantScheme::Affine;  // manifest "scheme": absent (affine) or "mxfp4"
 };
 
 struct PackedExpert {
@@ -34,12 +37,15 @@ struct PackedExpert {
   uint64_t offset = 0;          // 4 KiB aligned, in that file
   uint64_t size = 0;            // bytes of the block (a multiple of 4 KiB, padding included)
   uint64_t checksum = 0;        // xxh64 (seed 0) of the whole block
-  std::string format;           // "bf16", "f16", "f32", "q<bits>g<group>" (affine, MLX layout), "mixed"
+  std::string format;           // "bf16", "f16", "f32", "q<bits>g<group>" (affine, MLX layout),
+                                // "mxfp4", "mixed"
   std::vector<PackedTensor> tensors;
 
   const PackedTensor* find(const std::string& role) const;
-  // Logical [out, in] of a weight role ("gate", "up", "down"), unpacking quantized words.
+  // Logical [out, in] of a weight role ("gate", "up", "down"), unpacking quantized codes.
   std::vector<int64_t> logical_shape(const std::string& role) const;
+  // The stored format of a weight role (bits 0: plain).
+  QuantFormat quant_format(const std::string& role) const;
 };
 
 struct PackManifest {
@@ -64,6 +70,8 @@ enum class ExpertLayout {
   InOut,              // transposed: the model computes x @ W (gpt-oss down_proj [inter, hidden])
   GateUpInterleaved,  // gpt-oss gate_up_proj [hidden, 2 * inter] (x @ W) or its bias [2 * inter]:
                       // gate in the even columns, up in the odd ones
+  GateUpInterleavedRows,  // gpt-oss MXFP4 gate_up_proj_blocks [2 * inter, hidden / 32, 16] and
+                          // _scales [2 * inter, hidden / 32]: gate in the even rows, up in the odd
   GateUpRows,         // transformers' fused experts.gate_up_proj, per expert [2 * inter, hidden]:
                       // the gate rows, then the up rows (role gate_up)
 };
@@ -72,8 +80,10 @@ enum class ExpertLayout {
 struct ExpertTensorRef {
   int layer = 0, expert = 0;
   std::string role;      // gate | up | down, or gate.scales, gate.biases, ... (quantized), or
-                         // gate_up (GateUpInterleaved), or gate_bias | up_bias | down_bias | gate_up_bias
-  bool stacked = false;  // one tensor holds every expert of the layer along dimension 0 (MLX)
+                         // gate_up, gate_up.scales (GateUp*), or
+                         // gate_bias | up_bias | down_bias | gate_up_bias
+  bool stacked = false;  // one tensor holds every expert of the layer along dimension 0 (MLX);
+                         // an expert's dimensions after its rows are flattened (MXFP4 blocks)
   ExpertLayout layout = ExpertLayout::OutIn;
 };
 using ExpertTensorParser = std::function<std::optional<ExpertTensorRef>(const std::string& name)>;
@@ -100,7 +110,8 @@ class PackWriter {
     std::vector<int64_t> shape;
     const void* data;
     uint64_t nbytes;
-    int bits = 0, group_size = 0;  // quantized weight words
+    int bits = 0, group_size = 0;  // quantized weight codes
+    QuantScheme scheme = QuantScheme::Affine;
   };
   PackWriter(const std::string& out, const std::string& model_type, const std::string& source);
   ~PackWriter();

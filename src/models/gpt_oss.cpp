@@ -1,5 +1,5 @@
-// gpt-oss (model_type "gpt_oss"): gpt-oss-20b, gpt-oss-120b, in bf16 (MXFP4 experts are not
-// supported yet).
+// gpt-oss (model_type "gpt_oss"): gpt-oss-20b, gpt-oss-120b, as published (MXFP4 experts) or in
+// bf16.
 //
 // Each layer: x += attn(rmsnorm(x)); x += moe(rmsnorm(x)). Attention is grouped-query with biases
 // on q/k/v/o, a learned per-head sink logit in every softmax, YaRN rotary embedding, and a sliding
@@ -7,7 +7,8 @@
 // logits, takes the top k and softmaxes over those k. Experts have biases and a clamped SwiGLU:
 // gate <= limit, |up| <= limit, out = (up + 1) * gate * sigmoid(1.702 * gate). The checkpoint stacks
 // each layer's experts as x @ W with gate and up in alternating columns; the pack stores them as
-// [out, in] gate/up/down (see ExpertLayout).
+// [out, in] gate/up/down (see ExpertLayout). The published checkpoints store the experts in MXFP4
+// (*_blocks, *_scales, with gate and up in alternating rows); the pack keeps them in MXFP4.
 #include <regex>
 
 #include "core/error.h"
@@ -15,6 +16,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
+#include "models/moe_decoder.h"
 #include "models/registry.h"
 
 namespace moestream {
@@ -82,89 +84,38 @@ std::string expert_tensor_name(int layer, int expert, const std::string& role) {
          "[" + std::to_string(expert) + "] (" + role + ")";
 }
 
-struct GptOssLayer {
-  Vector input_norm, post_attention_norm;
-  GqaAttention attn;
-  Matrix router;       // [n_experts, hidden]
-  Vector router_bias;  // [n_experts]
-};
-
-class GptOss final : public DecoderModel {
+class GptOss final : public MoeDecoder {
  public:
-  GptOss(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
-      : cfg_(GptOssConfig::from(hf)) {
-    open_pack(dir, hf, options, {"gpt_oss", cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
-                                  cfg_.max_position, cfg_.rms_norm_eps});
-
+  GptOss(const std::string& dir, const HfConfig& hf, const ModelOptions& options) {
+    const GptOssConfig c = GptOssConfig::from(hf);
+    open_pack(dir, hf, options, {"gpt_oss", c.vocab_size, c.hidden_size, c.n_layers, c.max_position, c.rms_norm_eps});
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
-    const int64_t h = cfg_.hidden_size;
-    load_embeddings(w, cfg_.tie_word_embeddings);
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      GptOssLayer layer;
-      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
-      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
-      GqaOptions attn_options;
-      attn_options.sliding_window = cfg_.sliding[size_t(l)] ? cfg_.sliding_window : 0;
-      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
-                                      cfg_.head_dim, cfg_.rms_norm_eps, attn_options);
+    const int64_t h = c.hidden_size;
+    load_embeddings(w, c.tie_word_embeddings);
+    MoeParams routing{c.n_experts, c.top_k, RouterKind::TopKSoftmax};
+    routing.activation = ExpertActivation::ClampedSwiGlu;
+    routing.swiglu_limit = c.swiglu_limit;
+    for (int l = 0; l < c.n_layers; ++l) {
+      const std::string p = layer_prefix(l);
+      AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim};
+      shape.options.sliding_window = c.sliding[size_t(l)] ? c.sliding_window : 0;
+      MoeDecoderLayer layer = load_layer(w, l, shape);
       if (!layer.attn.sinks) fail("tensor ", p, "self_attn.sinks: missing");
-      layer.router = w.matrix(p + "mlp.router.weight", cfg_.n_experts, h);
-      layer.router_bias = w.vector(p + "mlp.router.bias", cfg_.n_experts);
+      layer.ffn = routed_ffn(w.matrix(p + "mlp.router.weight", c.n_experts, h), routing,
+                             w.vector(p + "mlp.router.bias", c.n_experts));
       layers_.push_back(std::move(layer));
     }
-    const std::vector<bool> moe_layers(size_t(cfg_.n_layers), true);
-    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.intermediate_size, expert_tensor_name);
-    for (int l = 0; l < cfg_.n_layers; ++l)
-      for (int e = 0; e < cfg_.n_experts; ++e)
+    finish_load(hf, options, c.rope, {c.n_experts, c.top_k, c.intermediate_size, expert_tensor_name});
+    for (int l = 0; l < c.n_layers; ++l)
+      for (int e = 0; e < c.n_experts; ++e)
         for (const std::string role : {"gate", "up", "down"}) {
-          const std::vector<int64_t> want{1, role == "down" ? h : cfg_.intermediate_size};
+          const std::vector<int64_t> want{1, role == "down" ? h : c.intermediate_size};
           const PackedTensor* b = pack_.expert(l, e).find(role + "_bias");
           if (!b || b->shape != want)
             fail("tensor ", expert_tensor_name(l, e, role), " bias: expected shape ", shape_str(want), ", found ",
                  b ? shape_str(b->shape) : std::string("none"));
         }
-    experts_ = make_expert_store(pack_, *backend_, options.experts);
-    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
-    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
-    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.head_dim, kv_dim_);
-    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
   }
-
-  ExpertStats expert_stats() const override { return experts_->stats(); }
-
-  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
-  }
-
- protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<KvSequence&>(state);
-    const GptOssLayer& layer = layers_[size_t(l)];
-    Backend& be = *backend_;
-    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-    Buffer out = ws_.ffn_out.rows_view(0, T);
-    attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
-    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    MoeParams p;
-    p.n_experts = cfg_.n_experts;
-    p.top_k = cfg_.top_k;
-    p.router = RouterKind::TopKSoftmax;
-    p.router_bias = &layer.router_bias;
-    p.layer = l;
-    p.activation = ExpertActivation::ClampedSwiGlu;
-    p.swiglu_limit = cfg_.swiglu_limit;
-    be.moe(xn, layer.router, *experts_, p, out);
-    be.add(x, out);
-  }
-
- private:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-  GptOssConfig cfg_;
-  std::vector<GptOssLayer> layers_;
-  std::unique_ptr<ExpertStore> experts_;
-  RopeTable rope_;
-  int64_t kv_dim_ = 0;
 };
 
 }  // namespace
@@ -175,9 +126,11 @@ std::optional<ExpertTensorRef> parse_gpt_oss_expert_tensor(const std::string& na
   if (!std::regex_match(name, m, re)) return std::nullopt;
   const int layer = std::stoi(m[1]);
   const std::string proj = m[2], suffix = m[3];
-  if (suffix == "_blocks" || suffix == "_scales")
-    fail("tensor ", name, ": MXFP4 experts are not supported yet (use a bf16 checkpoint)");
   const bool gate_up = proj == "gate_up_proj", bias = suffix == "_bias";
+  if (suffix == "_blocks" || suffix == "_scales") {  // MXFP4: [E, out, in / 32, 16] and [E, out, in / 32]
+    const std::string role = std::string(gate_up ? "gate_up" : "down") + (suffix == "_scales" ? ".scales" : "");
+    return ExpertTensorRef{layer, -1, role, true, gate_up ? ExpertLayout::GateUpInterleavedRows : ExpertLayout::OutIn};
+  }
   const std::string role = std::string(gate_up ? "gate_up" : "down") + (bias ? "_bias" : "");
   const ExpertLayout layout = gate_up ? ExpertLayout::GateUpInterleaved : bias ? ExpertLayout::OutIn : ExpertLayout::InOut;
   return ExpertTensorRef{layer, -1, role, true, layout};
