@@ -185,7 +185,8 @@ TEST(ChatTemplate, CliPrintsTheRenderedPrompt) {
   const std::string fx_path = kTemplates + "/renderings.json";
   if (std::filesystem::exists(fx_path)) {
     bool found = false;
-    for (const auto& c : read_json(fx_path)["cases"]) {
+    const ordered_json fx = read_json(fx_path);
+    for (const auto& c : fx["cases"]) {
       if (c["template"] == "qwen3.jinja" && c["conversation"] == "tool_call_with_content" &&
           c["add_generation_prompt"] == true && c["kwargs"] == ordered_json{{"enable_thinking", false}} &&
           c.contains("rendered")) {
