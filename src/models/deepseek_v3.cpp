@@ -18,6 +18,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
+#include "models/moe_decoder.h"
 #include "models/registry.h"
 
 #include <cmath>
@@ -120,10 +121,7 @@ struct MlaWeights {
 struct DeepseekV3Layer {
   Vector input_norm, post_attention_norm;
   MlaWeights attn;
-  bool moe = false;
-  Matrix router;               // [n_experts, hidden]            (moe layers)
-  Vector correction_bias;      // [n_experts] e_score_correction_bias
-  MlpWeights shared, dense;    // shared experts (moe layers) / dense MLP
+  MoeFeedForward ffn;  // routed + shared experts, or dense (first_k_dense_replace layers)
 };
 
 // Activations of the latent attention, [max_batch, width] each.
@@ -142,21 +140,17 @@ class DeepseekV3 final : public DecoderModel {
     const int64_t h = cfg_.hidden_size;
     load_embeddings(w, cfg_.tie_word_embeddings);
     std::vector<bool> moe_layers;
+    const MoeParams routing = sigmoid_group_routing(cfg_.n_experts, cfg_.top_k, cfg_.norm_topk_prob, cfg_.n_group,
+                                                    cfg_.topk_group, cfg_.routed_scaling_factor);
     for (int l = 0; l < cfg_.n_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
+      const std::string p = layer_prefix(l);
       DeepseekV3Layer layer;
       layer.input_norm = w.vector(p + "input_layernorm.weight", h);
       layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
       layer.attn = load_mla(w, p + "self_attn.");
-      layer.moe = cfg_.is_moe_layer(l);
-      if (layer.moe) {
-        layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
-        layer.correction_bias = w.vector(p + "mlp.gate.e_score_correction_bias", cfg_.n_experts);
-        layer.shared = load_mlp(w, p + "mlp.shared_experts.", h, cfg_.shared_intermediate);
-      } else {
-        layer.dense = load_mlp(w, p + "mlp.", h, cfg_.intermediate_size);
-      }
-      moe_layers.push_back(layer.moe);
+      layer.ffn = load_shared_expert_ffn(w, p, cfg_.is_moe_layer(l), h, cfg_.intermediate_size,
+                                         cfg_.shared_intermediate, routing);
+      moe_layers.push_back(layer.ffn.moe);
       layers_.push_back(std::move(layer));
     }
     check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size, expert_tensor_name);
@@ -211,30 +205,7 @@ class DeepseekV3 final : public DecoderModel {
       be.add(x, out);
     }
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    if (!layer.moe) {
-      ScopedTimer timer(be.times().dense_mlp);
-      be.mlp(xn, layer.dense, out);
-      be.add(x, out);
-      return;
-    }
-    MoeParams p;
-    p.n_experts = cfg_.n_experts;
-    p.top_k = cfg_.top_k;
-    p.router = RouterKind::SigmoidGroupTopK;
-    p.norm_topk_prob = cfg_.norm_topk_prob;
-    p.layer = l;
-    p.router_bias = &layer.correction_bias;
-    p.n_group = cfg_.n_group;
-    p.topk_group = cfg_.topk_group;
-    p.routed_scaling_factor = cfg_.routed_scaling_factor;
-    be.moe(xn, layer.router, *experts_, p, out);
-    be.add(x, out);
-    Buffer shared{ws_.attn_out.data, T, x.cols};  // attention is done with attn_out
-    {
-      ScopedTimer timer(be.times().dense_mlp);
-      be.mlp(xn, layer.shared, shared);
-    }
-    be.add(x, shared);
+    layer.ffn.forward(be, *experts_, ws_, l, xn, x);
   }
 
  private:

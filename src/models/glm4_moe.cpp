@@ -12,6 +12,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
+#include "models/moe_decoder.h"
 #include "models/registry.h"
 
 namespace moestream {
@@ -84,103 +85,27 @@ std::string expert_tensor_name(int layer, int expert, const std::string& role) {
          "_proj.weight";
 }
 
-struct Glm4MoeLayer {
-  Vector input_norm, post_attention_norm;
-  GqaAttention attn;
-  bool moe = false;
-  Matrix router;               // [n_experts, hidden]            (moe layers)
-  Vector correction_bias;      // [n_experts] e_score_correction_bias
-  MlpWeights shared, dense;    // shared experts (moe layers) / dense MLP
-};
-
-class Glm4Moe final : public DecoderModel {
+class Glm4Moe final : public MoeDecoder {
  public:
-  Glm4Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
-      : cfg_(Glm4MoeConfig::from(hf)) {
-    open_pack(dir, hf, options, {"glm4_moe", cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
-                                  cfg_.max_position, cfg_.rms_norm_eps});
-
+  Glm4Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options) {
+    const Glm4MoeConfig c = Glm4MoeConfig::from(hf);
+    open_pack(dir, hf, options, {"glm4_moe", c.vocab_size, c.hidden_size, c.n_layers, c.max_position, c.rms_norm_eps});
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
-    const int64_t h = cfg_.hidden_size;
-    load_embeddings(w, cfg_.tie_word_embeddings);
-    std::vector<bool> moe_layers;
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      Glm4MoeLayer layer;
-      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
-      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
-      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
-                                      cfg_.head_dim, cfg_.rms_norm_eps);
-      if (bool(layer.attn.q_norm) != cfg_.use_qk_norm || bool(layer.attn.k_norm) != cfg_.use_qk_norm)
-        fail("tensor ", p, "self_attn.q_norm.weight / k_norm.weight: ", cfg_.use_qk_norm ? "missing" : "present",
-             " but config.json has use_qk_norm = ", cfg_.use_qk_norm ? "true" : "false");
-      layer.moe = cfg_.is_moe_layer(l);
-      if (layer.moe) {
-        layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
-        layer.correction_bias = w.vector(p + "mlp.gate.e_score_correction_bias", cfg_.n_experts);
-        layer.shared = load_mlp(w, p + "mlp.shared_experts.", h, cfg_.shared_intermediate);
-      } else {
-        layer.dense = load_mlp(w, p + "mlp.", h, cfg_.intermediate_size);
-      }
-      moe_layers.push_back(layer.moe);
+    load_embeddings(w, c.tie_word_embeddings);
+    const MoeParams routing = sigmoid_group_routing(c.n_experts, c.top_k, c.norm_topk_prob, c.n_group, c.topk_group,
+                                                    c.routed_scaling_factor);
+    for (int l = 0; l < c.n_layers; ++l) {
+      const std::string p = layer_prefix(l);
+      MoeDecoderLayer layer = load_layer(w, l, {c.n_heads, c.n_kv_heads, c.head_dim, c.rot_dim});
+      if (bool(layer.attn.q_norm) != c.use_qk_norm || bool(layer.attn.k_norm) != c.use_qk_norm)
+        fail("tensor ", p, "self_attn.q_norm.weight / k_norm.weight: ", c.use_qk_norm ? "missing" : "present",
+             " but config.json has use_qk_norm = ", c.use_qk_norm ? "true" : "false");
+      layer.ffn = load_shared_expert_ffn(w, p, c.is_moe_layer(l), c.hidden_size, c.intermediate_size,
+                                         c.shared_intermediate, routing);
       layers_.push_back(std::move(layer));
     }
-    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size, expert_tensor_name);
-    experts_ = make_expert_store(pack_, *backend_, options.experts);
-    rope_ = make_rope_table(cfg_.rope, cfg_.rot_dim, hf.path());
-    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
-    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.head_dim, kv_dim_);
-    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
+    finish_load(hf, options, c.rope, {c.n_experts, c.top_k, c.moe_intermediate_size, expert_tensor_name});
   }
-
-  ExpertStats expert_stats() const override { return experts_->stats(); }
-
-  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
-  }
-
- protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<KvSequence&>(state);
-    const Glm4MoeLayer& layer = layers_[size_t(l)];
-    Backend& be = *backend_;
-    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-    Buffer out = ws_.ffn_out.rows_view(0, T);
-    attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
-    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    if (!layer.moe) {
-      ScopedTimer timer(be.times().dense_mlp);
-      be.mlp(xn, layer.dense, out);
-      be.add(x, out);
-      return;
-    }
-    MoeParams p;
-    p.n_experts = cfg_.n_experts;
-    p.top_k = cfg_.top_k;
-    p.router = RouterKind::SigmoidGroupTopK;
-    p.norm_topk_prob = cfg_.norm_topk_prob;
-    p.layer = l;
-    p.router_bias = &layer.correction_bias;
-    p.n_group = cfg_.n_group;
-    p.topk_group = cfg_.topk_group;
-    p.routed_scaling_factor = cfg_.routed_scaling_factor;
-    be.moe(xn, layer.router, *experts_, p, out);
-    be.add(x, out);
-    Buffer shared{ws_.attn_out.data, T, x.cols};  // attention is done with attn_out
-    {
-      ScopedTimer timer(be.times().dense_mlp);
-      be.mlp(xn, layer.shared, shared);
-    }
-    be.add(x, shared);
-  }
-
- private:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-  Glm4MoeConfig cfg_;
-  std::vector<Glm4MoeLayer> layers_;
-  std::unique_ptr<ExpertStore> experts_;
-  RopeTable rope_;
-  int64_t kv_dim_ = 0;
 };
 
 }  // namespace

@@ -11,6 +11,7 @@
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
+#include "models/moe_decoder.h"
 #include "models/registry.h"
 
 namespace moestream {
@@ -64,75 +65,23 @@ std::string expert_tensor_name(int layer, int expert, const std::string& role) {
          "." + w + ".weight";
 }
 
-struct MixtralLayer {
-  Vector input_norm, post_attention_norm;
-  GqaAttention attn;
-  Matrix router;  // [n_experts, hidden]
-};
-
-class Mixtral final : public DecoderModel {
+class Mixtral final : public MoeDecoder {
  public:
-  Mixtral(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
-      : cfg_(MixtralConfig::from(hf)) {
-    open_pack(dir, hf, options, {"mixtral", cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
-                                  cfg_.max_position, cfg_.rms_norm_eps});
-
+  Mixtral(const std::string& dir, const HfConfig& hf, const ModelOptions& options) {
+    const MixtralConfig c = MixtralConfig::from(hf);
+    open_pack(dir, hf, options, {"mixtral", c.vocab_size, c.hidden_size, c.n_layers, c.max_position, c.rms_norm_eps});
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
-    const int64_t h = cfg_.hidden_size;
-    load_embeddings(w, cfg_.tie_word_embeddings);
-    GqaOptions attn_options;
-    attn_options.sliding_window = cfg_.sliding_window;
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      MixtralLayer layer;
-      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
-      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
-      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
-                                      cfg_.head_dim, cfg_.rms_norm_eps, attn_options);
-      layer.router = w.matrix(p + "block_sparse_moe.gate.weight", cfg_.n_experts, h);
+    load_embeddings(w, c.tie_word_embeddings);
+    AttentionShape shape{c.n_heads, c.n_kv_heads, c.head_dim};
+    shape.options.sliding_window = c.sliding_window;
+    MoeParams routing{c.n_experts, c.top_k, RouterKind::SoftmaxTopK, /*norm_topk_prob=*/true};
+    for (int l = 0; l < c.n_layers; ++l) {
+      MoeDecoderLayer layer = load_layer(w, l, shape);
+      layer.ffn = routed_ffn(w.matrix(layer_prefix(l) + "block_sparse_moe.gate.weight", c.n_experts, c.hidden_size), routing);
       layers_.push_back(std::move(layer));
     }
-    const std::vector<bool> moe_layers(size_t(cfg_.n_layers), true);
-    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.intermediate_size, expert_tensor_name);
-    experts_ = make_expert_store(pack_, *backend_, options.experts);
-    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
-    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
-    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.head_dim, kv_dim_);
-    set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
+    finish_load(hf, options, c.rope, {c.n_experts, c.top_k, c.intermediate_size, expert_tensor_name});
   }
-
-  ExpertStats expert_stats() const override { return experts_->stats(); }
-
-  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
-  }
-
- protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<KvSequence&>(state);
-    const MixtralLayer& layer = layers_[size_t(l)];
-    Backend& be = *backend_;
-    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-    Buffer out = ws_.ffn_out.rows_view(0, T);
-    attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
-    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    MoeParams p;
-    p.n_experts = cfg_.n_experts;
-    p.top_k = cfg_.top_k;
-    p.router = RouterKind::SoftmaxTopK;
-    p.norm_topk_prob = true;
-    p.layer = l;
-    be.moe(xn, layer.router, *experts_, p, out);
-    be.add(x, out);
-  }
-
- private:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-  MixtralConfig cfg_;
-  std::vector<MixtralLayer> layers_;
-  std::unique_ptr<ExpertStore> experts_;
-  RopeTable rope_;
-  int64_t kv_dim_ = 0;
 };
 
 }  // namespace

@@ -3,14 +3,12 @@
 // Each layer: x += attn(rmsnorm(x)); x += ffn(rmsnorm(x)), where attn is grouped-query attention
 // with a per-head RMSNorm on q and k before RoPE, and ffn is either a dense SwiGLU MLP or a
 // routed MoE: softmax over all experts, top-k, optionally renormalized (norm_topk_prob).
-#include <algorithm>
-#include <filesystem>
-
 #include "core/error.h"
 #include "experts/expert_store.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
 #include "models/blocks.h"
+#include "models/moe_decoder.h"
 #include "models/registry.h"
 
 namespace moestream {
@@ -72,117 +70,31 @@ struct Qwen3MoeConfig {
   }
 };
 
-struct Qwen3MoeLayer {
-  Vector input_norm, post_attention_norm;
-  GqaAttention attn;
-  bool moe = false;
-  Matrix router;     // [n_experts, hidden]   (moe layers)
-  MlpWeights dense;  // (dense layers)
-};
+std::string expert_tensor_name(int layer, int expert, const std::string& role) {
+  return layer_prefix(layer) + "mlp.experts." + std::to_string(expert) + "." + role + "_proj.weight";
+}
 
-class Qwen3Moe final : public DecoderModel {
+class Qwen3Moe final : public MoeDecoder {
  public:
-  Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
-      : cfg_(Qwen3MoeConfig::from(hf)) {
-    open_pack(dir, hf, options, {"qwen3_moe", cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
-                                  cfg_.max_position, cfg_.rms_norm_eps});
-
+  Qwen3Moe(const std::string& dir, const HfConfig& hf, const ModelOptions& options) {
+    const Qwen3MoeConfig c = Qwen3MoeConfig::from(hf);
+    open_pack(dir, hf, options, {"qwen3_moe", c.vocab_size, c.hidden_size, c.n_layers, c.max_position, c.rms_norm_eps});
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
-    const int64_t h = cfg_.hidden_size;
-    load_embeddings(w, cfg_.tie_word_embeddings);
-
-    std::vector<bool> moe_layers;
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const std::string p = "model.layers." + std::to_string(l) + ".";
-      Qwen3MoeLayer layer;
-      layer.input_norm = w.vector(p + "input_layernorm.weight", h);
-      layer.post_attention_norm = w.vector(p + "post_attention_layernorm.weight", h);
-      layer.attn = GqaAttention::load(w, p + "self_attn.", h, cfg_.n_heads, cfg_.n_kv_heads,
-                                      cfg_.head_dim, cfg_.rms_norm_eps);
-      layer.moe = cfg_.is_moe_layer(l);
-      if (layer.moe) {
-        layer.router = w.matrix(p + "mlp.gate.weight", cfg_.n_experts, h);
+    const int64_t h = c.hidden_size;
+    load_embeddings(w, c.tie_word_embeddings);
+    const MoeParams routing{c.n_experts, c.top_k, RouterKind::SoftmaxTopK, c.norm_topk_prob};
+    for (int l = 0; l < c.n_layers; ++l) {
+      const std::string p = layer_prefix(l);
+      MoeDecoderLayer layer = load_layer(w, l, {c.n_heads, c.n_kv_heads, c.head_dim});
+      if (c.is_moe_layer(l)) {
+        layer.ffn = routed_ffn(w.matrix(p + "mlp.gate.weight", c.n_experts, h), routing);
       } else {
-        layer.dense.gate = w.matrix(p + "mlp.gate_proj.weight", cfg_.intermediate_size, h);
-        layer.dense.up = w.matrix(p + "mlp.up_proj.weight", cfg_.intermediate_size, h);
-        layer.dense.down = w.matrix(p + "mlp.down_proj.weight", h, cfg_.intermediate_size);
+        layer.ffn.dense = load_mlp(w, p + "mlp.", h, c.intermediate_size);
       }
-      moe_layers.push_back(layer.moe);
       layers_.push_back(std::move(layer));
     }
-    check_experts(moe_layers);
-    experts_ = make_expert_store(pack_, *backend_, options.experts);
-    rope_ = make_rope_table(cfg_.rope, cfg_.head_dim, hf.path());
-
-    const int64_t q_dim = int64_t(cfg_.n_heads) * cfg_.head_dim;
-    kv_dim_ = int64_t(cfg_.n_kv_heads) * cfg_.head_dim;
-    init_workspace(kMaxBatch, q_dim, kv_dim_);
-
-    int64_t dense_bytes = 0;
-    for (const auto& name : weights_->names()) dense_bytes += int64_t(weights_->get(name).nbytes);
-    const int64_t expert_bytes = int64_t(pack_.total_expert_bytes());
-    const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
-    info_.weight_bytes = dense_bytes + expert_bytes;
-    info_.active_bytes_per_token =
-        dense_bytes + (n_moe ? expert_bytes / (n_moe * cfg_.n_experts) * n_moe * cfg_.top_k : 0);
+    finish_load(hf, options, c.rope, {c.n_experts, c.top_k, c.moe_intermediate_size, expert_tensor_name});
   }
-
-  ExpertStats expert_stats() const override { return experts_->stats(); }
-
-  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, kv_dim_);
-  }
-
- protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<KvSequence&>(state);
-    const Qwen3MoeLayer& layer = layers_[size_t(l)];
-    Backend& be = *backend_;
-    Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-    Buffer out = ws_.ffn_out.rows_view(0, T);
-
-    attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
-    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    if (layer.moe) {
-      MoeParams p{cfg_.n_experts, cfg_.top_k, RouterKind::SoftmaxTopK, cfg_.norm_topk_prob, l};
-      be.moe(xn, layer.router, *experts_, p, out);
-    } else {
-      ScopedTimer timer(be.times().dense_mlp);
-      be.mlp(xn, layer.dense, out);
-    }
-    be.add(x, out);
-  }
-
- private:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-  // Every MoE layer of the pack holds n_experts experts with gate/up/down of the config's shape.
-  void check_experts(const std::vector<bool>& moe_layers) const {
-    const int64_t h = cfg_.hidden_size, inter = cfg_.moe_intermediate_size;
-    for (int l = 0; l < cfg_.n_layers; ++l) {
-      const bool packed = size_t(l) < pack_.layers.size() && !pack_.layers[size_t(l)].empty();
-      if (packed != moe_layers[size_t(l)])
-        fail(pack_.dir, ": layer ", l, moe_layers[size_t(l)] ? " needs routed experts, the pack has none"
-                                                             : " is dense in config.json but the pack has experts for it");
-      if (!packed) continue;
-      if (int(pack_.layers[size_t(l)].size()) != cfg_.n_experts)
-        fail(pack_.dir, ": layer ", l, " has ", pack_.layers[size_t(l)].size(), " experts, config.json says ", cfg_.n_experts);
-      for (int e = 0; e < cfg_.n_experts; ++e)
-        for (const std::string role : {"gate", "up", "down"}) {
-          const std::vector<int64_t> want = role == "down" ? std::vector<int64_t>{h, inter}
-                                                            : std::vector<int64_t>{inter, h};
-          const std::vector<int64_t> got = pack_.expert(l, e).logical_shape(role);
-          if (got != want)
-            fail("tensor model.layers.", l, ".mlp.experts.", e, ".", role, "_proj.weight: expected shape ",
-                 shape_str(want), ", found ", shape_str(got));
-        }
-    }
-  }
-
-  Qwen3MoeConfig cfg_;
-  std::vector<Qwen3MoeLayer> layers_;
-  std::unique_ptr<ExpertStore> experts_;
-  RopeTable rope_;
-  int64_t kv_dim_ = 0;
 };
 
 }  // namespace
