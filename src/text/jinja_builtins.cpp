@@ -152,12 +152,10 @@ std::vector<Value> py_split(std::string_view s, const Value& sep, int64_t maxspl
       for (auto [b, e] : words) parts.emplace_back(s.substr(b, e - b));
     } else if (!from_right) {
       for (int64_t k = 0; k < maxsplit; ++k) parts.emplace_back(s.substr(words[size_t(k)].first, words[size_t(k)].second - words[size_t(k)].first));
-      std::string rest(s.substr(words[size_t(maxsplit)].first));
-      parts.push_back(py_strip(rest, nullptr, false, true));
+      parts.emplace_back(s.substr(words[size_t(maxsplit)].first));  // the rest keeps its trailing whitespace
     } else {
       size_t first_kept = words.size() - size_t(maxsplit);
-      std::string head(s.substr(0, words[first_kept - 1].second));
-      parts.push_back(py_strip(head, nullptr, true, false));
+      parts.emplace_back(s.substr(0, words[first_kept - 1].second));  // keeps its leading whitespace
       for (size_t k = first_kept; k < words.size(); ++k) parts.emplace_back(s.substr(words[k].first, words[k].second - words[k].first));
     }
   } else {
@@ -364,7 +362,7 @@ bool parse_py_float(std::string s, double& out) {
   std::string t;
   for (char c : s)
     if (c != '_') t += c;
-  if (t.empty()) return false;
+  if (t.empty() || t.find_first_of("xXpP") != std::string::npos) return false;  // strtod takes hex, Python not
   std::string low = py_lower(t);
   if (low == "inf" || low == "+inf" || low == "infinity" || low == "+infinity") return out = INFINITY, true;
   if (low == "-inf" || low == "-infinity") return out = -INFINITY, true;
@@ -839,6 +837,14 @@ Value m_str(Interp& in, const std::string& s, std::string_view name, Args& a) {
     auto p = a.bind(name, {{"old", nullptr}, {"new", nullptr}, {"count", &kM1}});
     return Value(py_replace(s, need_str(p[0], "replace() argument 1"), need_str(p[1], "replace() argument 2"), need_int(p[2], "count")));
   }
+  if (name == "removeprefix" || name == "removesuffix") {
+    auto p = a.bind(name, {{"affix", nullptr}});
+    std::string x = need_str(p[0], std::string(name).c_str());
+    if (name == "removeprefix") return Value(s.compare(0, x.size(), x) == 0 ? s.substr(x.size()) : s);
+    bool ends = s.size() >= x.size() && s.compare(s.size() - x.size(), x.size(), x) == 0;
+    return Value(ends && !x.empty() ? s.substr(0, s.size() - x.size()) : s);
+  }
+  if (name == "isascii") return Value(is_ascii(s));
   if (name == "upper") return Value(py_upper(s));
   if (name == "lower" || name == "casefold") return Value(py_lower(s));
   if (name == "title") return Value(py_title(s));
@@ -1071,7 +1077,8 @@ bool is_str_method(std::string_view n) {
                                       "splitlines", "replace", "upper", "lower", "casefold", "title", "capitalize",
                                       "swapcase", "find", "rfind", "index", "rindex", "count", "join", "isdigit",
                                       "isnumeric", "isdecimal", "isalpha", "isalnum", "isspace", "islower", "isupper",
-                                      "center", "ljust", "rjust", "zfill", "partition", "rpartition", "format"};
+                                      "center", "ljust", "rjust", "zfill", "partition", "rpartition", "format",
+                                      "removeprefix", "removesuffix", "isascii"};
   for (const char* x : names)
     if (n == x) return true;
   return false;
@@ -1091,12 +1098,16 @@ TestFn find_test(std::string_view name) {
 
 bool has_method(const Value& obj, std::string_view n) {
   if (obj.is_string()) return is_str_method(n);
-  if (obj.is_dict())
-    return n == "get" || n == "items" || n == "keys" || n == "values" || n == "copy" || n == "pop" || n == "update" ||
-           n == "setdefault" || n == "clear" || n == "popitem";
+  if (obj.is_dict()) return n == "get" || n == "items" || n == "keys" || n == "values" || n == "copy" || is_unsafe_method(obj, n);
+  if (obj.is_list()) return n == "index" || n == "count" || n == "copy" || is_unsafe_method(obj, n);
+  return false;
+}
+
+bool is_unsafe_method(const Value& obj, std::string_view n) {
+  if (obj.is_dict()) return n == "pop" || n == "update" || n == "setdefault" || n == "clear" || n == "popitem";
   if (obj.is_list())
-    return n == "index" || n == "count" || n == "copy" || n == "append" || n == "extend" || n == "insert" ||
-           n == "pop" || n == "remove" || n == "reverse" || n == "sort" || n == "clear";
+    return n == "append" || n == "extend" || n == "insert" || n == "pop" || n == "remove" || n == "reverse" ||
+           n == "sort" || n == "clear";
   return false;
 }
 

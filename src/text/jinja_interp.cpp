@@ -9,7 +9,12 @@ namespace moestream::jinja {
 
 namespace {
 
-[[noreturn]] void undefined_error(const Value& v) { throw_error("UndefinedError", v.undefined_hint()); }
+[[noreturn]] void undefined_error(const Value& v) {
+  std::string hint = v.undefined_hint();
+  // The sandbox's Undefined for list.append, dict.update, ... raises SecurityError.
+  std::string type = hint.rfind("access to attribute ", 0) == 0 ? "SecurityError" : "UndefinedError";
+  throw_error(std::move(type), std::move(hint));
+}
 
 int64_t py_floordiv(int64_t a, int64_t b) {
   int64_t q = a / b;
@@ -36,6 +41,9 @@ Value Interp::getattr(const Value& obj, std::string_view name) {
   if (obj.is_undefined()) undefined_error(obj);
   if (obj.is_namespace()) {
     if (Value* v = obj.ns().find(name)) return *v;
+  } else if (is_unsafe_method(obj, name)) {
+    return Value::undefined("access to attribute '" + std::string(name) + "' of '" + type_name(obj) +
+                            "' object is unsafe.");
   } else if (has_method(obj, name)) {
     std::string n(name);
     Value self = obj;

@@ -69,9 +69,11 @@ using FilterFn = Value (*)(Interp&, const Value&, Args&);
 using TestFn = bool (*)(Interp&, const Value&, Args&);
 FilterFn find_filter(std::string_view name);
 TestFn find_test(std::string_view name);
-// The method `name` of a str, dict or list value bound to it, or nullopt-like Undefined when the
-// type has no such method.
+// Whether a str, dict or list value has the Python method `name`, and calling it.
 bool has_method(const Value& obj, std::string_view name);
+// Mutating methods (list.append, dict.update, ...): the sandbox transformers renders in makes them
+// an Undefined that raises when used.
+bool is_unsafe_method(const Value& obj, std::string_view name);
 Value call_method(Interp& in, const Value& obj, std::string_view name, Args& args);
 // The frame of globals: range, namespace, dict, raise_exception, strftime_now, cycler, joiner.
 FrameP make_globals();
