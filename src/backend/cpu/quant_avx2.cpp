@@ -22,7 +22,7 @@
 #include <limits>
 #include <vector>
 
-#include "backend/cpu/quant_kernels.h"
+#include "backend/cpu/quant_loops.h"
 #include "core/quant.h"
 
 #define MS_AVX2 __attribute__((target("avx2,fma,f16c,bmi,bmi2")))
@@ -160,25 +160,6 @@ MS_AVX2 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_half(src + i, w.dtype));
   for (; i < n; ++i) dst[i] = w.dtype == DType::BF16 ? bf16_to_f32(src[i]) : f16_to_f32(src[i]);
-}
-
-MS_AVX2 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                          int64_t r0, int64_t r1) {
-  if (in.T == 1) {
-    const int64_t ahead = prefetch_rows_ahead(w.cols * int64_t(dtype_size(w.dtype)));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_plain_row(w, r + ahead);
-      y[r] = dot_plain_row(w, r, in.x);
-    }
-    return;
-  }
-  thread_local std::vector<float> rows;
-  rows.resize(size_t(4 * w.cols));
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t n = std::min<int64_t>(4, r1 - r);
-    for (int64_t j = 0; j < n; ++j) plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
-    rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
-  }
 }
 
 // ---- quantized weights ----------------------------------------------------------------------
@@ -329,12 +310,6 @@ MS_AVX2 inline __m256i dot_u8s8(__m256i codes, __m256i x) {
   }
 }
 
-struct TokenInt8 {
-  const int8_t* q;
-  const float* lane_scale;
-  const float* group_sum;
-};
-
 // The int8 dot product of one row with one token. Two accumulators alternate between groups so
 // that the chain of fmas into them does not bound the loop.
 template <int BITS, int GS, bool MX, class Row>
@@ -371,36 +346,6 @@ MS_AVX2 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t cols
   return hsum(_mm256_add_ps(_mm256_add_ps(acc0, acc1), acc_bias));
 }
 
-template <int BITS, int GS, bool MX>
-MS_AVX2 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                         int64_t r0, int64_t r1) {
-  const int64_t blocks = w.cols / 32;
-  auto token = [&](int64_t t) {
-    return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
-                     in.group_sum.data() + t * in.group_stride};
-  };
-  if (in.T == 1) {
-    const TokenInt8 x = token(0);
-    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      y[r] = dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>(row_codes(w, r), blocks),
-                                    RowGroups<MX>(w, r), w.cols, x);
-    }
-    return;
-  }
-  thread_local std::vector<uint8_t> codes;
-  codes.resize(size_t(w.cols));
-  for (int64_t r = r0; r < r1; ++r) {
-    const PackedRow<BITS, MX> packed(row_codes(w, r), blocks);
-    for (int64_t b = 0; b < blocks; ++b)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes.data() + b * 32), packed.block(b));
-    const UnpackedRow row{codes.data()};
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_int8<BITS, GS, MX>(row, RowGroups<MX>(w, r), w.cols, token(t));
-  }
-}
-
 // Calls f(s, b, codes, k) for every block of 32 codes of a row: the block's group scale and
 // bias broadcast, its codes, and its index.
 template <int BITS, int GS, bool MX, class F>
@@ -431,46 +376,6 @@ MS_AVX2 inline void codes_to_f32(__m256i c, __m256 out[4]) {
   out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
   out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
   out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
-}
-
-template <int BITS, int GS, bool MX>
-MS_AVX2 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                            int64_t r0, int64_t r1) {
-  if (in.T == 1) {
-    const float* x = in.xf.data();
-    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(),
-                       _mm256_setzero_ps()};
-      for_each_block<BITS, GS, MX>(
-          w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
-            __m256 q[4];
-            codes_to_f32(c, q);
-            for (int i = 0; i < 4; ++i)
-              acc[i] = _mm256_fmadd_ps(_mm256_fmadd_ps(q[i], s, b),
-                                       _mm256_loadu_ps(x + blk * 32 + 8 * i), acc[i]);
-          });
-      y[r] = hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    }
-    return;
-  }
-  thread_local std::vector<float> rows;
-  rows.resize(size_t(4 * w.cols));
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t n = std::min<int64_t>(4, r1 - r);
-    for (int64_t j = 0; j < n; ++j) {
-      float* out = rows.data() + j * w.cols;
-      for_each_block<BITS, GS, MX>(w, r + j, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
-                                 __m256 q[4];
-                                 codes_to_f32(c, q);
-                                 for (int i = 0; i < 4; ++i)
-                                   _mm256_storeu_ps(out + blk * 32 + 8 * i,
-                                                    _mm256_fmadd_ps(q[i], s, b));
-                               });
-    }
-    rows_times_tokens(rows.data(), w.cols, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
-  }
 }
 
 // Byte shuffles from natural order to the Nibbles and Crumbs orders (quant_kernels.h): a pshufb
@@ -534,44 +439,66 @@ MS_AVX2 void quantize_activations(const float* x, int64_t cols, int group_size, 
   }
 }
 
-template <template <int, int, bool> class Pick>
-MatmulFn pick_format(const Matrix& w) {
-  if (is_mxfp4(w)) return Pick<4, 32, true>::fn;
-  const int b = w.quant.bits, g = w.quant.group_size;
-#define MS_CASE(B)                                       \
-  if (b == B) {                                          \
-    if (g == 32) return Pick<B, 32, false>::fn;          \
-    if (g == 64) return Pick<B, 64, false>::fn;          \
-    return Pick<B, 128, false>::fn;                      \
+// The row steps QuantLoops runs (quant_loops.h).
+struct Avx2 {
+  MS_AVX2 static float dot_f32(const float* a, const float* b, int64_t n) { return detail::dot_f32(a, b, n); }
+  MS_AVX2 static void axpy(float a, const float* x, float* y, int64_t n) { detail::axpy(a, x, y, n); }
+  MS_AVX2 static void quantize_activations(const float* x, int64_t cols, int group_size, int bits, int8_t* q,
+                                           float* lane_scale, float* group_sum) {
+    detail::quantize_activations(x, cols, group_size, bits, q, lane_scale, group_sum);
   }
-  MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
-#undef MS_CASE
-  return nullptr;
-}
-template <int B, int G, bool MX>
-struct PickInt8 {
-  static constexpr MatmulFn fn = matmul_int8<B, G, MX>;
-};
-template <int B, int G, bool MX>
-struct PickPrecise {
-  static constexpr MatmulFn fn = matmul_precise<B, G, MX>;
-};
+  MS_AVX2 static void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x, int64_t xs,
+                                        int64_t T, int64_t n, float* y, int64_t ldy) {
+    detail::rows_times_tokens(rows, rs, nrows, x, xs, T, n, y, ldy);
+  }
+  MS_AVX2 static float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
+    return detail::dot_plain_row(w, r, x);
+  }
+  MS_AVX2 static void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
+    detail::plain_row_to_f32(w, r, dst);
+  }
 
-void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                       int64_t r0, int64_t r1) {
-  pick_format<PickInt8>(w)(w, in, y, ldy, r0, r1);
-}
-void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                          int64_t r0, int64_t r1) {
-  pick_format<PickPrecise>(w)(w, in, y, ldy, r0, r1);
-}
+  template <int BITS, int GS, bool MX>
+  MS_AVX2 static float dot_int8_row(const Matrix& w, int64_t r, const TokenInt8& x) {
+    return dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>(row_codes(w, r), w.cols / 32), RowGroups<MX>(w, r),
+                                  w.cols, x);
+  }
+  static int64_t unpacked_bytes(int64_t cols) { return cols; }
+  template <int BITS, bool MX>
+  MS_AVX2 static void unpack_row(const Matrix& w, int64_t r, uint8_t* codes) {
+    const PackedRow<BITS, MX> packed(row_codes(w, r), w.cols / 32);
+    for (int64_t b = 0; b < w.cols / 32; ++b)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), packed.block(b));
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX2 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
+    return dot_int8<BITS, GS, MX>(UnpackedRow{codes}, RowGroups<MX>(w, r), w.cols, x);
+  }
+
+  template <int BITS, int GS, bool MX>
+  MS_AVX2 static float dot_precise_row(const Matrix& w, int64_t r, const float* x) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for_each_block<BITS, GS, MX>(w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+      __m256 q[4];
+      codes_to_f32(c, q);
+      for (int i = 0; i < 4; ++i)
+        acc[i] = _mm256_fmadd_ps(_mm256_fmadd_ps(q[i], s, b), _mm256_loadu_ps(x + blk * 32 + 8 * i), acc[i]);
+    });
+    return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+  }
+  static int64_t dequantized_stride(const Matrix& w, const PreparedInput&) { return w.cols; }
+  template <int BITS, int GS, bool MX>
+  MS_AVX2 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
+    for_each_block<BITS, GS, MX>(w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {
+      __m256 q[4];
+      codes_to_f32(c, q);
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(out + blk * 32 + 8 * i, _mm256_fmadd_ps(q[i], s, b));
+    });
+  }
+};
 
 }  // namespace
 
-const LevelKernels& avx2_kernels() {
-  static const LevelKernels k{dot_f32,           axpy, matmul_plain, matmul_quant_precise,
-                              matmul_quant_int8, quantize_activations};
-  return k;
-}
+const LevelKernels& avx2_kernels() { return QuantLoops<Avx2>::table(); }
 
 }  // namespace moestream::cpu::detail

@@ -24,7 +24,7 @@
 #include <limits>
 #include <vector>
 
-#include "backend/cpu/quant_kernels.h"
+#include "backend/cpu/quant_loops.h"
 #include "core/quant.h"
 
 #define MS_AVX512                                                                         \
@@ -153,26 +153,9 @@ MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
   }
 }
 
-MS_AVX512 void matmul_plain(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                            int64_t r0, int64_t r1) {
-  if (in.T == 1) {
-    const int64_t ahead = prefetch_rows_ahead(w.cols * int64_t(dtype_size(w.dtype)));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_plain_row(w, r + ahead);
-      y[r] = w.dtype == DType::F32
-                 ? dot_f32(static_cast<const float*>(w.data) + r * w.cols, in.x, w.cols)
-                 : dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, in.x, w.cols,
-                            w.dtype);
-    }
-    return;
-  }
-  thread_local std::vector<float> rows;
-  rows.resize(size_t(4 * w.cols));
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t n = std::min<int64_t>(4, r1 - r);
-    for (int64_t j = 0; j < n; ++j) plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
-    rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
-  }
+MS_AVX512 float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
+  if (w.dtype == DType::F32) return dot_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols);
+  return dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, w.dtype);
 }
 
 // ---- quantized weights ----------------------------------------------------------------------
@@ -273,12 +256,6 @@ struct UnpackedRow {
   MS_AVX512 __m512i half(int64_t c) const { return chunk(c); }
 };
 
-struct TokenInt8 {
-  const int8_t* q;
-  const float* lane_scale;
-  const float* group_sum;
-};
-
 // sum over the 4 codes of each int32 lane of codes * x^, as floats: 16 partial sums of chunk c.
 MS_AVX512 inline __m512 chunk_sum(__m512i codes, const TokenInt8& x, int64_t c) {
   const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
@@ -340,37 +317,6 @@ MS_AVX512 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t co
     }
   }
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), acc_bias));
-}
-
-template <int BITS, int GS, bool MX>
-MS_AVX512 void matmul_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                           int64_t r0, int64_t r1) {
-  auto token = [&](int64_t t) {
-    return TokenInt8{in.q.data() + t * in.stride, in.q_scale.data() + t * in.stride / 4,
-                     in.group_sum.data() + t * in.group_stride};
-  };
-  if (in.T == 1) {
-    const TokenInt8 x = token(0);
-    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      y[r] = dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>{row_codes(w, r)}, RowGroups<MX>(w, r),
-                                    w.cols, x);
-    }
-    return;
-  }
-  const int64_t chunks = (w.cols + 63) / 64;
-  thread_local std::vector<uint8_t> codes;
-  codes.resize(size_t(chunks * 64));
-  for (int64_t r = r0; r < r1; ++r) {
-    const PackedRow<BITS, MX> packed{row_codes(w, r)};
-    for (int64_t c = 0; c < chunks; ++c)
-      _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes.data() + c * 64),
-                          c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
-    const UnpackedRow row{codes.data()};
-    for (int64_t t = 0; t < in.T; ++t)
-      y[t * ldy + r] = dot_int8<BITS, GS, MX>(row, RowGroups<MX>(w, r), w.cols, token(t));
-  }
 }
 
 // vpermb controls that spread codes 16 i .. 16 i + 15 of a chunk over the low bytes of 16
@@ -468,46 +414,6 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
-template <int BITS, int GS, bool MX>
-MS_AVX512 void matmul_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                              int64_t r0, int64_t r1) {
-  if (in.T == 1) {
-    const float* x = in.xf.data();
-    const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
-    for (int64_t r = r0; r < r1; ++r) {
-      if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for_each_dequantized<BITS, GS, MX>(
-          w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
-            const float* xc = x + c * 64;
-            a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xc), a0);
-            a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xc + 16), a1);
-            a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xc + 32), a2);
-            a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xc + 48), a3);
-          });
-      y[r] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
-    }
-    return;
-  }
-  thread_local std::vector<float> rows;
-  rows.resize(size_t(4 * in.stride));  // whole chunks
-  for (int64_t r = r0; r < r1; r += 4) {
-    const int64_t n = std::min<int64_t>(4, r1 - r);
-    for (int64_t j = 0; j < n; ++j) {
-      float* out = rows.data() + j * in.stride;
-      for_each_dequantized<BITS, GS, MX>(
-          w, r + j, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
-            _mm512_storeu_ps(out + c * 64, w0);
-            _mm512_storeu_ps(out + c * 64 + 16, w1);
-            _mm512_storeu_ps(out + c * 64 + 32, w2);
-            _mm512_storeu_ps(out + c * 64 + 48, w3);
-          });
-    }
-    rows_times_tokens(rows.data(), in.stride, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
-  }
-}
-
 // A token's activations to int8 per block of 32 (see LevelKernels::quantize_activations).
 MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
                                     int8_t* q, float* lane_scale, float* group_sum) {
@@ -531,44 +437,70 @@ MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size
   }
 }
 
-template <template <int, int, bool> class Pick>
-MatmulFn pick_format(const Matrix& w) {
-  if (is_mxfp4(w)) return Pick<4, 32, true>::fn;
-  const int b = w.quant.bits, g = w.quant.group_size;
-#define MS_CASE(B)                              \
-  if (b == B) {                                 \
-    if (g == 32) return Pick<B, 32, false>::fn; \
-    if (g == 64) return Pick<B, 64, false>::fn; \
-    return Pick<B, 128, false>::fn;             \
+// The row steps QuantLoops runs (quant_loops.h).
+struct Avx512 {
+  MS_AVX512 static float dot_f32(const float* a, const float* b, int64_t n) { return detail::dot_f32(a, b, n); }
+  MS_AVX512 static void axpy(float a, const float* x, float* y, int64_t n) { detail::axpy(a, x, y, n); }
+  MS_AVX512 static void quantize_activations(const float* x, int64_t cols, int group_size, int bits, int8_t* q,
+                                             float* lane_scale, float* group_sum) {
+    detail::quantize_activations(x, cols, group_size, bits, q, lane_scale, group_sum);
   }
-  MS_CASE(2) MS_CASE(3) MS_CASE(4) MS_CASE(6) MS_CASE(8)
-#undef MS_CASE
-  return nullptr;
-}
-template <int B, int G, bool MX>
-struct PickInt8 {
-  static constexpr MatmulFn fn = matmul_int8<B, G, MX>;
-};
-template <int B, int G, bool MX>
-struct PickPrecise {
-  static constexpr MatmulFn fn = matmul_precise<B, G, MX>;
-};
+  MS_AVX512 static void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x, int64_t xs,
+                                          int64_t T, int64_t n, float* y, int64_t ldy) {
+    detail::rows_times_tokens(rows, rs, nrows, x, xs, T, n, y, ldy);
+  }
+  MS_AVX512 static float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
+    return detail::dot_plain_row(w, r, x);
+  }
+  MS_AVX512 static void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
+    detail::plain_row_to_f32(w, r, dst);
+  }
 
-void matmul_quant_int8(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                       int64_t r0, int64_t r1) {
-  pick_format<PickInt8>(w)(w, in, y, ldy, r0, r1);
-}
-void matmul_quant_precise(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy,
-                          int64_t r0, int64_t r1) {
-  pick_format<PickPrecise>(w)(w, in, y, ldy, r0, r1);
-}
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static float dot_int8_row(const Matrix& w, int64_t r, const TokenInt8& x) {
+    return dot_int8<BITS, GS, MX>(PackedRow<BITS, MX>{row_codes(w, r)}, RowGroups<MX>(w, r), w.cols, x);
+  }
+  // Whole chunks of 64 codes; a row ending in a half chunk has its second half zero (MXFP4: 12).
+  static int64_t unpacked_bytes(int64_t cols) { return (cols + 63) / 64 * 64; }
+  template <int BITS, bool MX>
+  MS_AVX512 static void unpack_row(const Matrix& w, int64_t r, uint8_t* codes) {
+    const PackedRow<BITS, MX> packed{row_codes(w, r)};
+    for (int64_t c = 0; c < (w.cols + 63) / 64; ++c)
+      _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes + c * 64), c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
+    return dot_int8<BITS, GS, MX>(UnpackedRow{codes}, RowGroups<MX>(w, r), w.cols, x);
+  }
+
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static float dot_precise_row(const Matrix& w, int64_t r, const float* x) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    for_each_dequantized<BITS, GS, MX>(w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
+      const float* xc = x + c * 64;
+      a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xc), a0);
+      a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xc + 16), a1);
+      a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xc + 32), a2);
+      a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xc + 48), a3);
+    });
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+  // Rows of whole chunks, as the padded activations.
+  static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
+    for_each_dequantized<BITS, GS, MX>(w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
+      _mm512_storeu_ps(out + c * 64, w0);
+      _mm512_storeu_ps(out + c * 64 + 16, w1);
+      _mm512_storeu_ps(out + c * 64 + 32, w2);
+      _mm512_storeu_ps(out + c * 64 + 48, w3);
+    });
+  }
+};
 
 }  // namespace
 
-const LevelKernels& avx512_kernels() {
-  static const LevelKernels k{dot_f32,           axpy, matmul_plain, matmul_quant_precise,
-                              matmul_quant_int8, quantize_activations};
-  return k;
-}
+const LevelKernels& avx512_kernels() { return QuantLoops<Avx512>::table(); }
 
 }  // namespace moestream::cpu::detail
