@@ -426,7 +426,8 @@ def make_one(spec, out_root, seed):
                     raise RuntimeError("this transformers keeps no fused experts.gate_up_proj")
                 save_file(state, os.path.join(out_dir, "model.safetensors"),
                           metadata={"format": "pt"})
-            layout = sorted({("fused" if k.endswith("experts.gate_up_proj") else "per_expert")
+            layout = sorted({("fused" if k.endswith(("experts.gate_up_proj", "experts.down_proj"))
+                              else "per_expert")
                              for k in saved_tensors(out_dir) if ".mlp.experts." in k})
             again_model, unexpected = reload(cls, out_dir)
             again = again_model(input_ids=torch.tensor([logit_tokens])).logits[0].float().numpy()
