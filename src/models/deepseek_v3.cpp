@@ -74,8 +74,7 @@ struct DeepseekV3Config {
     m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
     m.max_position = c.get_int("max_position_embeddings", 163840);
     m.rope = c.rope();
-    const std::string act = c.get_string("hidden_act", "silu");
-    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+    check_silu(c);
     if (c.get_bool("attention_bias", false)) fail(c.path(), ": attention_bias is not supported for deepseek_v3");
     if (m.n_heads <= 0 || m.kv_lora_rank <= 0 || m.nope_dim <= 0 || m.v_dim <= 0 || m.q_lora_rank < 0)
       fail(c.path(), ": num_attention_heads, kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive");
@@ -83,11 +82,8 @@ struct DeepseekV3Config {
       fail(c.path(), ": qk_rope_head_dim must be positive and even, found ", m.rope_dim);
     if (m.rope.partial_rotary_factor != 1.0)
       fail(c.path(), ": partial_rotary_factor is not supported for deepseek_v3 (qk_rope_head_dim sets the rotated dims)");
-    if (m.top_k <= 0 || m.top_k > m.n_experts)
-      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, n_routed_experts = ", m.n_experts, "]");
-    if (m.n_group <= 0 || m.n_experts % m.n_group != 0 || m.topk_group <= 0 || m.topk_group > m.n_group)
-      fail(c.path(), ": n_group (", m.n_group, ") must divide n_routed_experts (", m.n_experts,
-           ") and topk_group (", m.topk_group, ") must be in [1, n_group]");
+    check_top_k(c, m.top_k, m.n_experts, "n_routed_experts");
+    check_expert_groups(c, m.n_experts, m.n_group, m.topk_group);
     return m;
   }
 

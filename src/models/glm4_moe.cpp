@@ -63,17 +63,12 @@ struct Glm4MoeConfig {
     m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
     m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-5));
     m.max_position = c.get_int("max_position_embeddings", 131072);
-    const std::string act = c.get_string("hidden_act", "silu");
-    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
-    if (m.n_heads <= 0 || m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
-      fail(c.path(), ": num_attention_heads (", m.n_heads, ") must be a positive multiple of num_key_value_heads (", m.n_kv_heads, ")");
+    check_silu(c);
+    check_gqa_heads(c, m.n_heads, m.n_kv_heads);
     if (m.rot_dim <= 0 || m.rot_dim % 2 != 0 || m.rot_dim > m.head_dim)
       fail(c.path(), ": head_dim (", m.head_dim, ") * partial_rotary_factor must be a positive even number of dims");
-    if (m.top_k <= 0 || m.top_k > m.n_experts)
-      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, n_routed_experts = ", m.n_experts, "]");
-    if (m.n_group <= 0 || m.n_experts % m.n_group != 0 || m.topk_group <= 0 || m.topk_group > m.n_group)
-      fail(c.path(), ": n_group (", m.n_group, ") must divide n_routed_experts (", m.n_experts,
-           ") and topk_group (", m.topk_group, ") must be in [1, n_group]");
+    check_top_k(c, m.top_k, m.n_experts, "n_routed_experts");
+    check_expert_groups(c, m.n_experts, m.n_group, m.topk_group);
     return m;
   }
 

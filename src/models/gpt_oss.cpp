@@ -68,11 +68,9 @@ struct GptOssConfig {
         m.sliding.push_back(t == "sliding_attention");
       }
     }
-    if (m.n_heads <= 0 || m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
-      fail(c.path(), ": num_attention_heads (", m.n_heads, ") must be a positive multiple of num_key_value_heads (", m.n_kv_heads, ")");
-    if (m.head_dim <= 0 || m.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", m.head_dim);
-    if (m.top_k <= 0 || m.top_k > m.n_experts)
-      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, num_local_experts = ", m.n_experts, "]");
+    check_gqa_heads(c, m.n_heads, m.n_kv_heads);
+    check_head_dim(c, m.head_dim);
+    check_top_k(c, m.top_k, m.n_experts, "num_local_experts");
     for (bool s : m.sliding)
       if (s && m.sliding_window <= 0) fail(c.path(), ": sliding layers need a positive sliding_window");
     return m;

@@ -1,6 +1,7 @@
 #include "models/moe_decoder.h"
 
 #include "core/error.h"
+#include "io/hf_config.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
 
@@ -65,6 +66,32 @@ MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, i
   p.topk_group = topk_group;
   p.routed_scaling_factor = routed_scaling_factor;
   return p;
+}
+
+void check_silu(const HfConfig& c) {
+  const std::string act = c.get_string("hidden_act", "silu");
+  if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+}
+
+void check_gqa_heads(const HfConfig& c, int n_heads, int n_kv_heads) {
+  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
+    fail(c.path(), ": num_attention_heads (", n_heads, ") must be a positive multiple of num_key_value_heads (",
+         n_kv_heads, ")");
+}
+
+void check_head_dim(const HfConfig& c, int head_dim) {
+  if (head_dim <= 0 || head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", head_dim);
+}
+
+void check_top_k(const HfConfig& c, int top_k, int n_experts, const char* experts_field) {
+  if (top_k <= 0 || top_k > n_experts)
+    fail(c.path(), ": num_experts_per_tok (", top_k, ") must be in [1, ", experts_field, " = ", n_experts, "]");
+}
+
+void check_expert_groups(const HfConfig& c, int n_experts, int n_group, int topk_group) {
+  if (n_group <= 0 || n_experts % n_group != 0 || topk_group <= 0 || topk_group > n_group)
+    fail(c.path(), ": n_group (", n_group, ") must divide n_routed_experts (", n_experts, ") and topk_group (",
+         topk_group, ") must be in [1, n_group]");
 }
 
 std::unique_ptr<SequenceState> MoeDecoder::new_sequence(int64_t capacity) {

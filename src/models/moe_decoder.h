@@ -49,6 +49,16 @@ MoeFeedForward load_shared_expert_ffn(WeightLoader& w, const std::string& p, boo
 MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, int n_group, int topk_group,
                                 float routed_scaling_factor);
 
+// Config checks the MoE families share; each fails naming config.json and the field.
+void check_silu(const HfConfig& c);  // hidden_act is silu (the default)
+// num_attention_heads a positive multiple of num_key_value_heads.
+void check_gqa_heads(const HfConfig& c, int n_heads, int n_kv_heads);
+void check_head_dim(const HfConfig& c, int head_dim);  // positive and even
+// num_experts_per_tok in [1, n_experts]; experts_field names the config's expert count.
+void check_top_k(const HfConfig& c, int top_k, int n_experts, const char* experts_field);
+// n_group divides n_routed_experts, topk_group in [1, n_group].
+void check_expert_groups(const HfConfig& c, int n_experts, int n_group, int topk_group);
+
 struct MoeDecoderLayer {
   Vector input_norm, post_attention_norm;
   GqaAttention attn;

@@ -48,13 +48,10 @@ struct OlmoeConfig {
     m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-5));
     m.max_position = c.get_int("max_position_embeddings", 32768);
     m.rope = c.rope();
-    const std::string act = c.get_string("hidden_act", "silu");
-    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
-    if (m.n_heads <= 0 || m.n_kv_heads <= 0 || m.n_heads % m.n_kv_heads != 0)
-      fail(c.path(), ": num_attention_heads (", m.n_heads, ") must be a positive multiple of num_key_value_heads (", m.n_kv_heads, ")");
-    if (m.head_dim <= 0 || m.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", m.head_dim);
-    if (m.top_k <= 0 || m.top_k > m.n_experts)
-      fail(c.path(), ": num_experts_per_tok (", m.top_k, ") must be in [1, num_experts = ", m.n_experts, "]");
+    check_silu(c);
+    check_gqa_heads(c, m.n_heads, m.n_kv_heads);
+    check_head_dim(c, m.head_dim);
+    check_top_k(c, m.top_k, m.n_experts, "num_experts");
     if (m.clip_qkv < 0) fail(c.path(), ": clip_qkv must be positive, found ", m.clip_qkv);
     return m;
   }

@@ -50,15 +50,12 @@ struct Qwen3MoeConfig {
     q.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
     q.max_position = c.get_int("max_position_embeddings", 32768);
     q.rope = c.rope();
-    const std::string act = c.get_string("hidden_act", "silu");
-    if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
+    check_silu(c);
     if (c.get_bool("use_sliding_window", false))
       fail(c.path(), ": use_sliding_window is not supported for qwen3_moe yet");
-    if (q.n_heads <= 0 || q.n_kv_heads <= 0 || q.n_heads % q.n_kv_heads != 0)
-      fail(c.path(), ": num_attention_heads (", q.n_heads, ") must be a positive multiple of num_key_value_heads (", q.n_kv_heads, ")");
-    if (q.head_dim <= 0 || q.head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", q.head_dim);
-    if (q.top_k <= 0 || q.top_k > q.n_experts)
-      fail(c.path(), ": num_experts_per_tok (", q.top_k, ") must be in [1, num_experts = ", q.n_experts, "]");
+    check_gqa_heads(c, q.n_heads, q.n_kv_heads);
+    check_head_dim(c, q.head_dim);
+    check_top_k(c, q.top_k, q.n_experts, "num_experts");
     if (q.decoder_sparse_step <= 0) fail(c.path(), ": decoder_sparse_step must be positive");
     return q;
   }
