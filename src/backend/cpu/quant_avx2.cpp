@@ -441,22 +441,13 @@ MS_AVX2 void quantize_activations(const float* x, int64_t cols, int group_size, 
 
 // The row steps QuantLoops runs (quant_loops.h).
 struct Avx2 {
-  MS_AVX2 static float dot_f32(const float* a, const float* b, int64_t n) { return detail::dot_f32(a, b, n); }
-  MS_AVX2 static void axpy(float a, const float* x, float* y, int64_t n) { detail::axpy(a, x, y, n); }
-  MS_AVX2 static void quantize_activations(const float* x, int64_t cols, int group_size, int bits, int8_t* q,
-                                           float* lane_scale, float* group_sum) {
-    detail::quantize_activations(x, cols, group_size, bits, q, lane_scale, group_sum);
-  }
-  MS_AVX2 static void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x, int64_t xs,
-                                        int64_t T, int64_t n, float* y, int64_t ldy) {
-    detail::rows_times_tokens(rows, rs, nrows, x, xs, T, n, y, ldy);
-  }
-  MS_AVX2 static float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
-    return detail::dot_plain_row(w, r, x);
-  }
-  MS_AVX2 static void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
-    detail::plain_row_to_f32(w, r, dst);
-  }
+  // The level's functions of the same names (above).
+  static constexpr auto dot_f32 = &detail::dot_f32;
+  static constexpr auto axpy = &detail::axpy;
+  static constexpr auto quantize_activations = &detail::quantize_activations;
+  static constexpr auto rows_times_tokens = &detail::rows_times_tokens;
+  static constexpr auto dot_plain_row = &detail::dot_plain_row;
+  static constexpr auto plain_row_to_f32 = &detail::plain_row_to_f32;
 
   template <int BITS, int GS, bool MX>
   MS_AVX2 static float dot_int8_row(const Matrix& w, int64_t r, const TokenInt8& x) {
