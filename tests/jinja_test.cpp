@@ -180,9 +180,9 @@ w)J"},
   b|a
 > 
 > b|&lt;a href=&#34;x&#34;&gt;&amp;|3|  abc  .)J"},
-    {"filter", R"J({{ [1, 2, 3, 4, 5] | batch(2) | list }}|{{ 'hello world' | truncate(8, leeway=0) }}|{{ '%s-%d' | format('a', 3) }}|{{ d | attr('x') }}|{{ none | string }}|{{ [1,2] | safe }})J",
+    {"filter", R"J({{ [1, 2, 3, 4, 5] | batch(2) | list }}|{{ 'hello world' | truncate(8, leeway=0) }}|{{ '%s-%d' | format('a', 3) }}{{ '%s' | format([1, 2]) }}|{{ d | attr('x') }}|{{ none | string }}|{{ [1,2] | safe }})J",
      R"J({"d": {}})J",
-     R"J([[1, 2], [3, 4], [5]]|hello...|a-3||None|[1, 2])J"},
+     R"J([[1, 2], [3, 4], [5]]|hello...|a-3[1, 2]||None|[1, 2])J"},
     {"test", R"J({{ x is defined }}{{ y is undefined }}{{ n is none }}{{ 's' is string }}{{ 1 is number }}{{ 1.0 is number }}{{ true is number }}{{ 1 is integer }}{{ true is integer }}{{ 1.0 is float }})J",
      R"J({"x": 1, "n": null})J",
      R"J(TrueTrueTrueTrueTrueTrueTrueTrueFalseTrue)J"},

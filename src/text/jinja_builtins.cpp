@@ -383,15 +383,10 @@ Value f_float(Interp&, const Value& v, Args& a) {
   return p[0];
 }
 
-Value f_format(Interp& in, const Value& v, Args& a) {
-  Value args = a.pos.size() == 1 ? a.pos[0] : Value(List(a.pos));
-  if (a.pos.size() == 1 && !a.pos[0].is_list()) args = Value(List{a.pos[0]});
-  Args b;
-  b.pos = {v, args};
-  (void)in;
-  // value % args
-  std::string f = need_str(v, "format");
-  std::vector<Value> vals = args.list();
+Value f_format(Interp&, const Value& v, Args& a) {
+  // value % args (jinja2: soft_str(value) % (kwargs or args); keyword formatting is not supported)
+  std::string f = to_str(v);
+  const std::vector<Value>& vals = a.pos;
   std::string r;
   size_t k = 0;
   for (size_t i = 0; i < f.size(); ++i) {
@@ -411,6 +406,7 @@ Value f_format(Interp& in, const Value& v, Args& a) {
     else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? int64_t(x.real()) : x.as_int());
     else throw_error("TypeError", "unsupported format character");
   }
+  if (k < vals.size()) throw_error("TypeError", "not all arguments converted during string formatting");
   return Value(r);
 }
 
