@@ -199,6 +199,39 @@ TEST(Mxfp4Kernels, EveryLevelAndPathMatchesTheDequantizedProduct) {
     }
 }
 
+TEST(Mxfp4Kernels, EveryExponentUpToTheLimit) {
+  // One exponent per row, from the subnormal scales (e < 2) to kMxfp4MaxExponent, random codes;
+  // the activations scaled so that the products stay within float32 (2^-64 for the large ones).
+  struct Case {
+    std::vector<int> exps;
+    float x_scale;
+  };
+  const std::vector<Case> cases = {{{0, 1, 2, 3, 64, 127, 128, 160}, 1.0f},
+                                   {{180, 200, 240, 251, int(kMxfp4MaxExponent)}, std::ldexp(1.0f, -64)}};
+  const int64_t cols = 96;
+  for (const Case& c : cases) {
+    const size_t rows = c.exps.size();
+    Mx m{int64_t(rows), cols, std::vector<uint8_t>(rows * cols / 2), std::vector<uint8_t>(rows * cols / 32)};
+    std::mt19937 rng(17);
+    for (auto& code : m.codes) code = uint8_t(rng());
+    for (size_t r = 0; r < rows; ++r)
+      for (int64_t g = 0; g < cols / 32; ++g) m.exps[r * cols / 32 + size_t(g)] = uint8_t(c.exps[r]);
+    std::vector<float> x = gaussian(size_t(cols), 18);
+    for (float& v : x) v = (std::abs(v) < 0.25f ? 0.25f : v) * c.x_scale;  // products stay normal
+    const std::vector<double> ref = reference(m, x, 1);
+    const std::vector<float> d = m.dequantized();
+    for (KernelLevel level : levels()) {
+      const std::vector<float> y = run(m, x, 1, level, true);
+      for (size_t r = 0; r < rows; ++r) {
+        double scale = 0;
+        for (int64_t i = 0; i < cols; ++i) scale += std::abs(double(d[r * cols + size_t(i)]) * x[size_t(i)]);
+        EXPECT_LE(std::abs(double(y[r]) - ref[r]), 1e-5 * scale)
+            << cpu::kernel_level_name(level) << " exponent " << c.exps[r];
+      }
+    }
+  }
+}
+
 TEST(Mxfp4Kernels, Int8LevelsAgreeWithTheScalarLevel) {
   const Mx m = quantized(19, 160, 5);
   const std::vector<float> x = gaussian(2 * 160, 6);

@@ -112,7 +112,8 @@ float e8m0_to_f32(uint8_t e);
 inline constexpr std::array<uint8_t, 16> kMxfp4AffineCode{12, 13, 14, 15, 16, 18, 20, 24,
                                                          12, 11, 10, 9,  8,  6,  4,  0};
 inline constexpr float kMxfp4AffineBiasCodes = 12.0f;  // bias' = -12 * scale'
-inline constexpr uint8_t kMxfp4MaxExponent = 252;      // beyond it bias' overflows float32
+inline constexpr uint8_t kMxfp4MaxExponent = 252;      // beyond it bias' overflows float32;
+                                                       // the SIMD kernels assume e <= it
 const std::array<float, 256>& mxfp4_affine_scales();
 
 // Quantizes w (rows, cols) float32, cols a multiple of 32: codes (rows, cols / 2) bytes and

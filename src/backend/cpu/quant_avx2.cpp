@@ -255,10 +255,14 @@ struct RowGroups {
     if constexpr (MX) {
       int64_t bytes = 0;
       std::memcpy(&bytes, static_cast<const uint8_t*>(scales) + g0, size_t(std::min<int64_t>(n, 8)));
-      const __m256i idx = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
-      const __m256 valid = _mm256_castsi256_ps(
-          _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)));
-      s = _mm256_mask_i32gather_ps(_mm256_setzero_ps(), mxfp4_affine_scales().data(), idx, valid, 4);
+      // scale' = 2^(e - 128) built from its bits: exponent field e - 1, or for e < 2 the
+      // subnormal 1 << (21 + e). Lanes past n are zero.
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(bytes));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i subnormal = _mm256_sllv_epi32(_mm256_set1_epi32(1), _mm256_add_epi32(e, _mm256_set1_epi32(21)));
+      const __m256i tiny = _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e);
+      const __m256i valid = _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+      s = _mm256_castsi256_ps(_mm256_and_si256(_mm256_blendv_epi8(normal, subnormal, tiny), valid));
       b = _mm256_mul_ps(s, _mm256_set1_ps(-kMxfp4AffineBiasCodes));
     } else {
       s = load_half_n(static_cast<const uint16_t*>(scales) + g0, n, dt);

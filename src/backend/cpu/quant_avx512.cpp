@@ -218,9 +218,9 @@ struct RowGroups {
   MS_AVX512 void load(int64_t g0, int64_t n, __m512& s, __m512& b) const {
     if constexpr (MX) {
       const __mmask16 m = __mmask16((1u << n) - 1);
-      const __m512i idx = _mm512_cvtepu8_epi32(
-          _mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(scales) + g0));
-      s = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), m, idx, mxfp4_affine_scales().data(), 4);
+      // scale' = 2^(e - 128), exact (subnormal for e < 2); lanes past n are zero.
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, static_cast<const uint8_t*>(scales) + g0));
+      s = _mm512_maskz_scalef_ps(m, _mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
       b = _mm512_mul_ps(s, _mm512_set1_ps(-kMxfp4AffineBiasCodes));
     } else {
       s = load_half_n(static_cast<const uint16_t*>(scales) + g0, n, dt);
