@@ -8,8 +8,10 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -263,6 +265,58 @@ TEST(DeepseekV3, Fp8WeightsArePackedAsBf16) {
   const auto config = nlohmann::json::parse(test::read_file(pack + "/config.json"));
   EXPECT_FALSE(config.contains("quantization_config"));
   EXPECT_EQ(PackManifest::load(pack).expert(1, 0).format, "bf16");
+}
+
+// A copy of a fixture whose safetensors file holds `edit`'s choice of tensors, and whose
+// config.json `edit_config` may change; loading it must fail with an error containing `want`.
+void expect_load_error(const std::string& fixture, const std::string& name,
+                       const std::function<bool(const std::string&, std::vector<uint8_t>&)>& edit,
+                       const std::function<void(nlohmann::json&)>& edit_config,
+                       const std::vector<std::string>& want) {
+  const std::string src = fixture_dir(fixture), dir = test::temp_dir("broken-" + name);
+  for (const char* f : {"config.json", "generation_config.json"})
+    std::filesystem::copy_file(src + "/" + f, dir + "/" + f, std::filesystem::copy_options::overwrite_existing);
+  const WeightSet weights = WeightSet::open_dir(src);
+  std::vector<TensorToWrite> out;
+  std::deque<std::vector<uint8_t>> bytes;
+  for (const auto& n : weights.names()) {
+    const TensorView& t = weights.get(n);
+    std::vector<uint8_t>& b = bytes.emplace_back(static_cast<const uint8_t*>(t.data),
+                                                 static_cast<const uint8_t*>(t.data) + t.nbytes);
+    if (edit(n, b)) out.push_back({n, t.dtype, t.shape, b.data()});
+  }
+  write_safetensors(dir + "/model.safetensors", out, {{"format", "pt"}});
+  auto config = nlohmann::json::parse(test::read_file(dir + "/config.json"));
+  edit_config(config);
+  std::ofstream(dir + "/config.json") << config.dump(1);
+  ModelOptions opt;
+  opt.threads = 1;
+  opt.cache_dir = test::temp_dir("broken-cache-" + name);
+  try {
+    load_model(dir, opt);
+    ADD_FAILURE() << name << ": loaded";
+  } catch (const Error& e) {
+    for (const std::string& w : want) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << name << ": " << e.what();
+  }
+}
+
+TEST(QuantizedCheckpoints, ErrorsNameTheTensor) {
+  const auto keep_all = [](const std::string&, std::vector<uint8_t>&) { return true; };
+  const auto same_config = [](nlohmann::json&) {};
+  const std::string scale = "model.layers.1.mlp.experts.3.up_proj.weight_scale_inv";
+  expect_load_error("deepseek_v3_fp8", "fp8-no-scale", [&](const std::string& n, std::vector<uint8_t>&) { return n != scale; },
+                    same_config, {"model.layers.1.mlp.experts.3.up_proj.weight", "_scale_inv"});
+  expect_load_error("deepseek_v3_fp8", "fp8-no-config", keep_all,
+                    [](nlohmann::json& c) { c.erase("quantization_config"); }, {"F8_E4M3", "quant_method"});
+  expect_load_error("gpt_oss_mxfp4", "mxfp4-no-config", keep_all,
+                    [](nlohmann::json& c) { c.erase("quantization_config"); }, {"_blocks", "mxfp4"});
+  const std::string exps = "model.layers.2.mlp.experts.down_proj_scales";
+  expect_load_error("gpt_oss_mxfp4", "mxfp4-nan-exponent",
+                    [&](const std::string& n, std::vector<uint8_t>& b) {
+                      if (n == exps) b[5] = 255;
+                      return true;
+                    },
+                    same_config, {exps, "exponent 255"});
 }
 
 // A bad config.json value is an error naming the field.
