@@ -3,10 +3,12 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "models/model.h"
+#include "text/sampler.h"
 
 namespace moestream::cli {
 
@@ -19,6 +21,8 @@ void add_synth(CLI::App& app);
 void add_bench(CLI::App& app);
 void add_perplexity(CLI::App& app);
 void add_template(CLI::App& app);  // render a conversation with the chat template
+void add_serve(CLI::App& app);
+void add_chat(CLI::App& app);
 
 // "1,2,3" -> {1, 2, 3}; throws Error naming the flag on anything else.
 std::vector<int32_t> parse_token_list(const std::string& text, const std::string& flag);
@@ -29,6 +33,16 @@ struct ModelFlags {
   ModelOptions options;
   bool stats = false, timing = false;
   void add_to(CLI::App& cmd, bool required = true);
+};
+
+// Sampling flags (--temp, --top-k, --top-p, --min-p, --repeat-penalty, --seed); each one given
+// overrides the model's generation_config.json defaults.
+struct SamplingFlags {
+  std::optional<float> temperature, top_p, min_p, repeat_penalty;
+  std::optional<int> top_k;
+  uint64_t seed = 0;
+  void add_to(CLI::App& cmd);
+  SamplingParams resolve(const std::string& model_dir) const;  // validated
 };
 
 // Counters of a run, printed at the end: --stats as one JSON line on stderr, --timing as a

@@ -4,7 +4,6 @@
 
 #include "cli/cli.h"
 #include "core/error.h"
-#include "io/hf_config.h"
 #include "models/generate.h"
 #include "text/tokenizer.h"
 
@@ -14,40 +13,16 @@ namespace {
 
 struct RunFlags {
   ModelFlags model;
+  SamplingFlags sampling;
   std::string prompt, tokens;
   int n_predict = 128;
-  std::optional<float> temperature, top_p, min_p, repeat_penalty;
-  std::optional<int> top_k;
-  uint64_t seed = 0;
   bool ids = false;
 };
-
-// Flags override generation_config.json, which overrides greedy decoding.
-SamplingParams sampling_params(const RunFlags& f) {
-  const HfConfig config = HfConfig::load(f.model.dir + "/config.json").text();
-  const GenerationDefaults d = load_generation_defaults(f.model.dir, config);
-  SamplingParams p;
-  if (d.do_sample.value_or(false)) {
-    p.temperature = d.temperature.value_or(1.0f);
-    p.top_k = d.top_k.value_or(0);
-    p.top_p = d.top_p.value_or(1.0f);
-    p.min_p = d.min_p.value_or(0.0f);
-  }
-  p.repetition_penalty = d.repetition_penalty.value_or(1.0f);
-  if (f.temperature) p.temperature = *f.temperature;
-  if (f.top_k) p.top_k = *f.top_k;
-  if (f.top_p) p.top_p = *f.top_p;
-  if (f.min_p) p.min_p = *f.min_p;
-  if (f.repeat_penalty) p.repetition_penalty = *f.repeat_penalty;
-  p.seed = f.seed;
-  validate(p);
-  return p;
-}
 
 void run(const RunFlags& f) {
   if (f.prompt.empty() == f.tokens.empty()) fail("run: give exactly one of -p/--prompt and --tokens");
   if (f.n_predict < 0) fail("-n: must be >= 0, got ", f.n_predict);
-  const SamplingParams params = sampling_params(f);
+  const SamplingParams params = f.sampling.resolve(f.model.dir);
   std::unique_ptr<Tokenizer> tok;
   std::vector<int32_t> prompt;
   if (!f.prompt.empty()) {
@@ -96,12 +71,7 @@ void add_run(CLI::App& app) {
   cmd->add_option("-p,--prompt", flags->prompt, "Prompt text");
   cmd->add_option("--tokens", flags->tokens, "Prompt as comma-separated token ids");
   cmd->add_option("-n,--n-predict", flags->n_predict, "Tokens to generate (default 128)");
-  cmd->add_option("--temp", flags->temperature, "Temperature; 0 = greedy (default: generation_config.json, else greedy)");
-  cmd->add_option("--top-k", flags->top_k, "Keep the k most likely tokens (0 = off)");
-  cmd->add_option("--top-p", flags->top_p, "Nucleus sampling threshold");
-  cmd->add_option("--min-p", flags->min_p, "Drop tokens below min-p times the best probability");
-  cmd->add_option("--repeat-penalty", flags->repeat_penalty, "Repetition penalty (1 = off)");
-  cmd->add_option("--seed", flags->seed, "Random seed for sampling (default 0)");
+  flags->sampling.add_to(*cmd);
   cmd->add_flag("--ids", flags->ids, "Print only the generated token ids, space-separated");
   cmd->callback([flags] { run(*flags); });
 }

@@ -17,6 +17,8 @@ int main(int argc, char** argv) {
   moestream::cli::add_bench(app);
   moestream::cli::add_perplexity(app);
   moestream::cli::add_template(app);
+  moestream::cli::add_serve(app);
+  moestream::cli::add_chat(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

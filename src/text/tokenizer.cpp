@@ -274,6 +274,9 @@ std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& dir) {
 std::string StreamDecoder::push(int32_t id) {
   constexpr size_t kMaxWindow = 8;
   constexpr size_t kHardLimit = 64;  // ids that add no bytes cannot grow the window forever
+  // A model's output head may have more rows than the tokenizer has tokens (Qwen3: 151936 rows,
+  // 151669 tokens); such an id stands for no text, as transformers' decode treats it.
+  if (id < 0 || id >= tok_.vocab_size()) return "";
   window_.push_back(id);
   std::string text = tok_.decode(window_);
   if (text.size() < emitted_bytes_) emitted_bytes_ = text.size();

@@ -48,7 +48,8 @@ class Tokenizer {
   virtual const std::string& chat_template() const = 0;
 };
 
-// Turns a stream of token ids into text pieces that are always whole UTF-8 characters: bytes of
+// Turns a stream of token ids into text pieces that are always whole UTF-8 characters (ids the
+// tokenizer does not have give no text, as in transformers): bytes of
 // a character split across tokens are held back until the character is complete. Each push
 // decodes only a short window of recent ids, so the cost per token does not grow with length.
 class StreamDecoder {

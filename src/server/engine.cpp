@@ -1,0 +1,216 @@
+#include "server/engine.h"
+
+#include <algorithm>
+
+#include "backend/backend.h"
+#include "core/error.h"
+
+namespace moestream {
+
+using clock_type = std::chrono::steady_clock;
+
+FinishReason Job::take(std::vector<int32_t>& out, std::chrono::milliseconds timeout) {
+  std::unique_lock lock(mu_);
+  if (pending_.empty() && reason_ == FinishReason::running)
+    cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || reason_ != FinishReason::running; });
+  out.insert(out.end(), pending_.begin(), pending_.end());
+  pending_.clear();
+  return reason_;
+}
+
+std::string Job::error() const {
+  std::lock_guard lock(mu_);
+  return error_;
+}
+
+void Job::push(int32_t token) {
+  {
+    std::lock_guard lock(mu_);
+    pending_.push_back(token);
+  }
+  cv_.notify_all();
+}
+
+void Job::finish(FinishReason reason, std::string error) {
+  {
+    std::lock_guard lock(mu_);
+    reason_ = reason;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+Engine::Engine(Model& model, const EngineOptions& options)
+    : model_(model), options_(options), cache_(options.kv_slots) {
+  if (options_.parallel < 1) fail("--parallel must be >= 1, got ", options_.parallel);
+  if (options_.max_queue < 0) fail("the queue limit must be >= 0, got ", options_.max_queue);
+  if (options_.ctx < 2) fail("--ctx must be >= 2, got ", options_.ctx);
+  if (options_.kv_slots < 0) fail("--kv-slots must be >= 0, got ", options_.kv_slots);
+  slots_.resize(size_t(options_.parallel));
+  for (Slot& s : slots_) s.state = model_.new_sequence(options_.ctx);
+  logits_.resize(size_t(model_.info().vocab_size));
+  thread_ = std::thread([this] { loop(); });
+}
+
+Engine::~Engine() {
+  {
+    std::lock_guard lock(mu_);
+    stopping_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  for (auto& job : queue_) job->finish(FinishReason::cancelled);
+}
+
+std::shared_ptr<Job> Engine::submit(JobRequest request) {
+  if (request.prompt.empty()) fail("the prompt is empty");
+  if (int64_t(request.prompt.size()) + request.max_tokens > options_.ctx)
+    fail("the prompt (", request.prompt.size(), " tokens) plus max_tokens (", request.max_tokens,
+         ") exceeds the context of ", options_.ctx, " tokens");
+  auto job = std::make_shared<Job>(std::move(request));
+  {
+    std::lock_guard lock(mu_);
+    // Requests in the system: waiting, plus those in slots (counted once the loop admits them).
+    if (int(queue_.size()) + stats_.active >= options_.parallel + options_.max_queue) throw QueueFull();
+    queue_.push_back(job);
+    stats_.queued = int(queue_.size());
+  }
+  cv_.notify_all();
+  return job;
+}
+
+EngineStats Engine::stats() const {
+  std::lock_guard lock(mu_);
+  return stats_;
+}
+
+void Engine::loop() {
+  for (;;) {
+    {
+      std::unique_lock lock(mu_);
+      auto idle = [&] {
+        return std::none_of(slots_.begin(), slots_.end(), [](const Slot& s) { return bool(s.job); });
+      };
+      cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !idle(); });
+      if (stopping_) break;
+      for (Slot& s : slots_) {
+        if (!s.job && !queue_.empty()) {
+          s.job = std::move(queue_.front());
+          queue_.pop_front();
+        }
+      }
+      stats_.queued = int(queue_.size());
+      stats_.active = int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return bool(s.job); }));
+    }
+    // One turn each, in slot order: a prefill chunk or one decoded token.
+    for (Slot& s : slots_) {
+      if (!s.job) continue;
+      try {
+        if (s.sampler == nullptr) start(s);
+        if (s.job) step(s);
+      } catch (const std::exception& e) {
+        finish(s, FinishReason::failed, e.what());
+      }
+    }
+    const ExpertStats experts = model_.expert_stats();
+    std::lock_guard lock(mu_);
+    stats_.experts = experts;
+  }
+  for (Slot& s : slots_)
+    if (s.job) finish(s, FinishReason::cancelled);
+}
+
+void Engine::start(Slot& s) {
+  const JobRequest& r = s.job->request();
+  s.sampler = std::make_unique<Sampler>(r.sampling);
+  const int64_t reused = cache_.restore(r.prompt, *s.state);
+  s.tokens.assign(r.prompt.begin(), r.prompt.begin() + reused);
+  s.context = r.prompt;
+  s.prompt_done = reused;
+  s.generated = 0;
+  s.next = -1;
+  s.job->cached_tokens_.store(reused);
+  std::lock_guard lock(mu_);
+  ++stats_.requests_started;
+  stats_.prompt_tokens += int64_t(r.prompt.size());
+  stats_.cached_prompt_tokens += reused;
+  stats_.cache = cache_.stats();
+}
+
+void Engine::step(Slot& s) {
+  Job& job = *s.job;
+  if (job.cancelled()) return finish(s, FinishReason::cancelled);
+  const auto& prompt = job.request().prompt;
+  const auto t0 = clock_type::now();
+  if (s.prompt_done < int64_t(prompt.size())) {
+    const int64_t n = std::min<int64_t>(options_.prefill_chunk, int64_t(prompt.size()) - s.prompt_done);
+    std::span<const int32_t> chunk(prompt.data() + s.prompt_done, size_t(n));
+    model_.forward(chunk, *s.state, logits_);
+    s.tokens.insert(s.tokens.end(), chunk.begin(), chunk.end());
+    s.prompt_done += n;
+    const double dt = std::chrono::duration<double>(clock_type::now() - t0).count();
+    job.prefill_seconds_.store(job.prefill_seconds_.load() + dt);
+    {
+      std::lock_guard lock(mu_);
+      stats_.prefill_seconds += dt;
+    }
+    if (s.prompt_done == int64_t(prompt.size())) sample_and_emit(s);
+    return;
+  }
+  model_.forward(std::span<const int32_t>(&s.next, 1), *s.state, logits_);
+  s.tokens.push_back(s.next);
+  const double dt = std::chrono::duration<double>(clock_type::now() - t0).count();
+  job.decode_seconds_.store(job.decode_seconds_.load() + dt);
+  {
+    std::lock_guard lock(mu_);
+    stats_.decode_seconds += dt;
+  }
+  sample_and_emit(s);
+}
+
+void Engine::sample_and_emit(Slot& s) {
+  Job& job = *s.job;
+  const JobRequest& r = job.request();
+  if (r.constraint) r.constraint->mask(logits_);
+  int32_t next;
+  {
+    ScopedTimer timer(model_.backend().times().sampling);
+    next = s.sampler->sample(logits_, s.context);
+  }
+  const auto& eos = model_.info().eos_token_ids;
+  if (std::find(eos.begin(), eos.end(), next) != eos.end()) return finish(s, FinishReason::eos);
+  if (r.constraint) r.constraint->accept(next);
+  s.next = next;
+  s.context.push_back(next);
+  ++s.generated;
+  job.push(next);
+  {
+    std::lock_guard lock(mu_);
+    ++stats_.generated_tokens;
+  }
+  if (s.generated >= r.max_tokens) finish(s, FinishReason::length);
+}
+
+void Engine::finish(Slot& s, FinishReason reason, std::string error) {
+  // The state holds exactly s.tokens (the last sampled token was never forwarded), whatever
+  // stopped the request, so it can always be kept for the next one.
+  try {
+    if (reason != FinishReason::failed && s.state->n_past == int64_t(s.tokens.size()))
+      cache_.store(s.tokens, *s.state);
+  } catch (const std::exception&) {
+    // Keeping the state is an optimisation; a failure here must not fail the request.
+  }
+  std::shared_ptr<Job> job = std::move(s.job);
+  s.sampler.reset();
+  {
+    // Counted before the caller hears of the end, so what it sees next includes this request.
+    std::lock_guard lock(mu_);
+    ++stats_.requests_finished;
+    if (reason == FinishReason::cancelled) ++stats_.requests_cancelled;
+    stats_.cache = cache_.stats();
+    stats_.active = int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& x) { return bool(x.job); }));
+  }
+  job->finish(reason, std::move(error));
+}
+
+}  // namespace moestream

@@ -1,0 +1,146 @@
+// The generation engine behind `serve` and `chat`: one thread owns the model and runs the
+// admitted requests in turn -- a prefill chunk or one decode step each -- so up to `parallel`
+// requests make progress together and none waits for another to finish. Requests beyond that wait
+// in a bounded FIFO queue. Each request starts from the longest usable prefix held in the prefix
+// cache and leaves its final sequence state there.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <span>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "models/model.h"
+#include "server/prefix_cache.h"
+#include "text/sampler.h"
+
+namespace moestream {
+
+// Restricts which tokens may come next (e.g. JSON output). Called on the engine thread only.
+class TokenConstraint {
+ public:
+  virtual ~TokenConstraint() = default;
+  virtual void mask(std::span<float> logits) = 0;  // disallowed tokens -> -infinity
+  virtual void accept(int32_t token) = 0;
+};
+
+struct JobRequest {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_tokens = 0;                           // >= 1
+  std::shared_ptr<TokenConstraint> constraint;  // optional
+};
+
+enum class FinishReason { running, eos, length, cancelled, failed };
+
+// One request in flight: the engine appends tokens, the caller takes them. Thread-safe.
+class Job {
+ public:
+  explicit Job(JobRequest request) : request_(std::move(request)) {}
+  const JobRequest& request() const { return request_; }
+
+  // Moves newly generated tokens into `out` (appending). Waits up to `timeout` when there are
+  // none yet. Returns the finish reason (running while more may come).
+  FinishReason take(std::vector<int32_t>& out, std::chrono::milliseconds timeout);
+  // Stops generation at the next step (client gone, stop string found). Idempotent.
+  void cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
+  std::string error() const;
+
+  int64_t cached_tokens() const { return cached_tokens_.load(); }  // prompt tokens reused
+  double prefill_seconds() const { return prefill_seconds_.load(); }
+  double decode_seconds() const { return decode_seconds_.load(); }
+
+ private:
+  friend class Engine;
+  void push(int32_t token);
+  void finish(FinishReason reason, std::string error = {});
+
+  JobRequest request_;
+  std::atomic<bool> cancelled_{false};
+  std::atomic<int64_t> cached_tokens_{0};
+  std::atomic<double> prefill_seconds_{0}, decode_seconds_{0};
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<int32_t> pending_;
+  FinishReason reason_ = FinishReason::running;
+  std::string error_;
+};
+
+struct EngineOptions {
+  int parallel = 4;            // requests in flight at once
+  int max_queue = 64;          // requests waiting beyond those; more are refused
+  int64_t ctx = 4096;          // positions per sequence (prompt + generated); ServedModel::load
+                               // takes 0 as the model's own, at most 4096
+  int kv_slots = 8;            // sequence states kept by the prefix cache
+  int64_t prefill_chunk = 256; // prompt tokens per turn, so a long prompt does not stall others
+};
+
+struct EngineStats {
+  int64_t requests_started = 0, requests_finished = 0, requests_cancelled = 0;
+  int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+  int active = 0, queued = 0;
+  PrefixCache::Stats cache;
+  ExpertStats experts;  // of the model, refreshed after every engine turn
+};
+
+class QueueFull : public std::runtime_error {
+ public:
+  QueueFull() : std::runtime_error("the server is busy: the request queue is full") {}
+};
+
+class Engine {
+ public:
+  Engine(Model& model, const EngineOptions& options);
+  ~Engine();
+  Engine(const Engine&) = delete;
+  Engine& operator=(const Engine&) = delete;
+
+  // Queues a request; throws QueueFull when max_queue requests already wait.
+  std::shared_ptr<Job> submit(JobRequest request);
+  EngineStats stats() const;
+  const EngineOptions& options() const { return options_; }
+  Model& model() { return model_; }
+
+ private:
+  struct Slot {
+    std::unique_ptr<SequenceState> state;
+    std::shared_ptr<Job> job;
+    std::vector<int32_t> tokens;  // tokens whose state is in `state` (n_past of them)
+    std::vector<int32_t> context; // prompt + generated, for the repetition penalty
+    std::unique_ptr<Sampler> sampler;
+    int64_t prompt_done = 0;      // prompt tokens processed
+    int generated = 0;
+    int32_t next = -1;            // sampled, not yet forwarded
+  };
+
+  void loop();
+  void start(Slot& slot);
+  void step(Slot& slot);
+  void sample_and_emit(Slot& slot);
+  void finish(Slot& slot, FinishReason reason, std::string error = {});
+
+  Model& model_;
+  EngineOptions options_;
+  PrefixCache cache_;
+  std::vector<Slot> slots_;
+  std::vector<float> logits_;
+
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::shared_ptr<Job>> queue_;
+  bool stopping_ = false;
+  EngineStats stats_;
+  std::thread thread_;
+};
+
+}  // namespace moestream

@@ -1,0 +1,90 @@
+// One request's generation as the server and the terminal chat run it: the prompt goes to the
+// engine, tokens come back as text (whole UTF-8 characters), stop strings end it, and the text is
+// split into answer, reasoning and tool calls as it streams.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "io/hf_config.h"
+#include "models/model.h"
+#include "server/engine.h"
+#include "server/json_constraint.h"
+#include "server/output_parser.h"
+#include "text/chat_template.h"
+#include "text/sampler.h"
+#include "text/tokenizer.h"
+
+namespace moestream {
+
+// A loaded model with everything the server needs around it.
+struct ServedModel {
+  std::string id;  // the name clients use ("model" field); the directory's name by default
+  std::string dir;
+  std::unique_ptr<Model> model;
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::optional<ChatTemplate> chat_template;  // absent: chat endpoints answer 400
+  OutputSyntax syntax = OutputSyntax::tagged;
+  SamplingParams defaults;                    // from generation_config.json
+  std::shared_ptr<const TokenBytes> token_bytes;
+  std::unique_ptr<Engine> engine;
+
+  static std::unique_ptr<ServedModel> load(const std::string& dir, const ModelOptions& model_options,
+                                           const EngineOptions& engine_options, std::string id = "");
+  // Prompt ids of a rendered chat prompt (special tokens in the text become their ids; no BOS is
+  // added, as transformers' apply_chat_template(tokenize=True) does).
+  std::vector<int32_t> encode_chat(const std::string& rendered) const;
+  // Prompt ids of raw text (BOS added when the tokenizer says so).
+  std::vector<int32_t> encode_text(const std::string& text) const;
+};
+
+struct GenerateOptions {
+  std::vector<int32_t> prompt;
+  SamplingParams sampling;
+  int max_tokens = 16;
+  std::vector<std::string> stop;  // stop strings (not included in the output)
+  bool json_object = false;       // constrain the output to a JSON object
+  bool chat = false;              // split reasoning and tool calls out of the text
+  bool parse_tools = false;
+  bool in_reasoning = false;      // the prompt ends inside an open reasoning block
+};
+
+struct GenerateResult {
+  ParsedOutput output;             // everything, also when it was streamed
+  std::string finish_reason;       // "stop", "length", "tool_calls" or "cancelled"
+  std::string stop_sequence;       // the stop string that ended it, if one did
+  int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
+  double prefill_seconds = 0, decode_seconds = 0;
+};
+
+// One request. The constructor queues it (throws QueueFull when the queue is full, Error when it
+// does not fit the context), so a server can answer 503/400 before it starts a streamed reply.
+class Generation {
+ public:
+  Generation(ServedModel& m, GenerateOptions options);
+  ~Generation();  // a request not run to its end is cancelled
+  Generation(const Generation&) = delete;
+  Generation& operator=(const Generation&) = delete;
+
+  // Runs it to its end. on_delta receives each newly decided piece as it is generated (never an
+  // empty one) and returns false when the client has gone, which stops generation; alive() is
+  // polled while waiting and may do the same. Throws Error when generation failed.
+  GenerateResult run(const std::function<bool(const ParsedOutput&)>& on_delta,
+                     const std::function<bool()>& alive = {});
+
+ private:
+  ServedModel& m_;
+  GenerateOptions o_;
+  std::shared_ptr<Job> job_;
+};
+
+// Sampling parameters from generation_config.json (greedy unless it says do_sample).
+SamplingParams sampling_defaults(const GenerationDefaults& d);
+
+// Whether a rendered prompt ends inside an open <think> block (the template opened it).
+bool prompt_opens_reasoning(const std::string& rendered);
+
+}  // namespace moestream

@@ -1,0 +1,70 @@
+#include "server/prefix_cache.h"
+
+#include <algorithm>
+
+namespace moestream {
+
+namespace {
+
+int64_t common_prefix(std::span<const int32_t> a, std::span<const int32_t> b) {
+  const size_t n = std::min(a.size(), b.size());
+  size_t i = 0;
+  while (i < n && a[i] == b[i]) ++i;
+  return int64_t(i);
+}
+
+}  // namespace
+
+int64_t PrefixCache::restore(std::span<const int32_t> prompt, SequenceState& state) {
+  ++stats_.lookups;
+  const int64_t limit = int64_t(prompt.size()) - 1;  // keep one token to compute logits from
+  auto best = entries_.end();
+  int64_t best_len = 0;
+  for (auto it = entries_.begin(); it != entries_.end(); ++it) {
+    const int64_t held = int64_t(it->tokens.size());
+    int64_t usable = std::min(common_prefix(it->tokens, prompt), limit);
+    // A recurrent state cannot be rolled back: only the whole cached sequence is usable.
+    if (usable < held && !it->state->can_truncate(usable)) usable = 0;
+    if (usable > best_len) best = it, best_len = usable;
+  }
+  if (best == entries_.end()) {
+    state.truncate(0);
+    return 0;
+  }
+  state.restore(*best->state);
+  if (best_len < int64_t(best->tokens.size())) state.truncate(best_len);
+  entries_.splice(entries_.begin(), entries_, best);
+  ++stats_.hits;
+  stats_.reused_tokens += best_len;
+  return best_len;
+}
+
+void PrefixCache::store(std::span<const int32_t> tokens, const SequenceState& state) {
+  if (max_entries_ <= 0 || tokens.empty()) return;
+  // Reuse the memory of a superseded entry (one whose tokens this sequence extends).
+  std::unique_ptr<SequenceState> reuse;
+  for (auto it = entries_.begin(); it != entries_.end();) {
+    if (it->tokens.size() <= tokens.size() &&
+        common_prefix(it->tokens, tokens) == int64_t(it->tokens.size())) {
+      if (!reuse) reuse = std::move(it->state);
+      it = entries_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (reuse && reuse->capacity() >= state.n_past) {
+    reuse->restore(state);
+  } else {
+    if (!reuse && int(entries_.size()) >= max_entries_) entries_.pop_back();
+    reuse = state.clone(state.n_past);  // a snapshot holds only what was computed
+  }
+  entries_.push_front(Entry{std::vector<int32_t>(tokens.begin(), tokens.end()), std::move(reuse)});
+}
+
+PrefixCache::Stats PrefixCache::stats() const {
+  Stats s = stats_;
+  s.entries = int(entries_.size());
+  return s;
+}
+
+}  // namespace moestream

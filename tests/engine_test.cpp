@@ -1,0 +1,136 @@
+// The server's generation engine: requests run concurrently give exactly the tokens a lone
+// generate() gives, the prefix cache reuses states without changing results, cancellation and
+// the queue limit leave nothing behind.
+#include <gtest/gtest.h>
+
+#include <thread>
+
+#include "core/error.h"
+#include "models/generate.h"
+#include "server/engine.h"
+#include "test_util.h"
+
+namespace moestream {
+namespace {
+
+std::vector<int32_t> drain(Job& job, FinishReason& reason) {
+  std::vector<int32_t> out;
+  do reason = job.take(out, std::chrono::milliseconds(50));
+  while (reason == FinishReason::running);
+  return out;
+}
+
+std::vector<int32_t> reference(Model& model, const std::vector<int32_t>& prompt, int n) {
+  Sampler greedy(SamplingParams{});
+  return generate(model, prompt, n, greedy, [](int32_t) { return true; }).tokens;
+}
+
+class EngineTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    model_ = load_model(test::fixture("models/qwen3moe_gqa_tied"), {});
+    for (int i = 0; i < 5; ++i) {
+      std::vector<int32_t> p;
+      for (int j = 0; j < 6 + 3 * i; ++j) p.push_back((37 * i + 11 * j + 5) % 200);
+      prompts_.push_back(p);
+      expected_.push_back(reference(*model_, p, 12));
+    }
+  }
+  JobRequest request(const std::vector<int32_t>& prompt, int n = 12) {
+    JobRequest r;
+    r.prompt = prompt;
+    r.max_tokens = n;
+    return r;
+  }
+  std::unique_ptr<Model> model_;
+  std::vector<std::vector<int32_t>> prompts_, expected_;
+};
+
+TEST_F(EngineTest, ConcurrentRequestsMatchSequentialGeneration) {
+  EngineOptions o;
+  o.parallel = 3;
+  o.ctx = 128;
+  o.prefill_chunk = 4;  // several turns of prefill per prompt, interleaved with other requests
+  Engine engine(*model_, o);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const auto& p : prompts_) jobs.push_back(engine.submit(request(p)));
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    FinishReason reason;
+    EXPECT_EQ(drain(*jobs[i], reason), expected_[i]) << "request " << i;
+    EXPECT_EQ(reason, FinishReason::length);
+  }
+  const EngineStats s = engine.stats();
+  EXPECT_EQ(s.requests_finished, 5);
+  EXPECT_EQ(s.generated_tokens, 5 * 12);
+}
+
+TEST_F(EngineTest, PrefixCacheReusesStateWithIdenticalResults) {
+  EngineOptions o;
+  o.parallel = 1;
+  o.ctx = 128;
+  o.kv_slots = 2;
+  Engine engine(*model_, o);
+  FinishReason reason;
+  auto first = engine.submit(request(prompts_[4]));
+  ASSERT_EQ(drain(*first, reason), expected_[4]);
+  EXPECT_EQ(first->cached_tokens(), 0);
+
+  // The next turn: the whole first exchange plus more. Everything before the last generated
+  // token (never forwarded) is reused.
+  std::vector<int32_t> turn2 = prompts_[4];
+  turn2.insert(turn2.end(), expected_[4].begin(), expected_[4].end());
+  turn2.insert(turn2.end(), {7, 8, 9});
+  // (references first: the model must not run on two threads at once)
+  const auto expect2 = reference(*model_, turn2, 12);
+  auto second = engine.submit(request(turn2));
+  EXPECT_EQ(drain(*second, reason), expect2);
+  EXPECT_EQ(second->cached_tokens(), int64_t(prompts_[4].size() + expected_[4].size() - 1));
+
+  // A prompt sharing only a prefix: the cached state is cut back to the shared part.
+  std::vector<int32_t> branch(prompts_[4].begin(), prompts_[4].begin() + 10);
+  branch.push_back(199);
+  const auto expect3 = reference(*model_, branch, 12);
+  auto third = engine.submit(request(branch));
+  EXPECT_EQ(drain(*third, reason), expect3);
+  EXPECT_EQ(third->cached_tokens(), 10);
+  EXPECT_GE(engine.stats().cache.hits, 2);
+}
+
+TEST_F(EngineTest, CancelStopsAndFreesTheSlot) {
+  EngineOptions o;
+  o.parallel = 1;
+  o.ctx = 128;
+  Engine engine(*model_, o);
+  auto job = engine.submit(request(prompts_[0], 100));
+  std::vector<int32_t> got;
+  while (got.size() < 2) job->take(got, std::chrono::milliseconds(50));
+  job->cancel();
+  FinishReason reason;
+  drain(*job, reason);
+  EXPECT_EQ(reason, FinishReason::cancelled);
+  // The slot is free again and the next request is unaffected.
+  auto next = engine.submit(request(prompts_[1]));
+  EXPECT_EQ(drain(*next, reason), expected_[1]);
+  EXPECT_EQ(engine.stats().active, 0);
+  EXPECT_EQ(engine.stats().requests_cancelled, 1);
+}
+
+TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
+  EngineOptions o;
+  o.parallel = 1;
+  o.max_queue = 1;
+  o.ctx = 64;
+  Engine engine(*model_, o);
+  auto a = engine.submit(request(prompts_[0], 40));
+  auto b = engine.submit(request(prompts_[1], 40));
+  EXPECT_THROW(engine.submit(request(prompts_[2], 40)), QueueFull);
+  a->cancel();
+  b->cancel();
+  EXPECT_THROW(engine.submit(request(prompts_[0], 60)), Error);  // 6 + 60 > 64
+  FinishReason reason;
+  drain(*a, reason);
+  drain(*b, reason);
+}
+
+}  // namespace
+}  // namespace moestream
