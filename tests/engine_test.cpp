@@ -134,3 +134,45 @@ TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
 
 }  // namespace
 }  // namespace moestream
+
+namespace moestream {
+namespace {
+
+// Qwen3-Next keeps recurrent DeltaNet state: a cached sequence is reused only when the new prompt
+// extends all of it, and results stay identical either way.
+TEST(EngineHybrid, PrefixCacheWithRecurrentState) {
+  auto model = load_model(test::fixture("families/qwen3_next_tiny"), {});
+  std::vector<int32_t> prompt;
+  for (int j = 0; j < 20; ++j) prompt.push_back((13 * j + 7) % 150);
+  const auto first_ref = reference(*model, prompt, 8);
+  std::vector<int32_t> extended = prompt;
+  extended.insert(extended.end(), first_ref.begin(), first_ref.end());
+  extended.insert(extended.end(), {3, 4});
+  const auto extended_ref = reference(*model, extended, 8);
+  std::vector<int32_t> branch(prompt.begin(), prompt.begin() + 12);
+  branch.push_back(149);
+  const auto branch_ref = reference(*model, branch, 8);
+
+  EngineOptions o;
+  o.parallel = 1;
+  o.ctx = 96;
+  o.prefill_chunk = 7;
+  Engine engine(*model, o);
+  FinishReason reason;
+  JobRequest r;
+  r.max_tokens = 8;
+  r.prompt = prompt;
+  auto a = engine.submit(r);
+  EXPECT_EQ(drain(*a, reason), first_ref);
+  r.prompt = extended;
+  auto b = engine.submit(r);
+  EXPECT_EQ(drain(*b, reason), extended_ref);
+  EXPECT_EQ(b->cached_tokens(), int64_t(prompt.size() + first_ref.size() - 1));
+  r.prompt = branch;  // diverges inside the cached sequence: the recurrent state cannot be cut back
+  auto c = engine.submit(r);
+  EXPECT_EQ(drain(*c, reason), branch_ref);
+  EXPECT_EQ(c->cached_tokens(), 0);
+}
+
+}  // namespace
+}  // namespace moestream
