@@ -28,6 +28,16 @@ gap on that path):
                          weights as [channels, kernel, 1], a v4-style config.json with
                          full_attention_interval (mlx-lm reads no layer_types). Reference logits
                          come from transformers running on the *dequantized* weights.
+  qwen3_5_moe_mlx_q4     an mlx-community-style 4-bit qwen3_5_moe (multimodal) checkpoint, named as
+                         mlx-vlm and mlx-lm (qwen3_5_moe.py) write it: the language model under
+                         language_model.model., the head as language_model.lm_head, the vision
+                         tower under vision_tower. (bf16, never quantized; the patch conv
+                         channels-last), multi-token-prediction weights under language_model.mtp.;
+                         experts stacked under mlp.switch_mlp; the same quantization, overrides
+                         keyed by the full module path (language_model.model.layers.0.mlp.gate);
+                         A_log kept in float32 (mlx-lm's cast_predicate); norms as 1 + w; conv1d
+                         [channels, kernel, 1]; config.json as transformers 5 writes it (text_config,
+                         layer_types, rope_parameters) plus quantization / quantization_config.
 
 Every fixture is reloaded from the written files by transformers (the reference for MLX is that
 reloaded model). The DeltaNet runs transformers' torch implementations (torch_chunk_gated_delta_rule,
@@ -104,6 +114,17 @@ QWEN3_NEXT_MLX = dict(
     layer_types=["linear_attention"] * 3 + ["full_attention"],
     rope_theta=10000.0, tie_word_embeddings=False)
 
+# The multimodal Qwen3.5 checkpoint in MLX form: MLX-quantizable widths as above; GQA 2 in the
+# linear layers and in the full one.
+QWEN3_5_MLX_TEXT = dict(
+    vocab_size=256, hidden_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
+    num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+    partial_rotary_factor=0.25, linear_conv_kernel_dim=4, linear_key_head_dim=16,
+    linear_value_head_dim=16, linear_num_key_heads=2, linear_num_value_heads=4, num_experts=8,
+    num_experts_per_tok=2,
+    layer_types=["linear_attention"] * 3 + ["full_attention"],
+    rope_theta=10000000.0, tie_word_embeddings=False)
+
 SPECS = [
     dict(name="qwen3_next_long", model_type="qwen3_next", layout="save_pretrained",
          cfg=QWEN3_NEXT_LONG, n_logits=150, n_prompt=70, n_greedy=12),
@@ -116,6 +137,10 @@ SPECS = [
     dict(name="qwen3_next_mlx_q4", model_type="qwen3_next", layout="mlx", cfg=QWEN3_NEXT_MLX,
          n_logits=80, n_prompt=68, n_greedy=12, bits=4, group=64,
          overrides={"mlp.gate": (8, 64), "mlp.shared_expert_gate": (8, 64)}),
+    dict(name="qwen3_5_moe_mlx_q4", model_type="qwen3_5_moe", layout="mlx", cfg=QWEN3_5_MLX_TEXT,
+         n_logits=72, n_prompt=20, n_greedy=12, bits=4, group=64,
+         overrides={"mlp.gate": (8, 64), "mlp.shared_expert_gate": (8, 64)},
+         mlx_names="language_model", float32=(".A_log",), config_style="v5"),
 ]
 
 # Norm weights that Qwen3-Next applies as (1 + w); mlx-lm's sanitize stores them as 1 + w.
@@ -300,16 +325,32 @@ def to_v4_config(cfg):
     return cfg
 
 
+def mlx_name(spec, key):
+    """The checkpoint name of the Hub tensor `key` in the spec's MLX layout. mlx-lm's qwen3_next
+    keeps the Hub names; the multimodal Qwen3.5 checkpoints (mlx-vlm, and mlx-lm's qwen3_5_moe)
+    move the language model under language_model. and the vision tower to vision_tower."""
+    if spec.get("mlx_names", "hub") == "hub":
+        return key
+    for hub, mlx in (("model.language_model.", "language_model.model."),
+                     ("model.visual.", "vision_tower."), ("lm_head.", "language_model.lm_head.")):
+        if key.startswith(hub):
+            return mlx + key[len(hub):]
+    raise RuntimeError(f"no MLX name for {key}")
+
+
 def write_mlx(spec, model, config, out_dir, tmp):
     """Writes the MLX checkpoint into out_dir; returns the reference model (transformers on the
     dequantized weights) and the quantization config."""
     hub_dir = os.path.join(tmp, "hub")
     model.to(torch.bfloat16).save_pretrained(hub_dir)
     model.to(torch.float32)
+    text = text_config(config)
     hub = per_expert({k: v.to(torch.float32).numpy() for k, v in saved_tensors(hub_dir).items()},
-                     config.moe_intermediate_size)
-    n_layers, n_exp = config.num_hidden_layers, config.num_experts
+                     text.moe_intermediate_size)
+    n_layers, n_exp = text.num_hidden_layers, text.num_experts
     bits, group = spec["bits"], spec["group"]
+    layers_prefix = ("model.language_model.layers." if config.model_type == "qwen3_5_moe"
+                     else "model.layers.")
 
     def fmt(module):
         for suffix, bg in spec["overrides"].items():
@@ -333,30 +374,49 @@ def write_mlx(spec, model, config, out_dir, tmp):
     for key, w in hub.items():
         if ".mlp.experts." in key:
             continue
-        if key.endswith("conv1d.weight"):
+        name = mlx_name(spec, key)
+        if key.startswith("model.visual."):
+            # mlx-vlm leaves the vision tower unquantized; its patch conv is channels-last
+            # ([out, C, T, H, W] -> [out, T, H, W, C]).
+            stored = np.moveaxis(w, 1, -1) if w.ndim == 5 else w
+            tensors[name] = quant.bf16_bits(np.ascontiguousarray(stored))
+            dequant[key] = w
+        elif key.endswith("conv1d.weight"):
             # [channels, 1, kernel] -> mlx-lm's [channels, kernel, 1]; not quantized.
-            tensors[key] = quant.bf16_bits(np.ascontiguousarray(np.moveaxis(w, 2, 1)))
+            tensors[name] = quant.bf16_bits(np.ascontiguousarray(np.moveaxis(w, 2, 1)))
             dequant[key] = w
         elif any(key.endswith(s) for s in ZERO_CENTRED_NORMS):
             stored = quant.bf16_round(1.0 + w)  # mlx-lm adds 1 in the checkpoint's bf16
-            tensors[key] = quant.bf16_bits(stored)
+            tensors[name] = quant.bf16_bits(stored)
             dequant[key] = (stored - 1.0).astype(np.float32)
+        elif any(key.endswith(s) for s in spec.get("float32", ())):
+            tensors[name] = torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
+            dequant[key] = w
         elif w.ndim == 2 and key.endswith(".weight") and w.shape[-1] % fmt(key[:-7])[1] == 0:
-            dequant[key] = put_quantized(key[: -len(".weight")], w)
+            dequant[key] = put_quantized(name[: -len(".weight")], w)
         else:
-            tensors[key] = quant.bf16_bits(w)
+            tensors[name] = quant.bf16_bits(w)
             dequant[key] = w
     for layer in range(n_layers):
-        prefix = f"model.layers.{layer}.mlp."
+        prefix = f"{layers_prefix}{layer}.mlp."
         if f"{prefix}experts.0.gate_proj.weight" not in hub:
             continue
         for proj in ("gate_proj", "up_proj", "down_proj"):
             stacked = np.stack([hub[f"{prefix}experts.{e}.{proj}.weight"] for e in range(n_exp)])
-            deq = put_quantized(f"{prefix}switch_mlp.{proj}", stacked)
+            deq = put_quantized(f"{mlx_name(spec, prefix)}switch_mlp.{proj}", stacked)
             for e in range(n_exp):
                 dequant[f"{prefix}experts.{e}.{proj}.weight"] = deq[e]
     if set(dequant) != set(hub):
         raise RuntimeError(f"dequantized names differ: {sorted(set(hub) ^ set(dequant))[:8]}")
+    if config.model_type == "qwen3_5_moe":
+        # Multi-token-prediction weights, where mlx-lm's qwen3_5_moe keeps them (language_model.mtp.);
+        # a reader must leave them out.
+        gen = torch.Generator().manual_seed(0)
+        h = text.hidden_size
+        for mtp_name, shape in (("language_model.mtp.fc.weight", (h, 2 * h)),
+                                ("language_model.mtp.norm.weight", (h,)),
+                                ("language_model.mtp.layers.0.mlp.gate.weight", (n_exp, h))):
+            tensors[mtp_name] = torch.randn(*shape, generator=gen).to(torch.bfloat16)
 
     # The reference: transformers loading the dequantized weights in its own Hub layout.
     deq_dir = os.path.join(tmp, "dequantized")
@@ -369,7 +429,9 @@ def write_mlx(spec, model, config, out_dir, tmp):
 
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "mlx"})
     with open(os.path.join(hub_dir, "config.json")) as f:
-        cfg_json = to_v4_config(json.load(f))
+        cfg_json = json.load(f)
+    if spec.get("config_style", "v4") == "v4":
+        cfg_json = to_v4_config(cfg_json)
     cfg_json["quantization"] = quant_cfg
     cfg_json["quantization_config"] = quant_cfg
     with open(os.path.join(out_dir, "config.json"), "w") as f:
@@ -404,6 +466,8 @@ def make_one(spec, out_root, seed):
             with open(path) as f:
                 cfg_json = json.load(f)
             cfg_json["eos_token_id"] = unused[0]
+            if "text_config" in cfg_json:
+                cfg_json["text_config"]["eos_token_id"] = unused[0]
             with open(path, "w") as f:
                 json.dump(cfg_json, f, indent=2, sort_keys=True)
             diff = 0.0
