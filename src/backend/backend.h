@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <memory>
 #include <span>
 #include <string>
@@ -175,6 +176,10 @@ class Backend {
   virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
   virtual void free(Buffer& b) = 0;
   virtual void to_host(const Buffer& b, float* dst) = 0;
+  // Host memory for expert weights on their way to this backend (the ExpertStore's slots), 4096
+  // aligned. The CUDA backend hands out pinned memory, which copies to the GPU at full PCIe speed.
+  virtual void* alloc_host(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }
+  virtual void free_host(void* p) { std::free(p); }
   // dst rows [0, rows) = src rows [0, rows): two distinct, non-overlapping buffers of this backend
   // with the same cols, rows <= src.rows and dst.rows (0 copies nothing); an Error otherwise.
   // Ordered like the compute ops: it sees what earlier ops wrote to src, later ops see dst.

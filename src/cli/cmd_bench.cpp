@@ -10,6 +10,7 @@
 #include <numeric>
 #include <random>
 
+#include "backend/backend_factory.h"
 #include "cli/cli.h"
 #include "core/error.h"
 #include "core/thread_pool.h"
@@ -115,6 +116,7 @@ void add_bench(CLI::App& app) {
     int n_prompt = 512, n_gen = 128;
     double raw_mb = 1024;
     bool json = false;
+    bool warmup = false;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("bench", "Measure prefill/decode speed and expert streaming against the disk");
@@ -123,6 +125,8 @@ void add_bench(CLI::App& app) {
   cmd->add_option("-n,--n-gen", f->n_gen, "Tokens for the decode test (default 128; 0 skips it)")->check(CLI::NonNegativeNumber);
   cmd->add_option("--raw-read-mb", f->raw_mb, "Bytes of experts read for the raw read rate (default 1024)")->check(CLI::NonNegativeNumber);
   cmd->add_flag("--json", f->json, "Print the results as one JSON object");
+  cmd->add_flag("--warmup", f->warmup,
+                "Run one untimed prefill first, so that pp measures warm expert tiers (GPU: everything loaded and pinned)");
   cmd->callback([f] {
     ModelOptions opt = f->model.options;
     const std::string pack_dir = ensure_pack(f->model.dir, opt.cache_dir);
@@ -146,10 +150,26 @@ void add_bench(CLI::App& app) {
                           {"raw_read_gb_per_s", raw}, {"raw_read_bytes", raw_bytes},
                           {"memory_read_gb_per_s", mem_bw},
                           {"active_bytes_per_token", info.active_bytes_per_token}};
+    // On a GPU: the limits the results are measured against (HBM copy, pinned PCIe).
+    const std::optional<GpuLimits> gpu = measure_gpu_limits(model->backend());
+    if (gpu)
+      out["gpu"] = {{"d2d_gb_per_s", gpu->d2d_gb_per_s}, {"h2d_pinned_gb_per_s", gpu->h2d_pinned_gb_per_s},
+                    {"h2d_slot_gb_per_s", gpu->h2d_slot_gb_per_s},
+                    {"gemv_bf16_gb_per_s", gpu->gemv_bf16_gb_per_s},
+                    {"gemv_bf16_head_gb_per_s", gpu->gemv_bf16_head_gb_per_s},
+                    {"gemv_q4_expert_gb_per_s", gpu->gemv_q4_gb_per_s},
+                    {"launch_us", gpu->launch_us}, {"launch_drain_us", gpu->launch_drain_us},
+                    {"round_trip_us", gpu->round_trip_us}};
 
     if (f->n_prompt > 0) {
       std::vector<int32_t> prompt(size_t(f->n_prompt));
       for (auto& t : prompt) t = token(rng);
+      if (f->warmup) {
+        auto t0 = clock_type::now();
+        auto warm = model->new_sequence(f->n_prompt);
+        model->forward(prompt, *warm, logits);
+        out["warmup_s"] = seconds_since(t0);
+      }
       auto seq = model->new_sequence(f->n_prompt);
       const ExpertStats before = model->expert_stats();
       auto t0 = clock_type::now();
@@ -164,6 +184,8 @@ void add_bench(CLI::App& app) {
       int32_t next = token(rng);
       model->forward(std::span(&next, 1), *seq, logits);
       const ExpertStats before = model->expert_stats();
+      const std::optional<GpuTierStats> tier_before = gpu_tier_stats(model->backend());
+      const PhaseTimes phases_before = model->backend().times();
       auto t0 = clock_type::now();
       for (int i = 0; i < f->n_gen; ++i) {
         next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
@@ -184,6 +206,39 @@ void add_bench(CLI::App& app) {
                    // against the memory read bandwidth measured above.
                    {"weight_gb_per_s", info.active_bytes_per_token * (f->n_gen / secs) / 1e9},
                    {"weight_bw_ratio", info.active_bytes_per_token * (f->n_gen / secs) / 1e9 / mem_bw}};
+      {  // time per phase of the decode loop (GPU time only with MOESTREAM_CUDA_SYNC=1)
+        const PhaseTimes& p1 = model->backend().times();
+        const PhaseTimes& p0 = phases_before;
+        out["tg"]["phase_s"] = {{"embed", p1.embed - p0.embed}, {"attention", p1.attention - p0.attention},
+                                {"routing", p1.routing - p0.routing},
+                                {"expert_compute", p1.expert_compute - p0.expert_compute},
+                                {"dense_mlp", p1.dense_mlp - p0.dense_mlp},
+                                {"output_head", p1.output_head - p0.output_head}};
+      }
+      if (gpu && tier_before) {
+        // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),
+        // PCIe (expert bytes copied up per token over pinned host-to-device), disk (bytes read
+        // per token over the raw read rate).
+        const GpuTierStats t1 = *gpu_tier_stats(model->backend()), &t0s = *tier_before;
+        const double tps = f->n_gen / secs;
+        const double pcie_per_token = double(t1.bytes_h2d - t0s.bytes_h2d) / f->n_gen;
+        const double disk_per_token = double(bytes) / f->n_gen;
+        const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
+        const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;
+        const double disk_bound = disk_per_token > 0 && raw > 0 ? raw * 1e9 / disk_per_token : 0;
+        const uint64_t vh = t1.hits - t0s.hits, vm = t1.misses - t0s.misses;
+        out["tg"]["gpu"] = {
+            {"hbm_bound_tok_per_s", hbm_bound}, {"of_hbm_bound", tps / hbm_bound},
+            {"pcie_bytes_per_token", pcie_per_token}, {"pcie_bound_tok_per_s", pcie_bound},
+            {"of_pcie_bound", pcie_bound > 0 ? tps / pcie_bound : 0.0},
+            {"disk_bound_tok_per_s", disk_bound}, {"of_disk_bound", disk_bound > 0 ? tps / disk_bound : 0.0},
+            {"vram_hit_rate", vh + vm ? double(vh) / double(vh + vm) : 1.0},
+            {"resident_layer_calls", t1.resident_calls - t0s.resident_calls},
+            {"pcie_gb_per_s_while_copying", t1.h2d_seconds > t0s.h2d_seconds
+                                               ? double(t1.bytes_h2d - t0s.bytes_h2d) / (t1.h2d_seconds - t0s.h2d_seconds) / 1e9
+                                               : 0.0},
+            {"vram_expert_bytes", t1.slots * t1.slot_bytes}};
+      }
     }
     out["peak_rss_bytes"] = peak_rss_bytes();
     out["expert_cache_bytes"] = model->expert_stats().cache_bytes;
@@ -216,6 +271,18 @@ void add_bench(CLI::App& app) {
       std::printf("\ndecode touches %.1f MB of weights per token: %.2f GB/s, %.0f%% of the memory read bandwidth\n",
                   info.active_bytes_per_token / 1e6, out["tg"]["weight_gb_per_s"].get<double>(),
                   100 * out["tg"]["weight_bw_ratio"].get<double>());
+    if (out.contains("tg") && out["tg"].contains("gpu")) {
+      const auto& g = out["tg"]["gpu"];
+      std::printf("GPU: device copy %.0f GB/s, pinned H2D %.1f GB/s (%.1f GB/s per expert-sized copy)\n",
+                  out["gpu"]["d2d_gb_per_s"].get<double>(), out["gpu"]["h2d_pinned_gb_per_s"].get<double>(),
+                  out["gpu"]["h2d_slot_gb_per_s"].get<double>());
+      std::printf("tg: %.0f%% of the HBM bound (%.0f t/s); VRAM hit rate %.1f%%; PCIe %.1f MB/token, %.0f%% of its bound "
+                  "(%.1f t/s); disk %.0f%% of its bound (%.1f t/s)\n",
+                  100 * g["of_hbm_bound"].get<double>(), g["hbm_bound_tok_per_s"].get<double>(),
+                  100 * g["vram_hit_rate"].get<double>(), g["pcie_bytes_per_token"].get<double>() / 1e6,
+                  100 * g["of_pcie_bound"].get<double>(), g["pcie_bound_tok_per_s"].get<double>(),
+                  100 * g["of_disk_bound"].get<double>(), g["disk_bound_tok_per_s"].get<double>());
+    }
     std::printf("peak RSS %.1f MB; expert cache %.1f MB\n", peak_rss_bytes() / 1e6,
                 model->expert_stats().cache_bytes / 1e6);
   });

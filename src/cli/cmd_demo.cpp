@@ -22,6 +22,9 @@ void add_demo(CLI::App& app) {
   cmd->add_option("-n,--n-predict", f->n_predict, "Tokens to generate (default 64)")->check(CLI::NonNegativeNumber);
   cmd->add_option("-p,--prompt", f->prompt, "Prompt text");
   cmd->add_option("--threads", f->options.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  f->options.device = "auto";
+  cmd->add_option("--device", f->options.device, "Where to compute: auto | cuda | cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->callback([f] {
     const std::string dir = default_cache_dir() + "/demo-small-v1";
     if (!is_pack_dir(dir)) {

@@ -3,6 +3,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend_factory.h"
 #include "cli/cli.h"
 #include "core/error.h"
 
@@ -46,6 +47,15 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       ->check(CLI::IsMember({"pread", "uring"}));
   cmd.add_flag("--direct-io", e.direct_io, "Read experts with O_DIRECT (bypass the page cache)");
   cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(CLI::PositiveNumber);
+  options.device = "auto";
+  cmd.add_option("--device", options.device, "Where to compute: auto (the GPU when there is one) | cuda | cpu")
+      ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
+  cmd.add_option("--gpu-expert-mb", options.gpu_expert_mb,
+                 "CUDA: VRAM for expert weights in MB (default: free VRAM minus a reserve)")
+      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("--host-expert-mb", e.cache_mb,
+                 "CUDA: pinned RAM for experts between disk and VRAM, in MB (the same budget as --expert-cache-mb)")
+      ->check(CLI::NonNegativeNumber);
   cmd.add_flag("--stats", stats, "Print one JSON line of statistics on stderr at the end");
   cmd.add_flag("--timing", timing, "Print time per phase on stderr at the end");
 }
@@ -76,6 +86,21 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
         {"expert_cache_bytes", s.cache_bytes},
         {"expert_budget_bytes", s.budget_bytes},
         {"weight_bytes", model.info().weight_bytes}};
+    j["device"] = model.backend().name();
+    if (const auto g = gpu_tier_stats(model.backend())) {
+      const uint64_t n = g->hits + g->misses;
+      j["vram_expert_hits"] = g->hits;
+      j["vram_expert_misses"] = g->misses;
+      j["vram_hit_rate"] = n ? double(g->hits) / double(n) : 0.0;
+      j["vram_resident_layer_calls"] = g->resident_calls;
+      j["vram_prefetched"] = g->prefetched;
+      j["vram_expert_slots"] = g->slots;
+      j["vram_expert_bytes"] = g->slots * g->slot_bytes;
+      j["host_tier_hit_rate"] = s.hit_rate();
+      j["pinned_host_bytes"] = g->pinned_bytes;
+      j["pcie_bytes"] = g->bytes_h2d;
+      j["pcie_gb_per_s"] = g->h2d_seconds > 0 ? double(g->bytes_h2d) / g->h2d_seconds / 1e9 : 0.0;
+    }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
   }
   if (flags.timing) {

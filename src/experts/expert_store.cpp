@@ -27,8 +27,10 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
-struct AlignedFree {
-  void operator()(char* p) const { std::free(p); }
+// Slot memory comes from the backend (pinned host memory on CUDA) and goes back to it.
+struct HostFree {
+  Backend* backend = nullptr;
+  void operator()(char* p) const { backend->free_host(p); }
 };
 
 class StreamingExpertStore final : public ExpertStore {
@@ -138,7 +140,7 @@ class StreamingExpertStore final : public ExpertStore {
  private:
   struct Slot {
     enum State { Free, Loading, Ready } state = Free;
-    std::unique_ptr<char, AlignedFree> mem;
+    std::unique_ptr<char, HostFree> mem;
     int layer = -1, expert = -1;
     int pins = 0;
     MlpWeights weights;  // views into mem, valid while Ready
@@ -169,7 +171,7 @@ class StreamingExpertStore final : public ExpertStore {
       if (slots_[i].state == Slot::Free) return int(i);
     if (slots_.size() < max_slots_) {
       Slot& s = slots_.emplace_back();
-      s.mem.reset(static_cast<char*>(std::aligned_alloc(kPackAlignment, slot_bytes_)));
+      s.mem = std::unique_ptr<char, HostFree>(static_cast<char*>(backend_.alloc_host(slot_bytes_)), HostFree{&backend_});
       if (!s.mem) fail("expert store: out of memory allocating a ", slot_bytes_, "-byte slot");
       return int(slots_.size() - 1);
     }

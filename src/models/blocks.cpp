@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/backend_factory.h"
 #include "core/error.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
@@ -282,8 +283,16 @@ void fail_truncate(int64_t n, int64_t n_past) {
 
 void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
                              const ModelOptions& options, const Dims& dims) {
-  backend_ = make_cpu_backend(options.threads, options.precise || !options.int8_activations);
   pack_ = PackManifest::load(dir);
+  BackendOptions bo;
+  bo.device = options.device;
+  bo.threads = options.threads;
+  bo.precise = options.precise || !options.int8_activations;
+  bo.gpu_expert_mb = options.gpu_expert_mb;
+  bo.max_expert_bytes = pack_.max_expert_size();
+  bo.host_expert_mb = options.experts.cache_mb;
+  for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
+  backend_ = make_backend(bo);
   weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
   info_.model_type = dims.model_type;
   info_.dir = dir;

@@ -18,6 +18,8 @@ struct ModelOptions {
   bool precise = false;  // keep activations in float32 everywhere (the default path may not)
   bool int8_activations = false;  // quantized weights: int8 activations, integer dot products
   ExpertStoreOptions experts;  // expert cache budget, eviction policy, I/O method
+  std::string device = "cpu";  // auto | cuda | cpu; gpu_expert_mb: VRAM expert slots (< 0: free VRAM minus a reserve)
+  double gpu_expert_mb = -1;
   std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
 };
 

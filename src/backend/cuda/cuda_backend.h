@@ -1,0 +1,30 @@
+// The CUDA backend: activations, non-expert weights and KV caches in GPU memory; routed experts
+// in a VRAM slot cache fed from the ExpertStore (pinned host slots, filled from disk).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <string>
+
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+
+namespace moestream {
+
+struct CudaOptions {
+  // VRAM for expert slots in MB (1e6 bytes); < 0: the free memory at the first MoE layer minus a
+  // reserve for activations and scratch.
+  double gpu_expert_mb = -1;
+  uint64_t max_expert_bytes = 0;  // the pack's largest expert (one slot); 0: the first one seen
+  int64_t total_experts = 0;      // routed experts of the model, for sizing the slot arena
+  double host_expert_mb = -1;     // the ExpertStore's budget (the pinned host tier); < 0: unbounded
+};
+
+// Whether a CUDA device can be used; when not, `why` says what is missing.
+bool cuda_device_available(std::string* why = nullptr);
+std::unique_ptr<Backend> make_cuda_backend(const CudaOptions& options);
+
+
+
+}  // namespace moestream

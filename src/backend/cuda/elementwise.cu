@@ -1,0 +1,106 @@
+// RMSNorm, residual add, clamp, column copies, sigmoid gates and the SwiGLU activations.
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/elementwise.h"
+
+namespace moestream::cuda {
+
+namespace {
+
+// One block per group; float32 sum of squares as the CPU reference (block-reduced).
+__global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
+                               int64_t group, float* out) {
+  __shared__ float scratch[32];
+  const float* src = x + int64_t(blockIdx.x) * group;
+  float* dst = out + int64_t(blockIdx.x) * group;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) ss += src[i] * src[i];
+  ss = block_sum(ss, scratch);
+  const float inv = 1.0f / sqrtf(ss / float(group) + eps);
+  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) dst[i] = w[i] * (src[i] * inv);
+}
+
+__global__ void add_kernel(float* x, const float* y, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] += y[i];
+}
+
+__global__ void clamp_kernel(float* x, float limit, int64_t n) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < n) x[i] = fminf(fmaxf(x[i], -limit), limit);
+}
+
+__global__ void copy_columns_kernel(const float* src, int64_t src_cols, ColumnBlocks from, float* dst,
+                                    int64_t dst_cols, ColumnBlocks to, int64_t width, int64_t blocks, int64_t rows) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * blocks * width) return;
+  const int64_t t = i / (blocks * width), g = (i / width) % blocks, c = i % width;
+  dst[t * dst_cols + to.offset + g * to.stride + c] = src[t * src_cols + from.offset + g * from.stride + c];
+}
+
+__global__ void sigmoid_gate_kernel(float* y, int64_t rows, int64_t cols, const float* gate, int64_t gate_cols) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cols) return;
+  const int64_t t = i / cols, c = i % cols;
+  y[i] *= sigmoid(gate[t * gate_cols + c % gate_cols]);
+}
+
+__global__ void activation_kernel(float* g, const float* u, int64_t rows, int64_t cols, const float* gb,
+                                  const float* ub, bool clamped, float limit, float alpha) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cols) return;
+  const int64_t c = i % cols;
+  const float a = g[i] + (gb ? gb[c] : 0.0f), b = u[i] + (ub ? ub[c] : 0.0f);
+  if (!clamped) {
+    g[i] = a / (1.0f + expf(-a)) * b;
+  } else {
+    const float ac = fminf(a, limit), bc = fminf(fmaxf(b, -limit), limit);
+    g[i] = (bc + 1.0f) * (ac / (1.0f + expf(-alpha * ac)));
+  }
+}
+
+}  // namespace
+
+void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s) {
+  if (n == 0) return;
+  const int threads = group >= 1024 ? 1024 : group >= 256 ? 256 : group > 64 ? 128 : 32;
+  rmsnorm_kernel<<<unsigned(n / group), threads, 0, s>>>(x, w, eps, group, out);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void add(float* x, const float* y, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  add_kernel<<<blocks_for(n, 256), 256, 0, s>>>(x, y, n);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void clamp(float* x, float limit, int64_t n, cudaStream_t s) {
+  if (n == 0) return;
+  clamp_kernel<<<blocks_for(n, 256), 256, 0, s>>>(x, limit, n);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to, int64_t width,
+                  int64_t blocks, cudaStream_t s) {
+  const int64_t n = src.rows * blocks * width;
+  if (n == 0) return;
+  copy_columns_kernel<<<blocks_for(n, 256), 256, 0, s>>>(src.data, src.cols, from, dst.data, dst.cols, to,
+                                                         width, blocks, src.rows);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_gate(float* y, int64_t rows, int64_t cols, const float* gate, int64_t gate_cols, cudaStream_t s) {
+  if (rows * cols == 0) return;
+  sigmoid_gate_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(y, rows, cols, gate, gate_cols);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void expert_activation(float* g, const float* u, int64_t rows, int64_t cols, const float* gate_bias,
+                       const float* up_bias, const MoeParams& p, cudaStream_t s) {
+  if (rows * cols == 0) return;
+  activation_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(
+      g, u, rows, cols, gate_bias, up_bias, p.activation == ExpertActivation::ClampedSwiGlu, p.swiglu_limit,
+      p.swiglu_alpha);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace moestream::cuda

@@ -1,0 +1,26 @@
+// Launchers of the element-wise and normalization kernels (elementwise.cu). Device pointers;
+// work goes on `stream`.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/backend.h"
+
+namespace moestream::cuda {
+
+// out = RMSNorm over groups of `group` consecutive values of x (n values), times w[i % group].
+void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s);
+void add(float* x, const float* y, int64_t n, cudaStream_t s);
+void clamp(float* x, float limit, int64_t n, cudaStream_t s);
+// dst[t, to.offset + g * to.stride + i] = src[t, from.offset + g * from.stride + i]
+void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to, int64_t width,
+                  int64_t blocks, cudaStream_t s);
+// y[t, i] *= sigmoid(gate[t, i % gate_cols])
+void sigmoid_gate(float* y, int64_t rows, int64_t cols, const float* gate, int64_t gate_cols, cudaStream_t s);
+// g[i] = act(g[i] (+ gate_bias), u[i] (+ up_bias)) over rows x cols (SwiGLU or gpt-oss's clamped form).
+void expert_activation(float* g, const float* u, int64_t rows, int64_t cols, const float* gate_bias,
+                       const float* up_bias, const MoeParams& p, cudaStream_t s);
+
+}  // namespace moestream::cuda

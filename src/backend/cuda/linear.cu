@@ -1,0 +1,222 @@
+// Linear layers: y = x W^T for every weight format.
+//  - GEMV (T <= kGemvMaxTokens): a warp owns kRowsPerWarp rows; each lane walks packs of 32
+//    input elements (16-byte weight loads), x staged in shared memory, dequantization folded
+//    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x).
+//  - GEMM: tiles of rows dequantized to float32, then cuBLAS SGEMM (float32 math, no TF32).
+#include "backend/cuda/linear.h"
+#include "backend/cuda/weights.cuh"
+#include "core/quant.h"
+
+namespace moestream::cuda {
+
+FormatTag format_of(const Matrix& m) {
+  if (m.quant.bits == 0) {
+    switch (m.dtype) {
+      case DType::F32: return {kF32, false};
+      case DType::BF16: return {kBF16, false};
+      case DType::F16: return {kF16, false};
+      default: fail("matrix ", m.name, " has dtype ", dtype_name(m.dtype), ", which the CUDA backend does not read");
+    }
+  }
+  const int b = m.quant.bits;
+  if (b != 2 && b != 3 && b != 4 && b != 6 && b != 8)
+    fail("matrix ", m.name, ": ", b, "-bit weights are not supported by the CUDA backend");
+  if (m.quant.scale_dtype != DType::BF16 && m.quant.scale_dtype != DType::F16)
+    fail("matrix ", m.name, ": the CUDA backend computes only MLX affine quantization (scales of dtype ",
+         dtype_name(m.quant.scale_dtype), ", e.g. MXFP4, are not supported; run it with --device cpu)");
+  return {10 + b, m.quant.scale_dtype == DType::F16};
+}
+
+WeightRef weight_ref(const Matrix& m) {
+  WeightRef r;
+  r.data = m.data;
+  r.scales = static_cast<const uint16_t*>(m.scales);
+  r.biases = static_cast<const uint16_t*>(m.biases);
+  r.rows = m.rows;
+  r.cols = m.cols;
+  if (m.quant.bits) {
+    int s = 0;
+    while ((1 << s) < m.quant.group_size) ++s;
+    if ((1 << s) != m.quant.group_size || m.quant.group_size < 32)
+      fail("cuda: matrix ", m.name, ": group size ", m.quant.group_size, " is not supported (32, 64, 128)");
+    r.group_shift = s;
+  }
+  return r;
+}
+
+size_t max_gemv_smem() {
+  static const size_t limit = [] {
+    int dev = 0, v = 0;
+    MS_CUDA_CHECK(cudaGetDevice(&dev));
+    MS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return size_t(v);
+  }();
+  return limit;
+}
+
+namespace {
+
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
+                const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
+  extern __shared__ float smem[];
+  const int64_t packs = (w.cols + 31) >> 5;
+  float* xs = smem;
+  float* xsum = smem + nt_max * padded_cols(w.cols);
+  const int64_t row0 = int64_t(blockIdx.x) * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
+  for (int t0 = 0; t0 < T; t0 += nt_max) {
+    const int nt = min(nt_max, T - t0);
+    if (t0 > 0) __syncthreads();  // the previous chunk's reads of xs are done
+    stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, w.cols, xs, xsum, false);
+    float acc[kRowsPerWarp][kTokens];
+    gemv_warp<KIND, SF16>(w, row0, xs, xsum, nt, acc);
+    const int lane = threadIdx.x & 31;
+#pragma unroll
+    for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+      for (int t = 0; t < kTokens; ++t)
+        if (lane == r * kTokens + t && t < nt && row0 + r < w.rows)
+          out[(t0 + t) * ldo + row0 + r] = acc[r][t] + (bias ? bias[row0 + r] : 0.0f);
+  }
+  (void)packs;
+}
+
+// Rows [r0, r0 + n) of w as float32 into tile [n, cols].
+template <int KIND, bool SF16>
+__global__ void dequant_rows_kernel(WeightRef w, int64_t r0, int64_t n, float* __restrict__ tile) {
+  const int64_t total = n * w.cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = r0 + i / w.cols, c = i % w.cols;
+    float v;
+    if constexpr (is_quant(KIND)) {
+      constexpr int B = bits_of(KIND);
+      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
+      const int64_t bit = c * B;
+      const int64_t k = bit >> 5;
+      const int s = int(bit & 31);
+      uint32_t code = row[k] >> s;
+      if (s + B > 32) code |= row[k + 1] << (32 - s);
+      code &= (1u << B) - 1;
+      const int64_t g = r * (w.cols >> w.group_shift) + (c >> w.group_shift);
+      v = fmaf(float(code), scale_value<SF16>(w.scales[g]), scale_value<SF16>(w.biases[g]));
+    } else if constexpr (KIND == kF32) {
+      v = static_cast<const float*>(w.data)[r * w.cols + c];
+    } else {
+      const uint16_t h = static_cast<const uint16_t*>(w.data)[r * w.cols + c];
+      v = KIND == kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+    }
+    tile[i] = v;
+  }
+}
+
+template <int KIND, bool SF16>
+__global__ void embed_kernel(WeightRef w, const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  // One block per token: reuse the dequantizer over one row.
+  const int64_t r = tokens[blockIdx.x];
+  float* o = out + int64_t(blockIdx.x) * w.cols;
+  for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
+    float v;
+    if constexpr (is_quant(KIND)) {
+      constexpr int B = bits_of(KIND);
+      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
+      const int64_t bit = c * B, k = bit >> 5;
+      const int s = int(bit & 31);
+      uint32_t code = row[k] >> s;
+      if (s + B > 32) code |= row[k + 1] << (32 - s);
+      code &= (1u << B) - 1;
+      const int64_t g = r * (w.cols >> w.group_shift) + (c >> w.group_shift);
+      v = fmaf(float(code), scale_value<SF16>(w.scales[g]), scale_value<SF16>(w.biases[g]));
+    } else if constexpr (KIND == kF32) {
+      v = static_cast<const float*>(w.data)[r * w.cols + c];
+    } else {
+      const uint16_t h = static_cast<const uint16_t*>(w.data)[r * w.cols + c];
+      v = KIND == kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+    }
+    o[c] = v;
+  }
+}
+
+__global__ void add_bias_kernel(float* out, int64_t ldo, int64_t T, int64_t n, const float* bias) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i < T * n) out[(i / n) * ldo + i % n] += bias[i % n];
+}
+
+void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
+  if (s != CUBLAS_STATUS_SUCCESS) fail(file, ":", line, ": ", what, ": cuBLAS status ", int(s));
+}
+#define MS_CUBLAS_CHECK(expr) check_cublas((expr), #expr, __FILE__, __LINE__)
+
+}  // namespace
+
+GemmScratch::~GemmScratch() {
+  if (tile) cudaFree(tile);
+  if (handle) cublasDestroy(handle);
+}
+
+void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
+            int64_t ldo, GemmScratch& scratch, cudaStream_t stream) {
+  if (T == 0) return;
+  const FormatTag tag = format_of(m);
+  const WeightRef w = weight_ref(m);
+  const size_t smem_limit = max_gemv_smem();
+  int nt_max = kTokens;
+  while (nt_max > 0 && gemv_smem_bytes(w.cols, nt_max) > smem_limit) --nt_max;
+  if (T <= kGemvMaxTokens && nt_max > 0) {
+    dispatch_format(tag, [&]<int KIND, bool SF16>() {
+      static bool configured = false;
+      if (!configured) {
+        MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(smem_limit)));
+        configured = true;
+      }
+      const unsigned blocks = blocks_for(w.rows, kGemvRows);
+      gemv_kernel<KIND, SF16><<<blocks, kGemvWarps * 32, gemv_smem_bytes(w.cols, nt_max), stream>>>(
+          w, x, ldx, int(T), nt_max, bias, out, ldo);
+      MS_CUDA_CHECK_LAUNCH();
+    });
+    return;
+  }
+  // GEMM: dequantize up to ~32M elements of W at a time.
+  if (!scratch.handle) {
+    MS_CUBLAS_CHECK(cublasCreate(&scratch.handle));
+    MS_CUBLAS_CHECK(cublasSetMathMode(scratch.handle, CUBLAS_PEDANTIC_MATH));
+  }
+  MS_CUBLAS_CHECK(cublasSetStream(scratch.handle, stream));
+  const int64_t tile_rows = std::min<int64_t>(w.rows, std::max<int64_t>(64, (int64_t(1) << 25) / w.cols));
+  const size_t need = size_t(tile_rows * w.cols);
+  if (scratch.tile_floats < need) {
+    if (scratch.tile) MS_CUDA_CHECK(cudaFree(scratch.tile));
+    scratch.tile = nullptr;
+    MS_CUDA_CHECK(cudaMalloc(&scratch.tile, need * sizeof(float)));
+    scratch.tile_floats = need;
+  }
+  for (int64_t r0 = 0; r0 < w.rows; r0 += tile_rows) {
+    const int64_t n = std::min(tile_rows, w.rows - r0);
+    dispatch_format(tag, [&]<int KIND, bool SF16>() {
+      const int64_t total = n * w.cols;
+      const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
+      dequant_rows_kernel<KIND, SF16><<<blocks, 256, 0, stream>>>(w, r0, n, scratch.tile);
+      MS_CUDA_CHECK_LAUNCH();
+    });
+    // Column-major view: C (n x T, ld ldo) = tile^T (n x cols) * x (cols x T, ld ldx).
+    const float one = 1.0f, zero = 0.0f;
+    MS_CUBLAS_CHECK(cublasSgemm(scratch.handle, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(T), int(w.cols), &one,
+                                scratch.tile, int(w.cols), x, int(ldx), &zero, out + r0, int(ldo)));
+  }
+  if (bias) {
+    add_bias_kernel<<<blocks_for(T * w.rows, 256), 256, 0, stream>>>(out, ldo, T, w.rows, bias);
+    MS_CUDA_CHECK_LAUNCH();
+  }
+}
+
+void embed(const Matrix& table, const int32_t* tokens, int64_t T, float* out, cudaStream_t stream) {
+  if (T == 0) return;
+  const WeightRef w = weight_ref(table);
+  dispatch_format(format_of(table), [&]<int KIND, bool SF16>() {
+    embed_kernel<KIND, SF16><<<unsigned(T), 256, 0, stream>>>(w, tokens, out);
+    MS_CUDA_CHECK_LAUNCH();
+  });
+}
+
+}  // namespace moestream::cuda

@@ -1,0 +1,308 @@
+// Every CUDA backend operation against the CPU backend (the reference) on random inputs.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "core/dtype.h"
+#include "core/error.h"
+#include "core/quant.h"
+
+namespace moestream {
+namespace {
+
+double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;
+    num = std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return den > 0 ? num / den : num;
+}
+
+std::vector<float> random(size_t n, uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, scale);
+  std::vector<float> v(n);
+  for (float& x : v) x = d(rng);
+  return v;
+}
+
+// The two backends side by side, with helpers to put the same data in both.
+class Pair : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string why;
+    if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+    cpu = make_cpu_backend(2, true);
+    gpu = make_cuda_backend(CudaOptions{});
+  }
+  struct Buf {
+    Buffer c, g;
+  };
+  Buf buf(int64_t rows, int64_t cols, const std::vector<float>& data) {
+    Buf b{cpu->alloc(rows, cols), gpu->alloc(rows, cols)};
+    std::memcpy(b.c.data, data.data(), data.size() * sizeof(float));
+    EXPECT_EQ(cudaMemcpy(b.g.data, data.data(), data.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+    return b;
+  }
+  Buf buf(int64_t rows, int64_t cols, uint32_t seed) { return buf(rows, cols, random(size_t(rows * cols), seed)); }
+  Buf zeros(int64_t rows, int64_t cols) { return Buf{cpu->alloc(rows, cols), gpu->alloc(rows, cols)}; }
+  // Poisoned output: NaN everywhere, so an element the kernel misses shows.
+  Buf poisoned(int64_t rows, int64_t cols) { return buf(rows, cols, std::vector<float>(size_t(rows * cols), NAN)); }
+  std::vector<float> host(Backend& be, const Buffer& b) {
+    std::vector<float> v(size_t(b.rows * b.cols));
+    be.to_host(b, v.data());
+    return v;
+  }
+  double err(const Buf& b) { return rel_err(host(*gpu, b.g), host(*cpu, b.c)); }
+
+  std::unique_ptr<Backend> cpu, gpu;
+};
+
+struct HostMatrix {
+  std::vector<uint32_t> words;
+  std::vector<uint16_t> scales, biases, half;
+  std::vector<float> f32;
+  TensorView w, s, b;
+};
+
+// A random (rows, cols) matrix in `format` ("f32", "bf16", "f16" or a quant spec such as "q4g64").
+HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, uint32_t seed) {
+  HostMatrix m;
+  m.f32 = random(size_t(rows * cols), seed, 0.1f);
+  if (format == "f32") {
+    m.w = TensorView{"w", DType::F32, {rows, cols}, m.f32.data(), m.f32.size() * 4};
+  } else if (format == "bf16" || format == "f16") {
+    for (float x : m.f32) m.half.push_back(format == "bf16" ? f32_to_bf16(x) : f32_to_f16(x));
+    m.w = TensorView{"w", format == "bf16" ? DType::BF16 : DType::F16, {rows, cols}, m.half.data(), m.half.size() * 2};
+  } else {
+    const QuantFormat f = parse_quant_format(format);
+    m.words.resize(size_t(rows * quant_words_per_row(f, cols)));
+    m.scales.resize(size_t(rows * quant_groups_per_row(f, cols)));
+    m.biases.resize(m.scales.size());
+    quantize_affine(m.f32.data(), rows, cols, f, m.words.data(), m.scales.data(), m.biases.data());
+    m.w = TensorView{"w", DType::U32, {rows, quant_words_per_row(f, cols)}, m.words.data(), m.words.size() * 4};
+    m.s = TensorView{"w.scales", f.scale_dtype, {rows, quant_groups_per_row(f, cols)}, m.scales.data(), m.scales.size() * 2};
+    m.b = TensorView{"w.biases", f.scale_dtype, {rows, quant_groups_per_row(f, cols)}, m.biases.data(), m.biases.size() * 2};
+  }
+  return m;
+}
+
+Matrix load(Backend& be, const HostMatrix& m, const std::string& format) {
+  if (format == "f32" || format == "bf16" || format == "f16") return be.load_matrix(m.w);
+  return be.load_quantized(m.w, m.s, m.b, parse_quant_format(format));
+}
+
+const std::vector<std::string> kFormats = {"f32",   "bf16",  "f16",   "q2g64", "q3g64", "q4g64", "q4g32",
+                                           "q4g128", "q6g64", "q8g64", "q4g64-f16", "q3g32-f16", "q8g128"};
+
+TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
+  for (const std::string& fmt : kFormats)
+    for (int64_t T : {1, 3, 4, 8, 37})
+      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 384}}) {
+        HostMatrix hm = make_matrix(rows, cols, fmt, 7);
+        Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+        Buf x = buf(T, cols, 11), out = poisoned(T, rows);
+        cpu->linear(x.c, wc, nullptr, out.c);
+        gpu->linear(x.g, wg, nullptr, out.g);
+        EXPECT_LT(err(out), 1e-5) << fmt << " T=" << T << " [" << rows << ", " << cols << "]";
+      }
+}
+
+TEST_F(Pair, LinearPlainOddWidthWithBias) {
+  for (std::string fmt : {"f32", "bf16"}) {
+    HostMatrix hm = make_matrix(21, 70, fmt, 3);
+    std::vector<float> bias = random(21, 4);
+    const TensorView bv{"bias", DType::F32, {21}, bias.data(), bias.size() * 4};
+    const Vector bc = cpu->load_vector(bv), bg = gpu->load_vector(bv);
+    Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+    for (int64_t T : {1, 2, 20}) {
+      Buf x = buf(T, 70, 5), out = poisoned(T, 21);
+      cpu->linear(x.c, wc, &bc, out.c);
+      gpu->linear(x.g, wg, &bg, out.g);
+      EXPECT_LT(err(out), 1e-5) << fmt << " T=" << T;
+    }
+  }
+}
+
+TEST_F(Pair, Embed) {
+  for (std::string fmt : {"bf16", "q4g64", "q6g32"}) {
+    HostMatrix hm = make_matrix(50, 128, fmt, 9);
+    Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+    const std::vector<int32_t> tokens{3, 49, 0, 3};
+    Buf out = poisoned(4, 128);
+    cpu->embed(tokens, wc, out.c);
+    gpu->embed(tokens, wg, out.g);
+    EXPECT_EQ(err(out), 0.0) << fmt;
+  }
+  HostMatrix hm = make_matrix(5, 32, "f32", 1);
+  Matrix wg = gpu->load_matrix(hm.w);
+  Buf out = zeros(1, 32);
+  const std::vector<int32_t> bad{5};
+  EXPECT_THROW(gpu->embed(bad, wg, out.g), Error);
+}
+
+TEST_F(Pair, RmsNormWholeRowsAndGroups) {
+  for (int64_t group : {256, 64}) {
+    std::vector<float> w = random(size_t(group), 2);
+    const TensorView wv{"norm", DType::F32, {group}, w.data(), w.size() * 4};
+    const Vector wc = cpu->load_vector(wv), wg = gpu->load_vector(wv);
+    Buf x = buf(5, 256, 1), out = poisoned(5, 256);
+    cpu->rmsnorm(x.c, wc, 1e-6f, group, out.c);
+    gpu->rmsnorm(x.g, wg, 1e-6f, group, out.g);
+    EXPECT_LT(err(out), 1e-6) << group;
+    cpu->rmsnorm(x.c, wc, 1e-6f, group, x.c);  // in place
+    gpu->rmsnorm(x.g, wg, 1e-6f, group, x.g);
+    EXPECT_LT(err(x), 1e-6) << group;
+  }
+}
+
+TEST_F(Pair, Rope) {
+  for (bool interleaved : {false, true}) {
+    RopeTable r;
+    r.rot_dim = 32;
+    r.interleaved = interleaved;
+    r.rot_offset = interleaved ? 16 : 0;
+    r.attention_factor = interleaved ? 1.2f : 1.0f;
+    for (int i = 0; i < 16; ++i) r.inv_freq.push_back(1.0f / std::pow(10000.0f, float(2 * i) / 32));
+    Buf x = buf(6, 4 * 48, 8);
+    cpu->rope(x.c, 4, 48, r, 1000);
+    gpu->rope(x.g, 4, 48, r, 1000);
+    EXPECT_LT(err(x), 1e-5) << interleaved;
+  }
+}
+
+TEST_F(Pair, AttentionDecodePrefillWindowSinksMla) {
+  struct Case {
+    int heads, kv_heads, hd, vd;
+    int64_t window;
+    bool sinks, values_in_keys;
+  };
+  for (const Case& c : {Case{8, 2, 64, 64, 0, false, false}, Case{4, 4, 32, 32, 5, true, false},
+                        Case{4, 1, 96, 64, 0, false, true}, Case{2, 2, 128, 128, 0, false, false}}) {
+    AttentionParams p;
+    p.n_heads = c.heads;
+    p.n_kv_heads = c.kv_heads;
+    p.head_dim = c.hd;
+    p.v_head_dim = c.vd == c.hd ? 0 : c.vd;
+    p.scale = 1.0f / std::sqrt(float(c.hd));
+    p.sliding_window = c.window;
+    p.values_in_keys = c.values_in_keys;
+    std::vector<float> sink = random(size_t(c.heads), 3);
+    const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
+    const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
+    const int64_t kv_dim = int64_t(c.kv_heads) * c.hd, v_dim = int64_t(c.kv_heads) * c.vd, cap = 64;
+    Buf kc = zeros(cap, kv_dim), vc = zeros(cap, c.values_in_keys ? 1 : v_dim);
+    int64_t n_past = 0;
+    for (int64_t T : {int64_t(13), int64_t(1), int64_t(1), int64_t(7)}) {
+      Buf q = buf(T, int64_t(c.heads) * c.hd, 100 + uint32_t(n_past)), k = buf(T, kv_dim, 200 + uint32_t(n_past));
+      Buf v = buf(T, c.values_in_keys ? 1 : v_dim, 300 + uint32_t(n_past)), out = poisoned(T, int64_t(c.heads) * c.vd);
+      p.n_past = n_past;
+      AttentionParams pc = p, pg = p;
+      pc.sinks = c.sinks ? &sc : nullptr;
+      pg.sinks = c.sinks ? &sg : nullptr;
+      cpu->attention(q.c, k.c, v.c, kc.c, vc.c, pc, out.c);
+      gpu->attention(q.g, k.g, v.g, kc.g, vc.g, pg, out.g);
+      EXPECT_LT(err(out), 1e-5) << "heads " << c.heads << " hd " << c.hd << " T " << T << " n_past " << n_past;
+      n_past += T;
+    }
+  }
+}
+
+TEST_F(Pair, ElementwiseOps) {
+  Buf x = buf(4, 96, 1), y = buf(4, 96, 2);
+  cpu->add(x.c, y.c);
+  gpu->add(x.g, y.g);
+  EXPECT_EQ(err(x), 0.0);
+  cpu->clamp(x.c, 0.5f);
+  gpu->clamp(x.g, 0.5f);
+  EXPECT_EQ(err(x), 0.0);
+  Buf gate = buf(4, 96, 3), gate1 = buf(4, 1, 4);
+  cpu->sigmoid_gate(x.c, gate.c);
+  gpu->sigmoid_gate(x.g, gate.g);
+  cpu->sigmoid_gate(x.c, gate1.c);
+  gpu->sigmoid_gate(x.g, gate1.g);
+  EXPECT_LT(err(x), 1e-6);
+  Buf dst = buf(4, 64, 5);
+  cpu->copy_columns(y.c, ColumnBlocks{8, 24}, dst.c, ColumnBlocks{1, 20}, 12, 3);
+  gpu->copy_columns(y.g, ColumnBlocks{8, 24}, dst.g, ColumnBlocks{1, 20}, 12, 3);
+  EXPECT_EQ(err(dst), 0.0);
+  Buf rows = zeros(4, 96);
+  cpu->copy_rows(y.c, rows.c, 3);
+  gpu->copy_rows(y.g, rows.g, 3);
+  EXPECT_EQ(err(rows), 0.0);
+}
+
+TEST_F(Pair, LinearPerHeadAndMlp) {
+  std::vector<HostMatrix> hms;
+  std::vector<Matrix> wc, wg;
+  for (int h = 0; h < 3; ++h) hms.push_back(make_matrix(16, 32, "f32", 20 + h));
+  for (auto& hm : hms) {
+    wc.push_back(cpu->load_matrix(hm.w));
+    wg.push_back(gpu->load_matrix(hm.w));
+  }
+  for (int64_t T : {1, 12}) {
+    Buf x = buf(T, 96, 6), out = poisoned(T, 48);
+    cpu->linear_per_head(x.c, wc, out.c);
+    gpu->linear_per_head(x.g, wg, out.g);
+    EXPECT_LT(err(out), 1e-5) << T;
+  }
+  for (std::string fmt : {"bf16", "q4g64"}) {
+    HostMatrix g = make_matrix(128, 64, fmt, 1), u = make_matrix(128, 64, fmt, 2), d = make_matrix(64, 128, fmt, 3);
+    MlpWeights mc{load(*cpu, g, fmt), load(*cpu, u, fmt), load(*cpu, d, fmt), {}, {}, {}};
+    MlpWeights mg{load(*gpu, g, fmt), load(*gpu, u, fmt), load(*gpu, d, fmt), {}, {}, {}};
+    for (int64_t T : {1, 9}) {
+      Buf x = buf(T, 64, 7), out = poisoned(T, 64);
+      cpu->mlp(x.c, mc, out.c);
+      gpu->mlp(x.g, mg, out.g);
+      EXPECT_LT(err(out), 1e-5) << fmt << " T=" << T;
+    }
+  }
+}
+
+TEST_F(Pair, GatedDeltaNetPrefillThenDecode) {
+  DeltaNetParams p;
+  p.n_k_heads = 2;
+  p.n_v_heads = 4;
+  p.k_head_dim = 32;
+  p.v_head_dim = 48;
+  p.conv_kernel = 4;
+  const int64_t key_dim = 64, value_dim = 4 * 48, conv_dim = 2 * key_dim + value_dim;
+  std::vector<float> conv = random(size_t(conv_dim * 4), 1, 0.3f), A_log = random(4, 2, 0.5f),
+                     dt = random(4, 3, 0.5f), norm = random(48, 4);
+  auto vec = [&](Backend& be, const char* name, std::vector<float>& v) {
+    return be.load_vector(TensorView{name, DType::F32, {int64_t(v.size())}, v.data(), v.size() * 4});
+  };
+  DeltaNetWeights wc{vec(*cpu, "conv", conv), vec(*cpu, "A_log", A_log), vec(*cpu, "dt", dt), vec(*cpu, "norm", norm)};
+  DeltaNetWeights wg{vec(*gpu, "conv", conv), vec(*gpu, "A_log", A_log), vec(*gpu, "dt", dt), vec(*gpu, "norm", norm)};
+  Buf sconv = zeros(3, conv_dim), srec = zeros(4 * 32, 48);
+  DeltaNetState stc{sconv.c, srec.c}, stg{sconv.g, srec.g};
+  uint32_t seed = 50;
+  for (int64_t T : {int64_t(70), int64_t(1), int64_t(1), int64_t(2)}) {
+    Buf qkv = buf(T, conv_dim, seed++), z = buf(T, value_dim, seed++), b = buf(T, 4, seed++), a = buf(T, 4, seed++);
+    Buf out = poisoned(T, value_dim);
+    cpu->gated_delta_net(qkv.c, z.c, b.c, a.c, wc, p, stc, out.c);
+    gpu->gated_delta_net(qkv.g, z.g, b.g, a.g, wg, p, stg, out.g);
+    EXPECT_LT(err(out), 1e-4) << "T " << T;
+    EXPECT_LT(rel_err(host(*gpu, stg.recurrent), host(*cpu, stc.recurrent)), 1e-4) << "T " << T;
+    EXPECT_EQ(rel_err(host(*gpu, stg.conv), host(*cpu, stc.conv)), 0.0) << "T " << T;
+  }
+}
+
+TEST_F(Pair, RefusesMxfp4) {
+  std::vector<uint8_t> blocks(64 * 16), scales(64);
+  const TensorView w{"mx", DType::U8, {64, 16}, blocks.data(), blocks.size()};
+  const TensorView s{"mx.scales", DType::U8, {64, 1}, scales.data(), scales.size()};
+  QuantFormat f{4, 32, DType::U8};  // MXFP4's E8M0 byte scales
+  EXPECT_THROW(gpu->load_quantized(w, s, TensorView{}, f), Error);
+}
+
+}  // namespace
+}  // namespace moestream
