@@ -251,6 +251,35 @@ std::string mlx_layout_fixture() {
   return dir;
 }
 
+// The Qwen3.5 text fixture as a multimodal MLX checkpoint names it (mlx-vlm, mlx-lm's
+// qwen3_5_moe): mlx_layout() above, then the language model under language_model.model., the head
+// as language_model.lm_head, A_log in float32 (mlx-lm's cast_predicate), a vision tower under
+// vision_tower. and mtp weights under language_model.mtp. that must be ignored; the config in
+// text_config. Unquantized, so the model is exactly the reference's.
+std::string mlx_multimodal_fixture() {
+  static const std::string dir = [] {
+    const std::string src = test::fixture("families/qwen3_5_moe_text_tiny");
+    std::vector<OwnedTensor> out;
+    for (OwnedTensor t : mlx_layout(read_tensors(src))) {
+      if (t.name.size() > 6 && t.name.compare(t.name.size() - 6, 6, ".A_log") == 0) t = f32_tensor(t.name, t.shape, values_f32(t));
+      t.name = "language_model." + t.name;  // model.* -> language_model.model.*, lm_head likewise
+      out.push_back(std::move(t));
+    }
+    const std::vector<float> dummy(64, 1.0f);
+    for (const char* name : {"vision_tower.patch_embed.proj.weight", "vision_tower.blocks.0.attn.qkv.weight",
+                             "language_model.mtp.fc.weight", "language_model.mtp.layers.0.mlp.switch_mlp.gate_proj.weight"})
+      out.push_back(f32_tensor(name, {8, 8}, dummy));
+    return write_checkpoint("qwen3_5_moe_mlx_multimodal", src, out, [](nlohmann::json& text) {
+      text = {{"architectures", {"Qwen3_5MoeForConditionalGeneration"}},
+              {"model_type", "qwen3_5_moe"},
+              {"tie_word_embeddings", false},
+              {"text_config", text},
+              {"vision_config", {{"model_type", "qwen3_5_moe"}, {"depth", 1}}}};
+    });
+  }();
+  return dir;
+}
+
 // Every transformers fixture of these families under tests/fixtures/families (ref.json's
 // model_type; made by tools/make_family_fixtures.py and tools/make_next_fixtures.py), and the
 // multimodal rewrite above.
@@ -263,7 +292,7 @@ std::vector<std::string> fixtures() {
     if (type == "qwen3_next" || type == "qwen3_5_moe_text" || type == "qwen3_5_moe") dirs.push_back(e.path().string());
   }
   std::sort(dirs.begin(), dirs.end());
-  for (const char* rewritten : {"multimodal", "fused", "mlx_layout"}) dirs.push_back(rewritten);
+  for (const char* rewritten : {"multimodal", "fused", "mlx_layout", "mlx_multimodal"}) dirs.push_back(rewritten);
   return dirs;
 }
 
@@ -271,6 +300,7 @@ std::string resolve(const std::string& param) {
   if (param == "multimodal") return multimodal_fixture();
   if (param == "fused") return fused_fixture();
   if (param == "mlx_layout") return mlx_layout_fixture();
+  if (param == "mlx_multimodal") return mlx_multimodal_fixture();
   return param;
 }
 
@@ -399,7 +429,8 @@ TEST_P(Qwen3NextFixture, SharedExpertIsResidentAndNeverARoutedMiss) {
     if (name.find(".mlp.shared_expert.") != std::string::npos) shared_modules.insert(name.substr(0, name.rfind('.')));
   EXPECT_EQ(int(shared_modules.size()), 3 * n_moe) << "gate/up/down of each layer's shared expert stay resident";
   for (const auto& name : resident.names())
-    EXPECT_TRUE(name.rfind("model.visual.", 0) != 0 && name.rfind("mtp.", 0) != 0) << name << " is packed";
+    for (const char* unused : {"model.visual.", "mtp.", "vision_tower.", "language_model.mtp."})
+      EXPECT_NE(name.rfind(unused, 0), 0u) << name << " is packed";
 
   ModelOptions opt;
   opt.threads = 2;
@@ -419,6 +450,7 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, Qwen3NextFixture, ::testing::ValuesIn(fixture
                            if (info.param == "multimodal") return std::string("qwen3_5_moe_multimodal");
                            if (info.param == "fused") return std::string("qwen3_5_moe_fused_experts");
                            if (info.param == "mlx_layout") return std::string("qwen3_next_mlx_layout");
+                           if (info.param == "mlx_multimodal") return std::string("qwen3_5_moe_mlx_multimodal");
                            return fs::path(info.param).filename().string();
                          });
 

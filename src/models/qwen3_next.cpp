@@ -3,6 +3,13 @@
 // under model.language_model.: Qwen3.5-35B-A3B, -122B-A10B, -397B-A17B). Vision-tower and
 // multi-token-prediction weights (model.visual.*, mtp.*) are left out of the pack.
 //
+// MLX checkpoints (mlx-community) come in mlx-lm's layout: experts stacked under mlp.switch_mlp,
+// affine-quantized weights (<module>.weight U32 with .scales and .biases), conv1d weights
+// [channels, kernel, 1], zero-centred norm weights stored as 1 + w. The multimodal Qwen3.5 ones
+// (written by mlx-vlm, or mlx-lm's qwen3_5_moe) name the language model language_model.model.*
+// and its head language_model.lm_head, and carry vision_tower.* and language_model.mtp.*,
+// which are left out like the Hub's.
+//
 // A hybrid stack; each layer's kind comes from layer_types (or full_attention_interval):
 //   linear_attention  Gated DeltaNet: qkv = in_proj_qkv x -> causal conv1d + SiLU (rolling conv
 //                     state) -> L2-normalized q, k; the gated delta rule with a [k_head_dim,
@@ -345,8 +352,12 @@ class Qwen3Next final : public DecoderModel {
                                   cfg_.max_position, cfg_.rms_norm_eps});
 
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
-    // Multimodal Qwen3.5 checkpoints keep the language model under model.language_model.
-    prefix_ = w.has("model.language_model.embed_tokens.weight") ? "model.language_model." : "model.";
+    // Multimodal Qwen3.5 checkpoints keep the language model under model.language_model. (Hub)
+    // or language_model.model. (MLX), the head under lm_head or language_model.lm_head.
+    prefix_ = w.has("model.language_model.embed_tokens.weight")   ? "model.language_model."
+              : w.has("language_model.model.embed_tokens.weight") ? "language_model.model."
+                                                                  : "model.";
+    head_ = prefix_ == "language_model.model." ? "language_model.lm_head." : "lm_head.";
     const auto first_linear = std::find(cfg_.linear_layer.begin(), cfg_.linear_layer.end(), true);
     mlx_norms_ = is_mlx_layout(
         *weights_, hf,
@@ -357,10 +368,10 @@ class Qwen3Next final : public DecoderModel {
     const int64_t h = cfg_.hidden_size;
     embed_tokens = w.matrix(prefix_ + "embed_tokens.weight", cfg_.vocab_size, h);
     final_norm = load_offset_norm(w, prefix_ + "norm.weight", h, mlx_norms_);
-    if (cfg_.tie_word_embeddings && !w.has("lm_head.weight"))
+    if (cfg_.tie_word_embeddings && !w.has(head_ + "weight"))
       lm_head = embed_tokens;
     else
-      lm_head = w.matrix("lm_head.weight", cfg_.vocab_size, h);
+      lm_head = w.matrix(head_ + "weight", cfg_.vocab_size, h);
 
     std::vector<bool> moe_layers;
     for (int l = 0; l < cfg_.n_layers; ++l) {
@@ -410,7 +421,7 @@ class Qwen3Next final : public DecoderModel {
     // Bytes of what this model reads (a multimodal checkpoint's vision and mtp weights excluded).
     int64_t dense_bytes = 0;
     for (const auto& name : weights_->names())
-      if (name.rfind(prefix_, 0) == 0 || name == "lm_head.weight")
+      if (name.rfind(prefix_, 0) == 0 || name.rfind(head_, 0) == 0)
         dense_bytes += int64_t(weights_->get(name).nbytes);
     const int64_t expert_bytes = int64_t(pack_.total_expert_bytes());
     const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
@@ -559,7 +570,8 @@ class Qwen3Next final : public DecoderModel {
   }
 
   Qwen3NextConfig cfg_;
-  std::string prefix_;  // "model." or "model.language_model."
+  std::string prefix_;  // "model.", "model.language_model." or "language_model.model."
+  std::string head_;    // "lm_head." or "language_model.lm_head."
   bool mlx_norms_ = false;  // zero-centred norm weights stored as 1 + w (mlx-lm's layout)
   std::vector<Qwen3NextLayer> layers_;
   std::deque<std::vector<char>> regrouped_;  // storage of the regrouped fused weights
@@ -577,7 +589,9 @@ std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& c
 }
 
 bool is_qwen3_next_unused_tensor(const std::string& name) {
-  return name.rfind("model.visual.", 0) == 0 || name.rfind("mtp.", 0) == 0;
+  for (const char* prefix : {"model.visual.", "mtp.", "vision_tower.", "language_model.mtp."})
+    if (name.rfind(prefix, 0) == 0) return true;
+  return false;
 }
 
 std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& name) {
@@ -592,8 +606,10 @@ std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& na
   if (std::regex_match(name, m, fused))
     return m[2] == "down" ? ExpertTensorRef{std::stoi(m[1]), -1, "down", true}
                           : ExpertTensorRef{std::stoi(m[1]), -1, "gate_up", true, ExpertLayout::GateUpRows};
-  if (name.rfind("model.language_model.", 0) == 0)
-    return parse_qwen_expert_tensor("model." + name.substr(std::string("model.language_model.").size()));
+  // Stacked experts (mlp.switch_mlp) under model.language_model. or, as MLX names them,
+  // language_model.model.
+  for (const char* prefix : {"model.language_model.", "language_model.model."})
+    if (name.rfind(prefix, 0) == 0) return parse_qwen_expert_tensor("model." + name.substr(std::strlen(prefix)));
   return parse_qwen_expert_tensor(name);
 }
 
