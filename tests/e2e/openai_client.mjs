@@ -33,7 +33,7 @@ const port = await new Promise((resolve, reject) => {
     if (m) resolve(Number(m[1]));
   });
   server.on('exit', (code) => reject(new Error(`server exited (${code}): ${log}`)));
-  setTimeout(() => reject(new Error(`server did not start: ${log}`)), 120000);
+  setTimeout(() => reject(new Error(`server did not start: ${log}`)), 120000).unref();
 });
 
 let checks = 0;
