@@ -1,7 +1,7 @@
 // Qwen3-Next and Qwen3.5-MoE against the transformers reference fixtures
 // (tools/make_family_fixtures.py, tools/make_next_fixtures.py: chunk-crossing lengths, 3:1 and
 // 2:1 linear:full stacks, GQA in the linear layers, a dense layer, the multimodal layout with
-// vision and mtp tensors, fused experts, an mlx-lm 4-bit checkpoint), the Gated DeltaNet
+// vision and mtp tensors, fused experts, 4-bit MLX checkpoints of both families), the Gated DeltaNet
 // kernel's two forms against each other, and expert streaming with a resident shared expert.
 #include <gtest/gtest.h>
 
