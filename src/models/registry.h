@@ -48,9 +48,11 @@ std::optional<ExpertTensorRef> parse_gpt_oss_expert_tensor(const std::string& na
 // Qwen3-Next and Qwen3.5-MoE (qwen3_next.cpp): hybrid Gated DeltaNet / gated attention layers.
 std::unique_ptr<Model> load_qwen3_next(const std::string& dir, const HfConfig& config,
                                        const ModelOptions& options);
-// parse_qwen_expert_tensor's names, also under "model.language_model." (multimodal Qwen3.5).
+// parse_qwen_expert_tensor's names, also under "model.language_model." (multimodal Qwen3.5) and
+// "language_model.model." (its MLX conversions).
 std::optional<ExpertTensorRef> parse_qwen3_5_expert_tensor(const std::string& name);
-// Qwen3-Next / Qwen3.5 tensors the language model never reads: model.visual.*, mtp.*.
+// Qwen3-Next / Qwen3.5 tensors the language model never reads: model.visual.*, mtp.*, and in MLX
+// conversions vision_tower.*, language_model.mtp.*.
 bool is_qwen3_next_unused_tensor(const std::string& name);
 
 }  // namespace moestream
