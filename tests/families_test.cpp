@@ -37,9 +37,7 @@ const std::vector<FamilyCase> kFamilies = {
     {"deepseek_v3_fp8", "deepseek_v3"},
 };
 
-struct Reference {
-  std::vector<int32_t> logit_tokens, prompt_tokens, greedy_tokens;
-  NpyArray logits;
+struct Reference : test::Reference {
   // FP8 fixtures: the same model with every dequantized weight rounded to bf16, which is what a
   // pack holds (docs/FORMATS.md), its greedy tokens (fixtures made since the generator records
   // them) and how far the rounding alone moves the logits; empty for the others.
@@ -51,13 +49,10 @@ struct Reference {
 std::string fixture_dir(const std::string& family) { return test::fixture("families/" + family + "_tiny"); }
 
 Reference load_reference(const std::string& dir) {
-  auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
   Reference r;
-  r.logit_tokens = j["logit_tokens"].get<std::vector<int32_t>>();
-  r.prompt_tokens = j["prompt_tokens"].get<std::vector<int32_t>>();
-  r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
-  r.logits = read_npy_f32(dir + "/ref_logits.npy");
+  static_cast<test::Reference&>(r) = test::load_reference(dir);
   if (std::filesystem::exists(dir + "/ref_logits_bf16.npy")) {
+    auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
     r.logits_bf16 = read_npy_f32(dir + "/ref_logits_bf16.npy");
     r.bf16_rounding = j.at("bf16_rounding_max_rel_diff").get<double>();
     if (j.contains("greedy_tokens_bf16")) r.greedy_tokens_bf16 = j["greedy_tokens_bf16"].get<std::vector<int32_t>>();
@@ -65,21 +60,8 @@ Reference load_reference(const std::string& dir) {
   return r;
 }
 
-// max|a - b| / max|b|
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, double(std::fabs(a[i] - b[i])));
-    den = std::max(den, double(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
-std::string join(const std::vector<int32_t>& ids, const char* sep) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) s += (i ? sep : "") + std::to_string(ids[i]);
-  return s;
-}
+using test::join;
+using test::relative_error;
 
 // Logits of every position: the first `split` tokens as one prefill, the rest one at a time.
 std::vector<float> run_split(Model& model, const std::vector<int32_t>& ids, size_t split) {

@@ -34,14 +34,7 @@ std::vector<float> logits_of(const std::string& model_dir, const std::vector<int
   return out;
 }
 
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, double(std::fabs(a[i] - b[i])));
-    den = std::max(den, double(std::fabs(b[i])));
-  }
-  return num / den;
-}
+using test::relative_error;
 
 // Median over positions of max|a - b| / max|b|: a rounding-sized change of one routing decision
 // in a tiny random model moves a single position a lot; the median measures the quantization.

@@ -15,36 +15,10 @@ namespace {
 
 using test::model_fixtures;
 
-struct Reference {
-  std::vector<int32_t> logit_tokens, prompt_tokens, greedy_tokens;
-  NpyArray logits;
-};
-
-Reference load_reference(const std::string& dir) {
-  auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));
-  Reference r;
-  r.logit_tokens = j["logit_tokens"].get<std::vector<int32_t>>();
-  r.prompt_tokens = j["prompt_tokens"].get<std::vector<int32_t>>();
-  r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
-  r.logits = read_npy_f32(dir + "/ref_logits.npy");
-  return r;
-}
-
-// max|a - b| / max|b|
-double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    num = std::max(num, double(std::fabs(a[i] - b[i])));
-    den = std::max(den, double(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
-std::string join(const std::vector<int32_t>& ids, const char* sep) {
-  std::string s;
-  for (size_t i = 0; i < ids.size(); ++i) s += (i ? sep : "") + std::to_string(ids[i]);
-  return s;
-}
+using test::join;
+using test::load_reference;
+using test::Reference;
+using test::relative_error;
 
 TEST(Qwen3Moe, FixturesExist) { EXPECT_GE(model_fixtures().size(), 4u); }
 

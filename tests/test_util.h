@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -12,6 +13,10 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "io/npy.h"
 
 namespace moestream::test {
 
@@ -67,6 +72,38 @@ inline CliResult run_cli(const std::string& args) {
   int status = pclose(p);
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
   r.err = read_file(err_path);
+  return r;
+}
+
+// max|a - b| / max|b|
+inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
+  double num = 0, den = 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    num = std::max(num, double(std::fabs(a[i] - b[i])));
+    den = std::max(den, double(std::fabs(b[i])));
+  }
+  return num / den;
+}
+
+inline std::string join(const std::vector<int32_t>& ids, const char* sep) {
+  std::string s;
+  for (size_t i = 0; i < ids.size(); ++i) s += (i ? sep : "") + std::to_string(ids[i]);
+  return s;
+}
+
+// A fixture's ref.json and ref_logits.npy, as the tools/make_*fixtures.py scripts write them.
+struct Reference {
+  std::vector<int32_t> logit_tokens, prompt_tokens, greedy_tokens;
+  NpyArray logits;
+};
+
+inline Reference load_reference(const std::string& dir) {
+  auto j = nlohmann::json::parse(read_file(dir + "/ref.json"));
+  Reference r;
+  r.logit_tokens = j["logit_tokens"].get<std::vector<int32_t>>();
+  r.prompt_tokens = j["prompt_tokens"].get<std::vector<int32_t>>();
+  r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
+  r.logits = read_npy_f32(dir + "/ref_logits.npy");
   return r;
 }
 
