@@ -37,7 +37,6 @@ std::unique_ptr<ServedModel> ServedModel::load(const std::string& dir, const Mod
   m->defaults = sampling_defaults(load_generation_defaults(dir, config));
   m->model = load_model(dir, model_options);
   m->syntax = output_syntax(m->model->info().model_type);
-  m->token_bytes = TokenBytes::build(*m->tokenizer, m->model->info().eos_token_ids);
   EngineOptions eo = engine_options;
   if (eo.ctx <= 0) {
     const int64_t trained = m->model->info().max_position;
@@ -49,6 +48,11 @@ std::unique_ptr<ServedModel> ServedModel::load(const std::string& dir, const Mod
 
 std::vector<int32_t> ServedModel::encode_chat(const std::string& rendered) const {
   return tokenizer->encode(rendered);
+}
+
+std::shared_ptr<const TokenBytes> ServedModel::token_bytes() {
+  std::call_once(token_bytes_once_, [&] { token_bytes_ = TokenBytes::build(*tokenizer, model->info().eos_token_ids); });
+  return token_bytes_;
 }
 
 std::vector<int32_t> ServedModel::encode_text(const std::string& text) const {
@@ -111,7 +115,7 @@ Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std:
   request.prompt = o_.prompt;
   request.sampling = o_.sampling;
   request.max_tokens = o_.max_tokens;
-  if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes);
+  if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
   job_ = m.engine->submit(std::move(request));
 }
 

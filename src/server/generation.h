@@ -5,6 +5,7 @@
 
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,7 +30,6 @@ struct ServedModel {
   std::optional<ChatTemplate> chat_template;  // absent: chat endpoints answer 400
   OutputSyntax syntax = OutputSyntax::tagged;
   SamplingParams defaults;                    // from generation_config.json
-  std::shared_ptr<const TokenBytes> token_bytes;
   std::unique_ptr<Engine> engine;
 
   static std::unique_ptr<ServedModel> load(const std::string& dir, const ModelOptions& model_options,
@@ -39,6 +39,12 @@ struct ServedModel {
   std::vector<int32_t> encode_chat(const std::string& rendered) const;
   // Prompt ids of raw text (BOS added when the tokenizer says so).
   std::vector<int32_t> encode_text(const std::string& text) const;
+  // The bytes of every token, for output constraints; made on first use (a pass over the vocabulary).
+  std::shared_ptr<const TokenBytes> token_bytes();
+
+ private:
+  std::once_flag token_bytes_once_;
+  std::shared_ptr<const TokenBytes> token_bytes_;
 };
 
 struct GenerateOptions {
