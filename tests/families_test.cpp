@@ -129,8 +129,8 @@ TEST_P(FamilyFixture, CliGreedyTokensMatchTransformers) {
   Reference ref = load_reference(dir);
   if (!ref.logits_bf16.data.empty()) {
     // FP8: the pack computes with bf16-rounded weights; compare with that model's greedy tokens.
-    if (ref.greedy_tokens_bf16.empty())
-      GTEST_SKIP() << dir << "/ref.json has no greedy_tokens_bf16 (made before the generator recorded them; rerun "
+    ASSERT_FALSE(ref.greedy_tokens_bf16.empty())
+        << dir << "/ref.json has no greedy_tokens_bf16 (made before the generator recorded them; rerun "
                    << "tools/make_quantized_family_fixtures.py --only " << GetParam().fixture << ")";
     ref.greedy_tokens = ref.greedy_tokens_bf16;
   }
