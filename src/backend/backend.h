@@ -33,15 +33,22 @@ enum class QuantScheme : uint8_t {
   // for codes 0..7) and each group of 32 has one E8M0 exponent byte e: value = fp4 * 2^(e - 127).
   // No biases.
   Mxfp4,
+  // Block-scaled FP8 as DeepSeek-V3 / Kimi-K2 publish their weights: bits 8, group_size G (the
+  // checkpoint's weight_block_size[1], a multiple of 32), scale_dtype F32. Each code is an E4M3
+  // "fn" byte (sign bit 7, exponent bits 3-6 with bias 7, mantissa bits 0-2; exponent 0 is
+  // subnormal, 0x7f / 0xff are NaN and never stored) and each group of G columns of a row has one
+  // float32 scale: value = fp8 * scale. Unlike the other schemes the last group of a row may be
+  // partial (cols need not be a multiple of G or of 32). No biases.
+  Fp8,
 };
 
 // A quantized format; bits == 0 means not quantized. Both schemes pack codes little-endian:
 // element i of a row in bits [i * bits, (i + 1) * bits) of the row's bit stream, so for 4 bits
 // element 2j is the low nibble of byte j and element 2j + 1 its high nibble.
 struct QuantFormat {
-  int bits = 0;              // 2, 3, 4, 6, 8 (Mxfp4: 4)
-  int group_size = 0;        // 32, 64, 128 (Mxfp4: 32)
-  DType scale_dtype = DType::BF16;  // BF16 or F16 (Mxfp4: U8, the E8M0 exponent)
+  int bits = 0;              // 2, 3, 4, 6, 8 (Mxfp4: 4, Fp8: 8)
+  int group_size = 0;        // 32, 64, 128 (Mxfp4: 32, Fp8: a multiple of 32)
+  DType scale_dtype = DType::BF16;  // BF16 or F16 (Mxfp4: U8, the E8M0 exponent; Fp8: F32)
   QuantScheme scheme = QuantScheme::Affine;
   bool operator==(const QuantFormat&) const = default;
 };
@@ -52,8 +59,11 @@ struct QuantFormat {
 //   rows * (cols / group_size) values of quant.scale_dtype.
 // Mxfp4: dtype U8, data rows * cols / 2 bytes (a row's 16-byte blocks of 32 codes back to back,
 //   which is the checkpoint's [rows, cols / 32, 16] *_blocks tensor), scales rows * cols / 32
-//   E8M0 bytes (the *_scales tensor [rows, cols / 32]), biases nullptr. A backend that cannot
-//   compute a scheme must refuse the matrix when it loads, naming it.
+//   E8M0 bytes (the *_scales tensor [rows, cols / 32]), biases nullptr.
+// Fp8: dtype F8_E4M3, data rows * cols bytes, scales rows * ceil(cols / group_size) float32 (a
+//   checkpoint's [ceil(rows / R), ceil(cols / G)] block scales repeated for each row of a block),
+//   biases nullptr.
+// A backend that cannot compute a scheme must refuse the matrix when it loads, naming it.
 struct Matrix {
   std::string name;
   DType dtype = DType::BF16;
@@ -169,7 +179,8 @@ class Backend {
   PhaseTimes& times() { return times_; }
 
   virtual Matrix load_matrix(const TensorView& t) = 0;  // t: [out, in]
-  // Affine-quantized: words [out, in * bits / 32] (U32), scales and biases [out, in / group].
+  // Quantized. Affine: words [out, in * bits / 32] (U32), scales and biases [out, in / group].
+  // Fp8: words F8_E4M3 [out, in], scales F32 [out, ceil(in / group)], biases empty (data null).
   virtual Matrix load_quantized(const TensorView& words, const TensorView& scales,
                                 const TensorView& biases, const QuantFormat& format) = 0;
   virtual Vector load_vector(const TensorView& t) = 0;  // 1-D, converted to float32

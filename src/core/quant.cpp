@@ -57,6 +57,12 @@ void check_quant_format(const QuantFormat& f, std::string_view what) {
            "-bit groups of ", f.group_size, " with ", dtype_name(f.scale_dtype), " scales");
     return;
   }
+  if (f.scheme == QuantScheme::Fp8) {
+    if (f.bits != 8 || f.group_size < 32 || f.group_size % 32 || f.scale_dtype != DType::F32)
+      fail(what, ": FP8 needs 8-bit codes in groups of a multiple of 32 columns with F32 scales, found ", f.bits,
+           "-bit groups of ", f.group_size, " with ", dtype_name(f.scale_dtype), " scales");
+    return;
+  }
   if (!valid_bits(f.bits))
     fail(what, ": quantization bits ", f.bits, " not supported (2, 3, 4, 6 or 8)");
   if (!valid_group(f.group_size))
@@ -68,6 +74,10 @@ void check_quant_format(const QuantFormat& f, std::string_view what) {
 
 void check_quant_shape(const QuantFormat& f, int64_t cols, std::string_view what) {
   check_quant_format(f, what);
+  if (f.scheme == QuantScheme::Fp8) {
+    if (cols <= 0) fail(what, ": ", cols, " columns (FP8 needs at least one)");
+    return;
+  }
   if (cols <= 0 || cols % f.group_size != 0)
     fail(what, ": ", cols, " columns is not a positive multiple of the quantization group size ",
          f.group_size);
@@ -110,6 +120,7 @@ QuantFormat parse_quant_format(std::string_view spec) {
 
 std::string quant_format_name(const QuantFormat& f) {
   if (f.scheme == QuantScheme::Mxfp4) return "mxfp4";
+  if (f.scheme == QuantScheme::Fp8) return "fp8g" + std::to_string(f.group_size);
   std::string s = "q" + std::to_string(f.bits) + "g" + std::to_string(f.group_size);
   if (f.scale_dtype == DType::F16) s += "-f16";
   return s;
@@ -289,6 +300,37 @@ void dequantize_mxfp4_row(int64_t cols, const uint8_t* codes, const uint8_t* exp
       out[g * 32 + i] = fp4_value(i % 2 ? uint8_t(byte >> 4) : uint8_t(byte & 15)) * s;
     }
   }
+}
+
+}  // namespace moestream
+
+namespace moestream {
+
+float fp8_e4m3_to_f32(uint8_t v) {
+  const int sign = v >> 7, exp = (v >> 3) & 15, man = v & 7;
+  float mag;
+  if (exp == 15 && man == 7) {
+    mag = std::numeric_limits<float>::quiet_NaN();
+  } else if (exp == 0) {
+    mag = std::ldexp(float(man), -9);  // subnormal: man / 8 * 2^-6
+  } else {
+    mag = std::ldexp(float(8 + man), exp - 10);  // (1 + man / 8) * 2^(exp - 7)
+  }
+  return sign ? -mag : mag;
+}
+
+const std::array<float, 256>& fp8_e4m3_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[size_t(i)] = fp8_e4m3_to_f32(uint8_t(i));
+    return t;
+  }();
+  return table;
+}
+
+void dequantize_fp8_row(int64_t cols, int group_size, const uint8_t* codes, const float* scales, float* out) {
+  const std::array<float, 256>& table = fp8_e4m3_table();
+  for (int64_t i = 0; i < cols; ++i) out[i] = table[codes[i]] * scales[i / group_size];
 }
 
 }  // namespace moestream

@@ -39,6 +39,13 @@
 // -12 * scale'. Then c' * scale' + bias' = fp4(c) * 2^(e - 127) exactly (every product and sum
 // is a small multiple of a power of two), so one fma per weight reproduces the exact value and
 // the int8-activation path needs no signed-by-signed products.
+//
+// FP8 (QuantScheme::Fp8, DeepSeek-V3 / Kimi-K2; backend.h): one E4M3 byte per element and one
+// float32 scale per group of group_size columns of a row (the last group may be partial). The
+// checkpoint's block scales, one per weight_block_size [R, G] block, are repeated for each row of
+// their block when a checkpoint is packed. An element is fp8 * scale, rounded once to float32:
+// the value a float32 dequantization (transformers' reference) gives. The kernels compute with
+// float32 activations only.
 #pragma once
 
 #include <array>
@@ -69,7 +76,7 @@ inline int64_t quant_words_per_row(const QuantFormat& f, int64_t cols) {
   return cols * f.bits / 32;
 }
 inline int64_t quant_groups_per_row(const QuantFormat& f, int64_t cols) {
-  return cols / f.group_size;
+  return (cols + f.group_size - 1) / f.group_size;  // only FP8 allows a partial last group
 }
 
 // Code of element i of a packed row, and writing one (the slot must hold zero bits).
@@ -125,5 +132,15 @@ void quantize_mxfp4(const float* w, int64_t rows, int64_t cols, uint8_t* codes, 
 
 // One MXFP4 row back to float32 (exact).
 void dequantize_mxfp4_row(int64_t cols, const uint8_t* codes, const uint8_t* exponents, float* out);
+
+// ---- FP8 ----
+
+// The value of an E4M3 "fn" byte (0x7f and 0xff are NaN), and all 256 of them.
+float fp8_e4m3_to_f32(uint8_t v);
+const std::array<float, 256>& fp8_e4m3_table();
+// The FP8 format with groups of `group_size` columns.
+inline QuantFormat fp8_format(int group_size) { return QuantFormat{8, group_size, DType::F32, QuantScheme::Fp8}; }
+// One FP8 row to float32: out[i] = fp8(codes[i]) * scales[i / group_size].
+void dequantize_fp8_row(int64_t cols, int group_size, const uint8_t* codes, const float* scales, float* out);
 
 }  // namespace moestream

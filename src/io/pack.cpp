@@ -200,6 +200,8 @@ PackManifest PackManifest::load(const std::string& dir) {
         const std::string scheme = t.value("scheme", "affine");
         if (scheme == "mxfp4") {
           pt.scheme = QuantScheme::Mxfp4;
+        } else if (scheme == "fp8") {
+          pt.scheme = QuantScheme::Fp8;
         } else if (scheme != "affine") {
           fail(w, ": tensor ", pt.role, " has unknown quantization scheme '", scheme, "'");
         }
@@ -220,6 +222,13 @@ PackManifest PackManifest::load(const std::string& dir) {
         const PackedTensor *sc = pe.find(role + ".scales"), *bi = pe.find(role + ".biases");
         const QuantFormat f = pe.quant_format(role);
         check_quant_format(f, w + " " + role);
+        if (f.scheme == QuantScheme::Fp8) {
+          const std::vector<int64_t> groups{t->shape[0], quant_groups_per_row(f, t->shape[1])};
+          if (t->dtype != DType::F8_E4M3 || !sc || sc->dtype != DType::F32 || sc->shape != groups || bi)
+            fail(w, ": FP8 '", role, "' needs F8_E4M3 codes and F32 scales of shape ", shape_str(groups),
+                 " (no biases)");
+          continue;
+        }
         if (f.scheme == QuantScheme::Mxfp4) {
           const std::vector<int64_t> groups{t->shape[0], t->shape[1] * 2 / 32};
           if (t->dtype != DType::U8 || !sc || sc->shape != groups || bi)
@@ -290,6 +299,7 @@ void PackWriter::add_expert(int layer, const std::string& format, const std::vec
       entry["bits"] = p.bits;
       entry["group_size"] = p.group_size;
       if (p.scheme == QuantScheme::Mxfp4) entry["scheme"] = "mxfp4";
+      if (p.scheme == QuantScheme::Fp8) entry["scheme"] = "fp8";
     }
     tensors.push_back(entry);
   }
@@ -454,36 +464,51 @@ void check_mxfp4_source(const ExpertSource& w, const ExpertSource* scales, const
            int(kMxfp4MaxExponent), ": a scale beyond float32's range, or NaN)");
 }
 
-// FP8 E4M3 (finite-only "fn" variant: 0x7f and 0xff are NaN) to float32.
-float f8_e4m3_to_f32(uint8_t v) {
-  const int sign = v >> 7, exp = (v >> 3) & 15, man = v & 7;
-  float mag;
-  if (exp == 15 && man == 7) {
-    mag = std::numeric_limits<float>::quiet_NaN();
-  } else if (exp == 0) {
-    mag = std::ldexp(float(man), -9);  // subnormal: man / 8 * 2^-6
-  } else {
-    mag = std::ldexp(float(8 + man), exp - 10);  // (1 + man / 8) * 2^(exp - 7)
-  }
-  return sign ? -mag : mag;
-}
-
-// A block-scaled FP8 weight (DeepSeek-V3 / Kimi-K2 checkpoints) dequantized to BF16:
-// w[r][c] = fp8[r][c] * scale_inv[r / block[0]][c / block[1]], rounded to nearest even.
-std::vector<char> dequantize_fp8(const TensorView& w, const TensorView& scale_inv, const std::vector<int64_t>& block) {
+// The block scales (scale_inv) of a block-scaled FP8 weight (DeepSeek-V3 / Kimi-K2 checkpoints),
+// checked against the weight's shape and repeated for each row of their block: F32
+// [rows, ceil(cols / block[1])], the scales of QuantScheme::Fp8 (core/quant.h).
+std::vector<float> fp8_row_scales(const TensorView& w, const TensorView& scale_inv, const std::vector<int64_t>& block) {
   if (w.shape.size() != 2) fail("tensor ", w.name, ": FP8 weights must be matrices, found ", shape_str(w.shape));
   const int64_t rows = w.shape[0], cols = w.shape[1];
   const std::vector<int64_t> want{(rows + block[0] - 1) / block[0], (cols + block[1] - 1) / block[1]};
   if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
     fail("tensor ", scale_inv.name, ": expected F32 ", shape_str(want), " (blocks of ", block[0], "x", block[1],
          " over ", shape_str(w.shape), "), found ", dtype_name(scale_inv.dtype), " ", shape_str(scale_inv.shape));
-  std::vector<char> out(size_t(rows * cols) * 2);
-  auto* dst = reinterpret_cast<uint16_t*>(out.data());
-  const auto* src = static_cast<const uint8_t*>(w.data);
-  const float* s = scale_inv.as<float>();
+  std::vector<float> out(size_t(rows * want[1]));
   for (int64_t r = 0; r < rows; ++r)
-    for (int64_t c = 0; c < cols; ++c)
-      dst[r * cols + c] = f32_to_bf16(f8_e4m3_to_f32(src[r * cols + c]) * s[(r / block[0]) * want[1] + c / block[1]]);
+    std::memcpy(out.data() + r * want[1], scale_inv.as<float>() + (r / block[0]) * want[1], size_t(want[1]) * 4);
+  return out;
+}
+
+// The FP8 weight w with its row scales, packed as it is: its codes must not hold NaN (0x7f, 0xff)
+// and the column block must be a multiple of 32 (the kernels' unit).
+void check_fp8_native(const TensorView& w, const std::vector<int64_t>& block) {
+  if (block[1] % 32)
+    fail("tensor ", w.name, ": FP8 column blocks of ", block[1], " (weight_block_size) are not a multiple of 32; "
+         "pack with --quant bf16 or --quant q8 instead");
+  const auto* codes = static_cast<const uint8_t*>(w.data);
+  for (uint64_t i = 0; i < w.nbytes; ++i)
+    if ((codes[i] & 0x7f) == 0x7f) fail("tensor ", w.name, ": element ", i, " is an FP8 NaN (0x", std::hex, int(codes[i]), ")");
+}
+
+// A block-scaled FP8 weight dequantized to `dtype` (F32: exact; BF16: rounded to nearest even):
+// w[r][c] = fp8[r][c] * scale_inv[r / block[0]][c / block[1]], one float32 multiply.
+std::vector<char> dequantize_fp8(const TensorView& w, const TensorView& scale_inv, const std::vector<int64_t>& block,
+                                 DType dtype) {
+  const std::vector<float> scales = fp8_row_scales(w, scale_inv, block);
+  const int64_t rows = w.shape[0], cols = w.shape[1], groups = int64_t(scales.size()) / rows;
+  std::vector<float> row(static_cast<size_t>(cols));
+  std::vector<char> out(size_t(rows * cols) * dtype_size(dtype));
+  for (int64_t r = 0; r < rows; ++r) {
+    dequantize_fp8_row(cols, int(block[1]), static_cast<const uint8_t*>(w.data) + r * cols, scales.data() + r * groups,
+                       row.data());
+    if (dtype == DType::F32) {
+      std::memcpy(out.data() + r * cols * 4, row.data(), size_t(cols) * 4);
+    } else {
+      auto* dst = reinterpret_cast<uint16_t*>(out.data()) + r * cols;
+      for (int64_t c = 0; c < cols; ++c) dst[c] = f32_to_bf16(row[size_t(c)]);
+    }
+  }
   return out;
 }
 
@@ -611,8 +636,10 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   std::map<std::string, std::string> modules;  // "layer/role" -> checkpoint module (for its format)
   std::vector<const TensorView*> others;
   uint64_t total_bytes = 0;
-  // FP8 weights and their scale_inv tensors (quant_method "fp8"): dequantized to BF16 below, one
-  // tensor at a time; the scale_inv tensors themselves are not packed.
+  // FP8 weights and their scale_inv tensors (quant_method "fp8"). They stay FP8 (codes and row
+  // scales, QuantScheme::Fp8) unless --quant asks for another format: bf16 dequantizes them to
+  // bf16, q<N> requantizes the experts (and with --quant-all the rest) from their exact float32
+  // values. The scale_inv tensors themselves are not packed.
   std::map<const TensorView*, const TensorView*> fp8_scales;
   for (const auto& name : weights.names()) {
     const TensorView& t = weights.get(name);
@@ -629,19 +656,28 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     const std::string base = name.substr(0, n - 10);
     return weights.has(base) && fp8_scales.count(&weights.get(base)) > 0;
   };
-  // The BF16 values of an FP8 tensor, kept in `bytes` / `views` (t itself when not FP8).
+  const bool fp8_experts_native = keep;
+  const bool fp8_rest_native = !to_bf16 && !(options.quant_all && !keep);
+  const DType fp8_values = to_bf16 ? DType::BF16 : DType::F32;
+  // The values of an FP8 tensor (fp8_values), kept in `bytes` / `views` (t itself when not FP8).
   const auto dequantized = [&](const TensorView* t, std::deque<std::vector<char>>& bytes,
                                std::deque<TensorView>& views) -> const TensorView* {
     auto it = fp8_scales.find(t);
     if (it == fp8_scales.end()) return t;
-    const std::vector<char>& b = bytes.emplace_back(dequantize_fp8(*t, *it->second, checkpoint_quant.fp8_block));
-    return &views.emplace_back(TensorView{t->name, DType::BF16, t->shape, b.data(), b.size()});
+    const std::vector<char>& b = bytes.emplace_back(dequantize_fp8(*t, *it->second, checkpoint_quant.fp8_block, fp8_values));
+    return &views.emplace_back(TensorView{t->name, fp8_values, t->shape, b.data(), b.size()});
+  };
+  // A native FP8 weight's row scales (fp8_row_scales), as bytes kept in `bytes`.
+  const auto native_fp8_scales = [&](const TensorView& t, std::deque<std::vector<char>>& bytes) -> std::vector<char>& {
+    check_fp8_native(t, checkpoint_quant.fp8_block);
+    const std::vector<float> sc = fp8_row_scales(t, *fp8_scales.at(&t), checkpoint_quant.fp8_block);
+    return bytes.emplace_back(reinterpret_cast<const char*>(sc.data()), reinterpret_cast<const char*>(sc.data() + sc.size()));
   };
   for (const auto& name : weights.names()) {
     if (options.skip && options.skip(name)) continue;
     if (is_fp8_scale(name)) continue;
     const TensorView& t = weights.get(name);
-    total_bytes += fp8_scales.count(&t) ? 2 * t.nbytes : t.nbytes;  // FP8 is written as BF16
+    total_bytes += t.nbytes;
     auto ref = parse(name);
     if (!ref) {
       others.push_back(&t);
@@ -687,6 +723,17 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   json quant_overrides = json::object();
   for (const TensorView* source : others) {
     progress.add(source->nbytes);
+    if (fp8_scales.count(source) && fp8_rest_native) {
+      const std::string& name = source->name;
+      if (name.size() < 8 || name.compare(name.size() - 7, 7, ".weight") != 0)
+        fail("tensor ", name, ": an FP8 tensor that is not a .weight");
+      const std::vector<char>& sc = native_fp8_scales(*source, owned);
+      const int64_t rows = source->shape[0];
+      rest.push_back({name, DType::F8_E4M3, source->shape, source->data});
+      rest.push_back({name.substr(0, name.size() - 7) + ".scales", DType::F32,
+                      {rows, int64_t(sc.size() / 4) / rows}, sc.data()});
+      continue;
+    }
     const TensorView* t = dequantized(source, owned, owned_views);
     const bool is_float = t->dtype == DType::BF16 || t->dtype == DType::F16 || t->dtype == DType::F32;
     const std::string module = t->name.size() > 7 ? t->name.substr(0, t->name.size() - 7) : "";
@@ -722,7 +769,8 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
       std::deque<std::vector<char>> bytes;
       std::deque<TensorView> converted;
       std::map<std::string, ExpertSource> sources = source_parts;
-      for (auto& [role, part] : sources) part.tensor = dequantized(part.tensor, bytes, converted);
+      if (!fp8_experts_native)
+        for (auto& [role, part] : sources) part.tensor = dequantized(part.tensor, bytes, converted);
       const std::map<std::string, ExpertSource> parts = to_pack_layout(sources, bytes, converted);
       std::vector<PackWriter::Part> out_parts;
       std::set<std::string> formats;
@@ -742,6 +790,16 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         } else if (w.tensor->dtype == DType::U8) {
           check_mxfp4_source(w, sc, bi, checkpoint_quant.method);
           fmt = kMxfp4Format;
+        } else if (w.tensor->dtype == DType::F8_E4M3) {  // kept native (fp8_experts_native)
+          const std::vector<char>& scales = native_fp8_scales(*w.tensor, bytes);
+          const QuantFormat f = fp8_format(int(checkpoint_quant.fp8_block[1]));
+          const std::vector<int64_t> shape = w.shape();
+          out_parts.push_back({role, DType::F8_E4M3, shape, w.data(), w.nbytes(), f.bits, f.group_size, f.scheme});
+          out_parts.push_back({role + ".scales", DType::F32, {shape[0], quant_groups_per_row(f, shape[1])},
+                               scales.data(), scales.size()});
+          formats.insert(quant_format_name(f));
+          progress.add(w.nbytes());
+          continue;
         }
         const std::vector<int64_t> shape = w.shape();
         if (shape.size() != 2) fail("tensor ", w.tensor->name, ": expected a matrix, found ", shape_str(shape));
@@ -803,9 +861,10 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
       fs::copy_file(entry.path(), writer.tmp_dir() + "/" + name);
   }
-  // FP8 weights are BF16 in the pack: its config no longer says fp8.
-  const bool rewrite_config = (options.quant_all && !keep && !to_bf16) || checkpoint_quant.method == "fp8";
-  if (checkpoint_quant.method == "fp8") config.erase("quantization_config");
+  // Once no FP8 weights are left in the pack, its config no longer says fp8.
+  const bool fp8_gone = checkpoint_quant.method == "fp8" && !fp8_rest_native && !fp8_experts_native;
+  const bool rewrite_config = (options.quant_all && !keep && !to_bf16) || fp8_gone;
+  if (fp8_gone) config.erase("quantization_config");
   if (rewrite_config) {
     if (options.quant_all && !keep && !to_bf16) {
       json q = {{"bits", target.bits}, {"group_size", target.group_size}};

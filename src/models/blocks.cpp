@@ -5,6 +5,7 @@
 
 #include "backend/backend_factory.h"
 #include "core/error.h"
+#include "core/quant.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
 
@@ -32,8 +33,65 @@ Matrix WeightLoader::matrix(const std::string& name, int64_t rows, int64_t cols)
     }
     return backend_.load_quantized(t, scales, biases, f);
   }
+  if (t.dtype == DType::F8_E4M3) {
+    // Block-scaled FP8 (DeepSeek-V3 / Kimi-K2), as a pack stores it: <module>.scales F32
+    // [rows, ceil(cols / G)], G from config.json's quantization_config.weight_block_size.
+    check_shape(t, {rows, cols});
+    return backend_.load_quantized(t, weights_.get(module + ".scales"), TensorView{}, fp8_format(fp8_group(name, module)));
+  }
   check_shape(t, {rows, cols});
   return backend_.load_matrix(t);
+}
+
+int WeightLoader::fp8_group(const std::string& name, const std::string& module) const {
+  const int group = quantization_ ? quantization_(module).second : 0;
+  if (!weights_.has(module + ".scales") || group <= 0)
+    fail("tensor ", name, ": FP8 weights need ", module, ".scales and config.json's quantization_config "
+         "{quant_method: fp8, weight_block_size} (pack the checkpoint with moestream)");
+  return group;
+}
+
+std::vector<float> WeightLoader::dense_f32(const std::string& name, int64_t rows, int64_t cols) const {
+  const TensorView& t = weights_.get(name);
+  check_shape(t, {rows, cols});
+  std::vector<float> out(size_t(rows * cols));
+  switch (t.dtype) {
+    case DType::F32: std::copy(t.as<float>(), t.as<float>() + rows * cols, out.begin()); break;
+    case DType::BF16: for (int64_t i = 0; i < rows * cols; ++i) out[size_t(i)] = bf16_to_f32(t.as<uint16_t>()[i]); break;
+    case DType::F16: for (int64_t i = 0; i < rows * cols; ++i) out[size_t(i)] = f16_to_f32(t.as<uint16_t>()[i]); break;
+    case DType::F8_E4M3: {
+      const std::string module = name.substr(0, name.size() - 7);
+      const int group = fp8_group(name, module);
+      const TensorView& scales = weights_.get(module + ".scales");
+      const int64_t groups = quant_groups_per_row(fp8_format(group), cols);
+      check_shape(scales, {rows, groups});
+      for (int64_t r = 0; r < rows; ++r)
+        dequantize_fp8_row(cols, group, t.as<uint8_t>() + r * cols, scales.as<float>() + r * groups,
+                           out.data() + r * cols);
+      break;
+    }
+    default: fail("tensor ", name, ": dtype ", dtype_name(t.dtype), " is not supported here (bf16, f16, f32 or fp8)");
+  }
+  return out;
+}
+
+Matrix WeightLoader::matrix_rows(const std::string& name, int64_t rows, int64_t cols, int64_t row0, int64_t n,
+                                 const std::string& label) {
+  const TensorView& t = weights_.get(name);
+  check_shape(t, {rows, cols});
+  if (row0 < 0 || n <= 0 || row0 + n > rows) fail("tensor ", name, ": rows [", row0, ", ", row0 + n, ") out of range");
+  const size_t elem = dtype_size(t.dtype);
+  const TensorView part{label, t.dtype, {n, cols}, static_cast<const char*>(t.data) + size_t(row0 * cols) * elem,
+                        size_t(n * cols) * elem};
+  if (t.dtype != DType::F8_E4M3) return backend_.load_matrix(part);
+  const std::string module = name.substr(0, name.size() - 7);
+  const QuantFormat f = fp8_format(fp8_group(name, module));
+  const TensorView& scales = weights_.get(module + ".scales");
+  const int64_t groups = quant_groups_per_row(f, cols);
+  check_shape(scales, {rows, groups});
+  const TensorView part_scales{label + " scales", DType::F32, {n, groups}, scales.as<float>() + row0 * groups,
+                               size_t(n * groups) * sizeof(float)};
+  return backend_.load_quantized(part, part_scales, TensorView{}, f);
 }
 
 Vector WeightLoader::vector(const std::string& name, int64_t size) {
@@ -54,6 +112,12 @@ WeightLoader::QuantLookup quantization_lookup(const HfConfig& config) {
                     : j.contains("quantization_config") ? "quantization_config" : nullptr;
   if (!key || !j[key].is_object()) return {};
   const nlohmann::json q = j[key];
+  if (q.value("quant_method", "") == "fp8") {  // checked when the checkpoint was packed
+    const int group = q.contains("weight_block_size") && q["weight_block_size"].is_array() &&
+                              q["weight_block_size"].size() == 2 && q["weight_block_size"][1].is_number_integer()
+                          ? q["weight_block_size"][1].get<int>() : 0;
+    return [group](const std::string&) { return std::pair{8, group}; };
+  }
   return [q](const std::string& module) -> std::pair<int, int> {
     const int bits = q.value("bits", 0), group = q.value("group_size", 0);
     if (q.contains(module) && q[module].is_object())

@@ -26,7 +26,15 @@ class WeightLoader {
       : weights_(weights), backend_(backend), quantization_(std::move(quantization)) {}
   // A weight [rows, cols]: plain (f32/bf16/f16), or affine-quantized as MLX stores it
   // (<module>.weight U32 words with <module>.scales and <module>.biases).
+  // Or block-scaled FP8 as a pack stores it (<module>.weight F8_E4M3 with <module>.scales F32
+  // [rows, ceil(cols / G)], G from config.json's quantization_config.weight_block_size).
   Matrix matrix(const std::string& name, int64_t rows, int64_t cols);
+  // Rows [row0, row0 + n) of the plain or FP8 weight `name` [rows, cols] as a matrix of their
+  // own, named `label`.
+  Matrix matrix_rows(const std::string& name, int64_t rows, int64_t cols, int64_t row0, int64_t n,
+                     const std::string& label);
+  // The values of the plain or FP8 weight `name` [rows, cols] as float32, row-major.
+  std::vector<float> dense_f32(const std::string& name, int64_t rows, int64_t cols) const;
   Vector vector(const std::string& name, int64_t size);
   Vector optional_vector(const std::string& name, int64_t size);  // empty when absent
   bool has(const std::string& name) const;
@@ -34,6 +42,8 @@ class WeightLoader {
   Backend& backend() { return backend_; }
 
  private:
+  int fp8_group(const std::string& name, const std::string& module) const;  // G, or an error naming name
+
   const WeightSet& weights_;
   Backend& backend_;
   QuantLookup quantization_;

@@ -222,31 +222,19 @@ class DeepseekV3 final : public DecoderModel {
     a.kv_a_norm = w.vector(p + "kv_a_layernorm.weight", R);
     a.o_proj = w.matrix(p + "o_proj.weight", h, H * vd);
 
-    // kv_b_proj [H * (nope + v), R]: per head nope rows of W_uk, then v rows of W_uv.
+    // kv_b_proj [H * (nope + v), R]: per head nope rows of W_uk, then v rows of W_uv. W_uk is
+    // kept transposed in float32; W_uv rows as they are stored (bf16, f16, f32 or FP8).
     const std::string name = p + "kv_b_proj.weight";
-    const TensorView& kv_b = w.weights().get(name);
-    check_shape(kv_b, {H * (nope + vd), R});
-    if (kv_b.dtype != DType::BF16 && kv_b.dtype != DType::F16 && kv_b.dtype != DType::F32)
-      fail("tensor ", name, ": dtype ", dtype_name(kv_b.dtype), " is not supported (the latent attention needs bf16, f16 or f32)");
-    const size_t elem = kv_b.nbytes / size_t(kv_b.numel());
-    const auto value = [&](int64_t i) {
-      switch (kv_b.dtype) {
-        case DType::BF16: return bf16_to_f32(kv_b.as<uint16_t>()[i]);
-        case DType::F16: return f16_to_f32(kv_b.as<uint16_t>()[i]);
-        default: return kv_b.as<float>()[i];
-      }
-    };
+    const std::vector<float> kv_b = w.dense_f32(name, H * (nope + vd), R);
     for (int64_t hd = 0; hd < H; ++hd) {
       const int64_t row0 = hd * (nope + vd);
       std::vector<float>& t = owned_.emplace_back(size_t(R * nope));  // W_uk^T: [R, nope]
       for (int64_t i = 0; i < nope; ++i)
-        for (int64_t r = 0; r < R; ++r) t[size_t(r * nope + i)] = value((row0 + i) * R + r);
+        for (int64_t r = 0; r < R; ++r) t[size_t(r * nope + i)] = kv_b[size_t((row0 + i) * R + r)];
       const std::string head = name + "[head " + std::to_string(hd) + "]";
       a.uk_t.push_back(w.backend().load_matrix(
           TensorView{head + " W_uk^T", DType::F32, {R, nope}, t.data(), t.size() * sizeof(float)}));
-      const char* uv = static_cast<const char*>(kv_b.data) + size_t((row0 + nope) * R) * elem;
-      a.uv.push_back(w.backend().load_matrix(
-          TensorView{head + " W_uv", kv_b.dtype, {vd, R}, uv, size_t(vd * R) * elem}));
+      a.uv.push_back(w.matrix_rows(name, H * (nope + vd), R, row0 + nope, vd, head + " W_uv"));
     }
     return a;
   }

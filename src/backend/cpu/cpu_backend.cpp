@@ -40,6 +40,17 @@ class CpuBackend final : public Backend {
 
   Matrix load_quantized(const TensorView& words, const TensorView& scales, const TensorView& biases,
                         const QuantFormat& f) override {
+    if (f.scheme == QuantScheme::Fp8) {
+      if (words.dtype != DType::F8_E4M3 || words.shape.size() != 2)
+        fail("tensor ", words.name, ": FP8 weights must be an F8_E4M3 matrix, found ", dtype_name(words.dtype), " ",
+             shape_str(words.shape));
+      check_quant_shape(f, words.shape[1], words.name);
+      check_tensor(scales, DType::F32, {words.shape[0], quant_groups_per_row(f, words.shape[1])});
+      Matrix m{words.name, words.dtype, words.data, words.shape[0], words.shape[1]};
+      m.quant = f;
+      m.scales = scales.data;
+      return m;
+    }
     if (words.dtype != DType::U32 || words.shape.size() != 2)
       fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ",
            dtype_name(words.dtype), " ", shape_str(words.shape));

@@ -76,6 +76,11 @@ void check_matrix(const Matrix& w) {
     return;
   }
   check_quant_shape(w.quant, w.cols, w.name);
+  if (w.quant.scheme == QuantScheme::Fp8) {
+    if (w.dtype != DType::F8_E4M3) fail("weight ", w.name, ": FP8 codes must be F8_E4M3, found ", dtype_name(w.dtype));
+    if (!w.scales) fail("weight ", w.name, ": FP8 weights need their scales");
+    return;
+  }
   if (w.quant.scheme == QuantScheme::Mxfp4) {
     if (w.dtype != DType::U8) fail("weight ", w.name, ": MXFP4 codes must be U8, found ", dtype_name(w.dtype));
     if (!w.scales) fail("weight ", w.name, ": MXFP4 weights need their exponents");
@@ -128,6 +133,10 @@ void row_to_f32(const Matrix& w, int64_t row, float* dst) {
     dequantize_mxfp4_row(n, detail::row_codes(w, row), detail::row_exponents(w, row), dst);
     return;
   }
+  if (detail::is_fp8(w)) {
+    dequantize_fp8_row(n, w.quant.group_size, detail::row_fp8_codes(w, row), detail::row_fp8_scales(w, row), dst);
+    return;
+  }
   if (w.quant.bits > 0) {
     dequantize_row(w.quant, n, static_cast<const uint32_t*>(w.data) +
                                    row * quant_words_per_row(w.quant, n),
@@ -172,7 +181,7 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
   in.level = kernel_level();
   in.bits = w.quant.bits;
   in.group_size = w.quant.group_size;
-  if (in.bits == 0) return;
+  if (in.bits == 0 || detail::is_fp8(w)) return;  // float32 activations as they are
 
   const int64_t cols = w.cols;
   const int gs = w.quant.group_size;
@@ -207,11 +216,12 @@ void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, Pre
 
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1) {
-  // The activation layout depends on bits and group size only, so MXFP4 shares 4-bit group 32's.
+  // The activation layout depends on bits and group size only, so MXFP4 shares 4-bit group 32's
+  // (FP8 reads x as it is).
   if (in.bits != w.quant.bits || in.group_size != w.quant.group_size || in.cols != w.cols)
     fail("weight ", w.name, ": activations were prepared for another matrix");
   const detail::LevelKernels& k = kernels_for(in.level);
-  if (w.quant.bits == 0) {
+  if (w.quant.bits == 0 || detail::is_fp8(w)) {
     k.matmul_plain(w, in, y, ldy, r0, r1);
   } else if (in.precise) {
     k.matmul_quant_precise(w, in, y, ldy, r0, r1);

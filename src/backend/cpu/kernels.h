@@ -1,5 +1,5 @@
-// CPU inner kernels: products of stored weight rows (F32, BF16, F16 or MLX-style affine
-// quantized, see core/quant.h) with float32 activations.
+// CPU inner kernels: products of stored weight rows (F32, BF16, F16, MLX-style affine quantized,
+// MXFP4 or block-scaled FP8, see core/quant.h) with float32 activations.
 //
 // Each kernel exists at three levels, picked at run time from what the CPU offers:
 //   Scalar  plain C++; the reference the others are tested against.
@@ -19,7 +19,8 @@
 //                    y = sum_g scale_g * sum_(b in g) dx_b * isum_b + sum_g bias_g * sum_(i in g) x^_i.
 //                    The only approximation is x^ (the int8 activations) in place of x: about
 //                    0.5% relative error on random data.
-// Plain F32/BF16/F16 weights always take float32 activations.
+// Plain F32/BF16/F16 weights and FP8 weights always take float32 activations (FP8: each weight
+// is fp8 * scale, one float32 multiply, then multiplied in float32).
 #pragma once
 
 #include <cstdint>

@@ -140,8 +140,52 @@ MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt)
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
+// The first n (<= 16) FP8 E4M3 codes at p as floats (exact), zeros after them. Normal codes
+// become float32 bits directly: the magnitude bits shifted into place plus the exponent bias
+// difference (127 - 7) << 23; subnormals (exponent 0) are mantissa * 2^-9.
+MS_AVX512 inline __m512 load_fp8_n(const uint8_t* p, int64_t n) {
+  const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << n) - 1), p));
+  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
+  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
+  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
+  const __m512 value = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
+  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
+  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+}
+
+// Row r of an FP8 matrix as weights fp8 * scale, 16 at a time: f(i, n, weights) for
+// i = 0, 16, ... with n (<= 16) columns in the vector, zeros after them.
+template <class F>
+MS_AVX512 inline void for_each_fp8(const Matrix& w, int64_t r, F&& f) {
+  const uint8_t* codes = row_fp8_codes(w, r);
+  const float* scales = row_fp8_scales(w, r);
+  const int64_t n = w.cols, gs = w.quant.group_size;
+  for (int64_t g0 = 0; g0 < n; g0 += gs) {
+    const __m512 s = _mm512_set1_ps(scales[g0 / gs]);
+    const int64_t end = std::min(n, g0 + gs);
+    for (int64_t i = g0; i < end; i += 16) {
+      const int64_t left = std::min<int64_t>(16, end - i);
+      f(i, left, _mm512_mul_ps(load_fp8_n(codes + i, left), s));
+    }
+  }
+}
+
+MS_AVX512 float dot_fp8_row(const Matrix& w, int64_t r, const float* x) {
+  __m512 acc = _mm512_setzero_ps();
+  for_each_fp8(w, r, [&](int64_t i, int64_t left, __m512 wv) MS_AVX512 {
+    acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(__mmask16((1u << left) - 1), x + i), acc);
+  });
+  return _mm512_reduce_add_ps(acc);
+}
+
 MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
   const int64_t n = w.cols;
+  if (is_fp8(w)) {
+    for_each_fp8(w, r, [&](int64_t i, int64_t left, __m512 wv) MS_AVX512 {
+      _mm512_mask_storeu_ps(dst + i, __mmask16((1u << left) - 1), wv);
+    });
+    return;
+  }
   if (w.dtype == DType::F32) {
     std::memcpy(dst, static_cast<const float*>(w.data) + r * n, size_t(n) * 4);
     return;
@@ -154,6 +198,7 @@ MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
 }
 
 MS_AVX512 float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
+  if (is_fp8(w)) return dot_fp8_row(w, r, x);
   if (w.dtype == DType::F32) return dot_f32(static_cast<const float*>(w.data) + r * w.cols, x, w.cols);
   return dot_half(static_cast<const uint16_t*>(w.data) + r * w.cols, x, w.cols, w.dtype);
 }

@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "backend/cpu/kernels.h"
+#include "core/quant.h"
 
 namespace moestream::cpu::detail {
 
@@ -67,7 +68,7 @@ inline int64_t row_code_bytes(const Matrix& w) { return w.cols * w.quant.bits / 
 inline const uint8_t* row_codes(const Matrix& w, int64_t r) {
   return static_cast<const uint8_t*>(w.data) + r * row_code_bytes(w);
 }
-inline int64_t row_groups(const Matrix& w) { return w.cols / w.quant.group_size; }
+inline int64_t row_groups(const Matrix& w) { return quant_groups_per_row(w.quant, w.cols); }
 inline const uint16_t* row_scales(const Matrix& w, int64_t r) {
   return static_cast<const uint16_t*>(w.scales) + r * row_groups(w);
 }
@@ -77,6 +78,15 @@ inline const uint16_t* row_biases(const Matrix& w, int64_t r) {
 inline bool is_mxfp4(const Matrix& w) { return w.quant.scheme == QuantScheme::Mxfp4; }
 inline const uint8_t* row_exponents(const Matrix& w, int64_t r) {
   return static_cast<const uint8_t*>(w.scales) + r * row_groups(w);
+}
+// FP8 rows (dtype F8_E4M3): one code byte per column and float32 scales per group. The kernels
+// treat them like plain rows (float32 activations, QuantLoops::matmul_plain).
+inline bool is_fp8(const Matrix& w) { return w.quant.scheme == QuantScheme::Fp8; }
+inline const uint8_t* row_fp8_codes(const Matrix& w, int64_t r) {
+  return static_cast<const uint8_t*>(w.data) + r * w.cols;
+}
+inline const float* row_fp8_scales(const Matrix& w, int64_t r) {
+  return static_cast<const float*>(w.scales) + r * row_groups(w);
 }
 
 // Single-token products stream each row once. The hardware prefetchers alone left them at about
@@ -105,6 +115,7 @@ inline void prefetch_quant_row(const Matrix& w, int64_t r) {
 inline void prefetch_plain_row(const Matrix& w, int64_t r) {
   const int64_t bytes = w.cols * int64_t(dtype_size(w.dtype));
   prefetch_bytes(static_cast<const char*>(w.data) + r * bytes, bytes);
+  if (is_fp8(w)) prefetch_bytes(row_fp8_scales(w, r), row_groups(w) * 4);
 }
 
 }  // namespace moestream::cpu::detail
