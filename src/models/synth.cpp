@@ -1,11 +1,13 @@
 #include "models/synth.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <deque>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -23,9 +25,10 @@ constexpr int64_t kByteTokens = 256;
 
 // Fast deterministic random numbers (splitmix64); normals by Box-Muller.
 struct Rng {
+  static constexpr uint64_t kGamma = 0x9e3779b97f4a7c15ull;  // the state advances by it per draw
   uint64_t s;
   uint64_t next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
+    uint64_t z = (s += kGamma);
     z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
     z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
     return z ^ (z >> 31);
@@ -209,11 +212,23 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   const float marker = o.zipf > 0 ? 4.0f : 0.0f;
   std::vector<std::vector<uint16_t>> storage;
   std::vector<TensorToWrite> tensors;
+  // Large tensors are filled by several threads: each normal takes two draws from the counter-
+  // based generator, so a chunk starting at element i starts from the state 2 * i draws on and
+  // the values do not depend on the thread count.
+  const int64_t n_threads = std::max(1u, std::thread::hardware_concurrency());
   auto add = [&](const std::string& name, std::vector<int64_t> shape, float scale, float offset) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     std::vector<uint16_t>& data = storage.emplace_back(size_t(n));
-    for (auto& v : data) v = f32_to_bf16(offset + scale * rng.normal());
+    const int64_t chunk = std::max<int64_t>(1 << 20, (n + n_threads - 1) / n_threads);
+    std::vector<std::thread> workers;
+    for (int64_t i0 = 0; i0 < n; i0 += chunk)
+      workers.emplace_back([&, i0] {
+        Rng r{rng.s + uint64_t(2 * i0) * Rng::kGamma};
+        for (int64_t i = i0; i < std::min(n, i0 + chunk); ++i) data[size_t(i)] = f32_to_bf16(offset + scale * r.normal());
+      });
+    for (auto& w : workers) w.join();
+    rng.s += uint64_t(2 * n) * Rng::kGamma;
     tensors.push_back({name, DType::BF16, std::move(shape), nullptr});
     return &data;
   };
