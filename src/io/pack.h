@@ -18,6 +18,9 @@ namespace moestream {
 
 constexpr uint64_t kPackAlignment = 4096;
 constexpr const char* kPackManifestName = "moestream-pack.json";
+// Bumped whenever write_pack lays out the same source differently, so that packs cached from an
+// older layout are not reused (2: FP8 weights stay FP8 instead of becoming bf16).
+constexpr int kPackerRevision = 2;
 
 // One tensor inside an expert's block, e.g. role "gate" (later "gate.scales", ...).
 struct PackedTensor {

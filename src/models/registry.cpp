@@ -71,9 +71,10 @@ HfConfig load_config(const std::string& dir) {
   return HfConfig::load(path).text();
 }
 
-// Identifies a source directory's contents: path, and every file's name, size and mtime.
+// Identifies a source directory's contents (path, and every file's name, size and mtime) and the
+// packer's layout revision.
 uint64_t source_key(const std::string& dir) {
-  std::string key = fs::canonical(dir).string();
+  std::string key = fs::canonical(dir).string() + "\npacker " + std::to_string(kPackerRevision);
   std::vector<std::string> entries;
   for (const auto& e : fs::directory_iterator(dir)) {
     if (!e.is_regular_file()) continue;
