@@ -145,10 +145,25 @@ class CudaBackend final : public Backend {
 
   Matrix load_quantized(const TensorView& words, const TensorView& scales, const TensorView& biases,
                         const QuantFormat& f) override {
-    // MLX affine only (BF16/F16 scales and biases); MXFP4 (E8M0 byte scales) is refused.
-    if (f.scale_dtype != DType::BF16 && f.scale_dtype != DType::F16)
-      fail("tensor ", words.name, ": the CUDA backend computes only MLX affine quantization, not this scheme "
-           "(run it with --device cpu)");
+    if (f.scheme == QuantScheme::Fp8) {
+      // FP8: one E4M3 byte per weight, a float32 scale per group of columns (the last partial).
+      if (words.dtype != DType::F8_E4M3 || words.shape.size() != 2)
+        fail("tensor ", words.name, ": FP8 weights must be an F8_E4M3 matrix, found ", dtype_name(words.dtype), " ",
+             shape_str(words.shape));
+      if (biases.data) fail("tensor ", words.name, ": FP8 weights have no biases, found ", biases.name);
+      const int64_t rows = words.shape[0], cols = words.shape[1];
+      check_quant_shape(f, cols, words.name);
+      check_tensor(scales, DType::F32, {rows, quant_groups_per_row(f, cols)});
+      Matrix m{words.name, DType::F8_E4M3, upload(words.data, size_t(words.numel())), rows, cols};
+      m.quant = f;
+      m.scales = upload(scales.data, size_t(scales.numel()) * sizeof(float));
+      format_of(m);  // refuses what the kernels cannot read, naming the tensor
+      return m;
+    }
+    // MLX affine (BF16/F16 scales and biases). MXFP4 matrices reach a backend only as routed
+    // experts (ExpertStore views), never through here.
+    if (f.scheme != QuantScheme::Affine)
+      fail("tensor ", words.name, ": load_quantized takes MLX affine or FP8 matrices, not ", quant_format_name(f));
     if (words.dtype != DType::U32 || words.shape.size() != 2)
       fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ", dtype_name(words.dtype), " ",
            shape_str(words.shape));
@@ -618,9 +633,10 @@ void expert_extent(const MlpWeights& w, const char*& lo, const char*& hi) {
     if (!hi || c + n > hi) hi = c + n;
   };
   for (const Matrix* m : {&w.gate, &w.up, &w.down}) {
-    if (m->quant.bits) {
+    if (m->quant.bits) {  // affine, MXFP4 (no biases), FP8 (no biases; a row's last group may be partial)
+      const int64_t g = m->quant.group_size;
       span(m->data, size_t(m->rows * m->cols * m->quant.bits / 8));
-      const size_t groups = size_t(m->rows * (m->cols / m->quant.group_size));
+      const size_t groups = size_t(m->rows * ((m->cols + g - 1) / g));
       span(m->scales, groups * dtype_size(m->quant.scale_dtype));
       span(m->biases, groups * dtype_size(m->quant.scale_dtype));
     } else {
@@ -660,7 +676,7 @@ void CudaBackend::load_expert(int layer, int expert, const MlpWeights& w, int sl
   auto ref = [&](const Matrix& m) {
     WeightRef r = weight_ref(m);
     r.data = rebase(m.data);
-    r.scales = static_cast<const uint16_t*>(rebase(m.scales));
+    r.scales = rebase(m.scales);
     r.biases = static_cast<const uint16_t*>(rebase(m.biases));
     return r;
   };

@@ -1,7 +1,7 @@
-// Linear layers: y = x W^T for every weight format.
+// Linear layers: y = x W^T for every weight format (plain, MLX affine, MXFP4, FP8).
 //  - GEMV (T <= kGemvMaxTokens): a warp owns kRowsPerWarp rows; each lane walks packs of 32
 //    input elements (16-byte weight loads), x staged in shared memory, dequantization folded
-//    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x).
+//    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x) (b = 0 but for affine).
 //  - GEMM: tiles of rows dequantized to float32, then cuBLAS SGEMM (float32 math, no TF32).
 #include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
@@ -10,7 +10,8 @@
 namespace moestream::cuda {
 
 FormatTag format_of(const Matrix& m) {
-  if (m.quant.bits == 0) {
+  const QuantFormat& f = m.quant;
+  if (f.bits == 0) {
     switch (m.dtype) {
       case DType::F32: return {kF32, false};
       case DType::BF16: return {kBF16, false};
@@ -18,28 +19,46 @@ FormatTag format_of(const Matrix& m) {
       default: fail("matrix ", m.name, " has dtype ", dtype_name(m.dtype), ", which the CUDA backend does not read");
     }
   }
-  const int b = m.quant.bits;
-  if (b != 2 && b != 3 && b != 4 && b != 6 && b != 8)
-    fail("matrix ", m.name, ": ", b, "-bit weights are not supported by the CUDA backend");
-  if (m.quant.scale_dtype != DType::BF16 && m.quant.scale_dtype != DType::F16)
-    fail("matrix ", m.name, ": the CUDA backend computes only MLX affine quantization (scales of dtype ",
-         dtype_name(m.quant.scale_dtype), ", e.g. MXFP4, are not supported; run it with --device cpu)");
-  return {10 + b, m.quant.scale_dtype == DType::F16};
+  switch (f.scheme) {
+    case QuantScheme::Affine: {
+      const int b = f.bits;
+      if (b != 2 && b != 3 && b != 4 && b != 6 && b != 8)
+        fail("matrix ", m.name, ": ", b, "-bit affine weights are not supported by the CUDA backend");
+      if (f.scale_dtype != DType::BF16 && f.scale_dtype != DType::F16)
+        fail("matrix ", m.name, ": affine scales of dtype ", dtype_name(f.scale_dtype),
+             " are not supported by the CUDA backend (BF16, F16)");
+      return {10 + b, f.scale_dtype == DType::F16};
+    }
+    case QuantScheme::Mxfp4:
+      if (f != kMxfp4Format || m.dtype != DType::U8)
+        fail("matrix ", m.name, ": MXFP4 must be U8 codes, 4 bits in groups of 32 with U8 exponents, found ",
+             dtype_name(m.dtype), " codes, ", f.bits, " bits in groups of ", f.group_size, " with ",
+             dtype_name(f.scale_dtype), " exponents");
+      return {kMxfp4, false};
+    case QuantScheme::Fp8:
+      if (m.dtype != DType::F8_E4M3 || f.bits != 8 || f.scale_dtype != DType::F32 || f.group_size < 32 ||
+          f.group_size % 32 != 0)
+        fail("matrix ", m.name, ": FP8 must be F8_E4M3 codes with F32 scales per group of a multiple of 32 "
+             "columns, found ", dtype_name(m.dtype), ", ", f.bits, " bits, ", dtype_name(f.scale_dtype),
+             " scales, groups of ", f.group_size);
+      return {kFp8, false};
+  }
+  fail("matrix ", m.name, ": a quantization scheme the CUDA backend does not compute");
 }
 
 WeightRef weight_ref(const Matrix& m) {
   WeightRef r;
   r.data = m.data;
-  r.scales = static_cast<const uint16_t*>(m.scales);
+  r.scales = m.scales;
   r.biases = static_cast<const uint16_t*>(m.biases);
   r.rows = m.rows;
   r.cols = m.cols;
   if (m.quant.bits) {
-    int s = 0;
-    while ((1 << s) < m.quant.group_size) ++s;
-    if ((1 << s) != m.quant.group_size || m.quant.group_size < 32)
-      fail("cuda: matrix ", m.name, ": group size ", m.quant.group_size, " is not supported (32, 64, 128)");
-    r.group_shift = s;
+    const int g = m.quant.group_size;
+    if (g < 32 || g % 32 != 0) fail("cuda: matrix ", m.name, ": group size ", g, " is not a multiple of 32");
+    r.group_size = g;
+    r.groups_per_row = (m.cols + g - 1) / g;
+    r.group_shift = (g & (g - 1)) == 0 ? __builtin_ctz(unsigned(g)) : -1;
   }
   return r;
 }
@@ -86,55 +105,16 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
 template <int KIND, bool SF16>
 __global__ void dequant_rows_kernel(WeightRef w, int64_t r0, int64_t n, float* __restrict__ tile) {
   const int64_t total = n * w.cols;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    const int64_t r = r0 + i / w.cols, c = i % w.cols;
-    float v;
-    if constexpr (is_quant(KIND)) {
-      constexpr int B = bits_of(KIND);
-      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
-      const int64_t bit = c * B;
-      const int64_t k = bit >> 5;
-      const int s = int(bit & 31);
-      uint32_t code = row[k] >> s;
-      if (s + B > 32) code |= row[k + 1] << (32 - s);
-      code &= (1u << B) - 1;
-      const int64_t g = r * (w.cols >> w.group_shift) + (c >> w.group_shift);
-      v = fmaf(float(code), scale_value<SF16>(w.scales[g]), scale_value<SF16>(w.biases[g]));
-    } else if constexpr (KIND == kF32) {
-      v = static_cast<const float*>(w.data)[r * w.cols + c];
-    } else {
-      const uint16_t h = static_cast<const uint16_t*>(w.data)[r * w.cols + c];
-      v = KIND == kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
-    }
-    tile[i] = v;
-  }
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    tile[i] = weight_at<KIND, SF16>(w, r0 + i / w.cols, i % w.cols);
 }
 
+// One block per token: row tokens[t] of the table as float32.
 template <int KIND, bool SF16>
 __global__ void embed_kernel(WeightRef w, const int32_t* __restrict__ tokens, float* __restrict__ out) {
-  // One block per token: reuse the dequantizer over one row.
   const int64_t r = tokens[blockIdx.x];
   float* o = out + int64_t(blockIdx.x) * w.cols;
-  for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) {
-    float v;
-    if constexpr (is_quant(KIND)) {
-      constexpr int B = bits_of(KIND);
-      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
-      const int64_t bit = c * B, k = bit >> 5;
-      const int s = int(bit & 31);
-      uint32_t code = row[k] >> s;
-      if (s + B > 32) code |= row[k + 1] << (32 - s);
-      code &= (1u << B) - 1;
-      const int64_t g = r * (w.cols >> w.group_shift) + (c >> w.group_shift);
-      v = fmaf(float(code), scale_value<SF16>(w.scales[g]), scale_value<SF16>(w.biases[g]));
-    } else if constexpr (KIND == kF32) {
-      v = static_cast<const float*>(w.data)[r * w.cols + c];
-    } else {
-      const uint16_t h = static_cast<const uint16_t*>(w.data)[r * w.cols + c];
-      v = KIND == kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
-    }
-    o[c] = v;
-  }
+  for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) o[c] = weight_at<KIND, SF16>(w, r, c);
 }
 
 __global__ void add_bias_kernel(float* out, int64_t ldo, int64_t T, int64_t n, const float* bias) {

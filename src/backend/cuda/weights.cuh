@@ -1,6 +1,7 @@
 // Device-side reading of weight matrices in every stored format, shared by the linear and MoE
-// kernels: the format tag, packs of 32 elements decoded from 16-byte loads, and the GEMV tile
-// (one warp, kRowsPerWarp rows, up to kTokens activation rows staged in shared memory).
+// kernels: the format tag, packs of 32 elements decoded from 16-byte loads, single elements for
+// the dequantizers, and the GEMV tile (one warp, kRowsPerWarp rows, up to kTokens activation
+// rows staged in shared memory).
 #pragma once
 
 #include <cstdint>
@@ -10,23 +11,29 @@
 
 namespace moestream::cuda {
 
-// Weight formats as template tags: plain element types, or affine-quantized bits with BF16 or
-// F16 scales.
-enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2, kQ2 = 12, kQ3 = 13, kQ4 = 14, kQ6 = 16, kQ8 = 18 };
+// Weight formats as template tags. Plain element types; MLX affine-quantized bits with BF16 or
+// F16 scales and biases (value = q * scale + bias); MXFP4 (4-bit E2M1 codes packed like affine
+// 4-bit, one E8M0 exponent byte per 32); FP8 (one E4M3 byte per weight, one float32 scale per
+// group of G columns, the last group of a row possibly partial). The quantized kinds multiply
+// the 32 code values of a pack by their group's scale; only affine adds a bias.
+enum Kind : int { kF32 = 0, kBF16 = 1, kF16 = 2, kQ2 = 12, kQ3 = 13, kQ4 = 14, kQ6 = 16, kQ8 = 18, kMxfp4 = 20, kFp8 = 21 };
 constexpr bool is_quant(int kind) { return kind >= 10; }
-constexpr int bits_of(int kind) { return kind - 10; }
+constexpr bool is_affine(int kind) { return kind >= 10 && kind < kMxfp4; }
+constexpr int bits_of(int kind) { return kind == kMxfp4 ? 4 : kind == kFp8 ? 8 : kind - 10; }
 
 // One matrix (rows, cols) in device memory, as the kernels read it.
 struct WeightRef {
   const void* data = nullptr;
-  const uint16_t* scales = nullptr;  // quantized: [rows, cols / group]
-  const uint16_t* biases = nullptr;
+  const void* scales = nullptr;      // quantized: [rows, groups_per_row]; BF16/F16, E8M0 bytes or F32
+  const uint16_t* biases = nullptr;  // affine: like scales; otherwise null
   int64_t rows = 0, cols = 0;
-  int group_shift = 0;  // log2(group size)
+  int64_t groups_per_row = 0;  // ceil(cols / group_size)
+  int group_size = 0;
+  int group_shift = -1;  // log2(group_size) when a power of two (every format but some FP8), else -1
 };
 
-// The format of a host-side Matrix: kind and whether scales are F16. Fails naming the matrix
-// on anything the CUDA kernels do not read.
+// The format of a host-side Matrix: kind and whether scales are F16 (affine only). Fails naming
+// the matrix on anything the CUDA kernels do not read.
 struct FormatTag {
   int kind = kF32;
   bool scale_f16 = false;
@@ -50,6 +57,8 @@ void dispatch_format(FormatTag t, F&& f) {
     MS_QUANT_CASE(kQ6)
     MS_QUANT_CASE(kQ8)
 #undef MS_QUANT_CASE
+    case kMxfp4: return f.template operator()<kMxfp4, false>();
+    case kFp8: return f.template operator()<kFp8, false>();
   }
   fail("cuda: unknown weight format tag ", t.kind);
 }
@@ -60,14 +69,41 @@ __device__ __forceinline__ float scale_value(uint16_t v) {
   else return bf16_bits_to_f32(v);
 }
 
+// Twice the E2M1 value of an MXFP4 code: magnitudes 0, 1, 2, 3, 4, 6, 8, 12 for codes 0..7 (one
+// nibble each in 0xC8643210), bit 3 the sign. The half goes into the scale (mxfp4_scale), so the
+// code values are small integers, like affine codes.
+__device__ __forceinline__ float mxfp4_twice_value(uint32_t code) {
+  const float m = float((0xC8643210u >> ((code & 7) * 4)) & 0xf);
+  return code & 8 ? -m : m;
+}
+// 2^(e - 128) for an E8M0 exponent byte (e <= kMxfp4MaxExponent, checked when packed): with
+// mxfp4_twice_value, fp4(c) * 2^(e - 127) exactly. e = 0 and 1 give subnormal floats.
+__device__ __forceinline__ float mxfp4_scale(uint32_t e) {
+  return e >= 2 ? __uint_as_float((e - 1) << 23) : __uint_as_float(0x200000u << e);
+}
+// An E4M3 "fn" byte as float32, exactly: exponent and mantissa moved to float32's top bits, then
+// scaled by 2^(127 - 7) (so exponent 0 lands on m * 2^-9, a subnormal times 2^120), sign OR-ed in.
+__device__ __forceinline__ float fp8_e4m3_value(uint32_t b) {
+  const float m = __uint_as_float((b & 0x7f) << 20) * 0x1p120f;
+  return __uint_as_float(__float_as_uint(m) | ((b & 0x80) << 24));
+}
+
 // Shared-memory layout of an activation row: 4 floats of padding after every 32, so the lanes of
 // a warp (each on its own pack of 32) read float4s from distinct banks.
 __host__ __device__ __forceinline__ int64_t padded(int64_t i) { return i + (i >> 5) * 4; }
 __host__ __device__ __forceinline__ int64_t padded_cols(int64_t cols) { return ((cols + 31) >> 5) * 36; }
 
-// The 32 codes of pack `p` of row `r` (quantized), from B words = 32 * B bits.
-template <int B>
+// The value of a B-bit code of a packed (affine or MXFP4) format, before the group's scale.
+template <int KIND>
+__device__ __forceinline__ float code_value(uint32_t code) {
+  if constexpr (KIND == kMxfp4) return mxfp4_twice_value(code);
+  else return float(code);
+}
+
+// The 32 code values of one pack of a packed format, from B words = 32 * B bits.
+template <int KIND>
 __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]) {
+  constexpr int B = bits_of(KIND);
   uint32_t w[B];
   if constexpr (B == 4) {
     const uint4 v = *reinterpret_cast<const uint4*>(words);
@@ -91,7 +127,24 @@ __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]
     const int bit = i * B, k = bit >> 5, s = bit & 31;
     uint32_t v = w[k] >> s;
     if (s + B > 32) v |= w[k + 1] << (32 - s);
-    q[i] = float(v & mask);
+    q[i] = code_value<KIND>(v & mask);
+  }
+}
+
+// FP8 bytes p[0..32): two 16-byte loads when `vec`, else one by one (only `n` < 32 valid at a
+// row's tail; the rest read as 0, never as whatever follows the row).
+__device__ __forceinline__ void load_fp8(const uint8_t* p, bool vec, int n, float (&q)[32]) {
+  if (vec) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint4 v = reinterpret_cast<const uint4*>(p)[j];
+      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+      for (int k = 0; k < 16; ++k) q[16 * j + k] = fp8_e4m3_value((u[k / 4] >> (8 * (k % 4))) & 0xff);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) q[i] = i < n ? fp8_e4m3_value(p[i]) : 0.0f;
   }
 }
 
@@ -131,6 +184,62 @@ __device__ __forceinline__ void load_plain(const void* data, int64_t index, bool
     }
 #pragma unroll
     for (int i = 0; i < 32; ++i) q[i] = KIND == kBF16 ? bf16_bits_to_f32(h[i]) : f16_bits_to_f32(h[i]);
+  }
+}
+
+// The 32 values of pack p (columns [32p, 32p + 32)) of `row`, before the group's scale and bias.
+// `vec`: cols is a multiple of 32 (16-byte loads for the byte and plain formats; the packed
+// formats always have whole packs).
+template <int KIND>
+__device__ __forceinline__ void load_pack(const WeightRef& w, int64_t row, int64_t p, bool vec, float (&q)[32]) {
+  const int n = int(w.cols - p * 32 < 32 ? w.cols - p * 32 : 32);
+  if constexpr (KIND == kFp8) {
+    load_fp8(static_cast<const uint8_t*>(w.data) + row * w.cols + p * 32, vec, n, q);
+  } else if constexpr (is_quant(KIND)) {
+    constexpr int B = bits_of(KIND);
+    load_codes<KIND>(static_cast<const uint32_t*>(w.data) + row * (w.cols * B / 32) + p * B, q);
+  } else {
+    load_plain<KIND>(w.data, row * w.cols + p * 32, vec, n, q);
+  }
+}
+
+// Index of the scale (and bias) of element (row, col). A pack of 32 never straddles two groups
+// (group sizes are multiples of 32).
+__device__ __forceinline__ int64_t group_index(const WeightRef& w, int64_t row, int64_t col) {
+  return row * w.groups_per_row + (w.group_shift >= 0 ? col >> w.group_shift : col / w.group_size);
+}
+
+template <int KIND, bool SF16>
+__device__ __forceinline__ float group_scale(const WeightRef& w, int64_t g) {
+  if constexpr (KIND == kMxfp4) return mxfp4_scale(static_cast<const uint8_t*>(w.scales)[g]);
+  else if constexpr (KIND == kFp8) return static_cast<const float*>(w.scales)[g];
+  else return scale_value<SF16>(static_cast<const uint16_t*>(w.scales)[g]);
+}
+
+// Element (r, c) of w as float32: the dequantizers (GEMM tiles, embedding rows).
+template <int KIND, bool SF16>
+__device__ __forceinline__ float weight_at(const WeightRef& w, int64_t r, int64_t c) {
+  if constexpr (KIND == kF32) {
+    return static_cast<const float*>(w.data)[r * w.cols + c];
+  } else if constexpr (KIND == kBF16 || KIND == kF16) {
+    const uint16_t h = static_cast<const uint16_t*>(w.data)[r * w.cols + c];
+    return KIND == kBF16 ? bf16_bits_to_f32(h) : f16_bits_to_f32(h);
+  } else {
+    const int64_t g = group_index(w, r, c);
+    float q;
+    if constexpr (KIND == kFp8) {
+      q = fp8_e4m3_value(static_cast<const uint8_t*>(w.data)[r * w.cols + c]);
+    } else {
+      constexpr int B = bits_of(KIND);
+      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
+      const int64_t bit = c * B, k = bit >> 5;
+      const int s = int(bit & 31);
+      uint32_t code = row[k] >> s;
+      if (s + B > 32) code |= row[k + 1] << (32 - s);
+      q = code_value<KIND>(code & ((1u << B) - 1));
+    }
+    if constexpr (is_affine(KIND)) return fmaf(q, group_scale<KIND, SF16>(w, g), scale_value<SF16>(w.biases[g]));
+    else return q * group_scale<KIND, SF16>(w, g);
   }
 }
 
@@ -181,15 +290,11 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r) {
       const int64_t row = row0 + r < w.rows ? row0 + r : w.rows - 1;  // past the end: recompute the last row, unused
+      load_pack<KIND>(w, row, p, vec, q[r]);
       if constexpr (is_quant(KIND)) {
-        constexpr int B = bits_of(KIND);
-        const uint32_t* words = static_cast<const uint32_t*>(w.data) + row * (cols * B / 32) + p * B;
-        load_codes<B>(words, q[r]);
-        const int64_t g = row * (cols >> w.group_shift) + ((p * 32) >> w.group_shift);
-        scale[r] = scale_value<SF16>(w.scales[g]);
-        bias[r] = scale_value<SF16>(w.biases[g]);
-      } else {
-        load_plain<KIND>(w.data, row * cols + p * 32, vec, int(cols - p * 32 < 32 ? cols - p * 32 : 32), q[r]);
+        const int64_t g = group_index(w, row, p * 32);
+        scale[r] = group_scale<KIND, SF16>(w, g);
+        if constexpr (is_affine(KIND)) bias[r] = scale_value<SF16>(w.biases[g]);
       }
     }
 #pragma unroll
@@ -197,13 +302,13 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
       if (t >= nt) break;
       const float* xv = xs + t * cp + p * 36;
       float d[kRowsPerWarp];
-      float sx = 0.0f;  // sum of this pack of x: multiplies the bias
+      float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) d[r] = 0.0f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float4 x4 = reinterpret_cast<const float4*>(xv)[j];
-        if constexpr (is_quant(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
+        if constexpr (is_affine(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) {
           d[r] = fmaf(q[r][4 * j], x4.x, d[r]);
@@ -214,7 +319,8 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
       }
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) {
-        if constexpr (is_quant(KIND)) acc[r][t] += fmaf(scale[r], d[r], bias[r] * sx);
+        if constexpr (is_affine(KIND)) acc[r][t] += fmaf(scale[r], d[r], bias[r] * sx);
+        else if constexpr (is_quant(KIND)) acc[r][t] = fmaf(scale[r], d[r], acc[r][t]);
         else acc[r][t] += d[r];
       }
     }
