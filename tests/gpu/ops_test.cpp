@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -66,16 +67,60 @@ class Pair : public ::testing::Test {
   std::unique_ptr<Backend> cpu, gpu;
 };
 
+// A device copy of host bytes, freed with the last owner.
+std::shared_ptr<void> device_copy(const void* src, size_t bytes) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, bytes), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice), cudaSuccess);
+  return std::shared_ptr<void>(p, [](void* q) { cudaFree(q); });
+}
+
 struct HostMatrix {
   std::vector<uint32_t> words;
   std::vector<uint16_t> scales, biases, half;
-  std::vector<float> f32;
+  std::vector<uint8_t> codes, exponents;  // MXFP4 (codes, E8M0 exponents) and FP8 (codes)
+  std::vector<float> f32;                 // plain and affine: the values; FP8: the scales
   TensorView w, s, b;
+  QuantFormat quant;
+  // MXFP4 reaches a backend only as a routed expert's Matrix view (no load_quantized): the view
+  // of the host bytes for the CPU and of device copies for the GPU.
+  Matrix host_view, device_view;
+  std::shared_ptr<void> device_codes, device_exponents;
 };
 
-// A random (rows, cols) matrix in `format` ("f32", "bf16", "f16" or a quant spec such as "q4g64").
-HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, uint32_t seed) {
+// A random (rows, cols) matrix in `format`: "f32", "bf16", "f16", an affine quant spec such as
+// "q4g64", "mxfp4" or "fp8g<G>". MXFP4 and FP8 take random codes (every code but FP8's NaNs) and
+// scales; `wide_scales` spreads MXFP4 exponents over 0..252 (too wide for a dot product).
+HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, uint32_t seed, bool wide_scales = false) {
   HostMatrix m;
+  std::mt19937 rng(seed);
+  if (format == "mxfp4") {
+    m.quant = kMxfp4Format;
+    m.codes.resize(size_t(rows * cols / 2));
+    m.exponents.resize(size_t(rows * cols / 32));
+    for (uint8_t& c : m.codes) c = uint8_t(rng());
+    for (uint8_t& e : m.exponents) e = uint8_t(wide_scales ? rng() % (kMxfp4MaxExponent + 1) : 118 + rng() % 12);
+    m.host_view = Matrix{"w", DType::U8, m.codes.data(), rows, cols, m.quant, m.exponents.data(), nullptr};
+    m.device_codes = device_copy(m.codes.data(), m.codes.size());
+    m.device_exponents = device_copy(m.exponents.data(), m.exponents.size());
+    m.device_view = Matrix{"w", DType::U8, m.device_codes.get(), rows, cols, m.quant, m.device_exponents.get(), nullptr};
+    return m;
+  }
+  if (format.rfind("fp8g", 0) == 0) {
+    const int g = std::stoi(format.substr(4));
+    m.quant = QuantFormat{8, g, DType::F32, QuantScheme::Fp8};
+    const int64_t groups = (cols + g - 1) / g;
+    m.codes.resize(size_t(rows * cols));
+    for (uint8_t& c : m.codes) {
+      c = uint8_t(rng() % 254);  // 0x7f and 0xff (NaN) skipped
+      if (c >= 0x7f) ++c;
+    }
+    std::uniform_real_distribution<float> u(1.0f, 2.0f);
+    for (int64_t i = 0; i < rows * groups; ++i) m.f32.push_back(std::ldexp(u(rng), -int(4 + rng() % 8)));
+    m.w = TensorView{"w", DType::F8_E4M3, {rows, cols}, m.codes.data(), m.codes.size()};
+    m.s = TensorView{"w.scales", DType::F32, {rows, groups}, m.f32.data(), m.f32.size() * 4};
+    return m;
+  }
   m.f32 = random(size_t(rows * cols), seed, 0.1f);
   if (format == "f32") {
     m.w = TensorView{"w", DType::F32, {rows, cols}, m.f32.data(), m.f32.size() * 4};
@@ -84,6 +129,7 @@ HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, ui
     m.w = TensorView{"w", format == "bf16" ? DType::BF16 : DType::F16, {rows, cols}, m.half.data(), m.half.size() * 2};
   } else {
     const QuantFormat f = parse_quant_format(format);
+    m.quant = f;
     m.words.resize(size_t(rows * quant_words_per_row(f, cols)));
     m.scales.resize(size_t(rows * quant_groups_per_row(f, cols)));
     m.biases.resize(m.scales.size());
@@ -97,11 +143,13 @@ HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, ui
 
 Matrix load(Backend& be, const HostMatrix& m, const std::string& format) {
   if (format == "f32" || format == "bf16" || format == "f16") return be.load_matrix(m.w);
-  return be.load_quantized(m.w, m.s, m.b, parse_quant_format(format));
+  if (format == "mxfp4") return be.name().rfind("cuda", 0) == 0 ? m.device_view : m.host_view;
+  return be.load_quantized(m.w, m.s, m.b, m.quant);
 }
 
-const std::vector<std::string> kFormats = {"f32",   "bf16",  "f16",   "q2g64", "q3g64", "q4g64", "q4g32",
-                                           "q4g128", "q6g64", "q8g64", "q4g64-f16", "q3g32-f16", "q8g128"};
+const std::vector<std::string> kFormats = {"f32",    "bf16",  "f16",   "q2g64",     "q3g64",     "q4g64",  "q4g32",
+                                           "q4g128", "q6g64", "q8g64", "q4g64-f16", "q3g32-f16", "q8g128", "mxfp4",
+                                           "fp8g128", "fp8g32"};
 
 TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
   for (const std::string& fmt : kFormats)
@@ -116,8 +164,9 @@ TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
       }
 }
 
-TEST_F(Pair, LinearPlainOddWidthWithBias) {
-  for (std::string fmt : {"f32", "bf16"}) {
+// Rows that are not a multiple of 32 (FP8: nor of its group, the last group partial).
+TEST_F(Pair, LinearOddWidthWithBias) {
+  for (std::string fmt : {"f32", "bf16", "fp8g32", "fp8g128"}) {
     HostMatrix hm = make_matrix(21, 70, fmt, 3);
     std::vector<float> bias = random(21, 4);
     const TensorView bv{"bias", DType::F32, {21}, bias.data(), bias.size() * 4};
@@ -132,12 +181,34 @@ TEST_F(Pair, LinearPlainOddWidthWithBias) {
   }
 }
 
+// FP8 with partial last groups and packs: cols not a multiple of 32 or of G, cols < G, a group
+// size that is not a power of two; GEMV and cuBLAS paths.
+TEST_F(Pair, LinearFp8PartialGroups) {
+  struct Case {
+    int64_t rows, cols;
+    int group;
+  };
+  for (const Case& c : {Case{33, 200, 64}, Case{21, 48, 128}, Case{40, 200, 96}, Case{7, 1000, 128}, Case{192, 48, 128}})
+    for (int64_t T : {1, 3, 4, 8, 37}) {
+      const std::string fmt = "fp8g" + std::to_string(c.group);
+      HostMatrix hm = make_matrix(c.rows, c.cols, fmt, 13);
+      Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+      Buf x = buf(T, c.cols, 17), out = poisoned(T, c.rows);
+      cpu->linear(x.c, wc, nullptr, out.c);
+      gpu->linear(x.g, wg, nullptr, out.g);
+      EXPECT_LT(err(out), 1e-5) << fmt << " T=" << T << " [" << c.rows << ", " << c.cols << "]";
+    }
+}
+
 TEST_F(Pair, Embed) {
-  for (std::string fmt : {"bf16", "q4g64", "q6g32"}) {
-    HostMatrix hm = make_matrix(50, 128, fmt, 9);
+  // Bit-exact rows: MXFP4 with exponents from the subnormal scales to the limit, FP8 with every
+  // code and a partial last group.
+  for (std::string fmt : {"bf16", "q4g64", "q6g32", "mxfp4", "fp8g128", "fp8g64"}) {
+    const int64_t cols = fmt == "fp8g64" ? 100 : 128;
+    HostMatrix hm = make_matrix(50, cols, fmt, 9, true);
     Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
-    const std::vector<int32_t> tokens{3, 49, 0, 3};
-    Buf out = poisoned(4, 128);
+    const std::vector<int32_t> tokens{3, 49, 0, 3, 17};
+    Buf out = poisoned(5, cols);
     cpu->embed(tokens, wc, out.c);
     gpu->embed(tokens, wg, out.g);
     EXPECT_EQ(err(out), 0.0) << fmt;
@@ -254,7 +325,7 @@ TEST_F(Pair, LinearPerHeadAndMlp) {
     gpu->linear_per_head(x.g, wg, out.g);
     EXPECT_LT(err(out), 1e-5) << T;
   }
-  for (std::string fmt : {"bf16", "q4g64"}) {
+  for (std::string fmt : {"bf16", "q4g64", "mxfp4", "fp8g128"}) {
     HostMatrix g = make_matrix(128, 64, fmt, 1), u = make_matrix(128, 64, fmt, 2), d = make_matrix(64, 128, fmt, 3);
     MlpWeights mc{load(*cpu, g, fmt), load(*cpu, u, fmt), load(*cpu, d, fmt), {}, {}, {}};
     MlpWeights mg{load(*gpu, g, fmt), load(*gpu, u, fmt), load(*gpu, d, fmt), {}, {}, {}};
@@ -296,12 +367,16 @@ TEST_F(Pair, GatedDeltaNetPrefillThenDecode) {
   }
 }
 
-TEST_F(Pair, RefusesMxfp4) {
+// MXFP4 comes only as routed experts' views; load_quantized takes affine and FP8 matrices.
+TEST_F(Pair, LoadQuantizedRefusesMxfp4AndBadFp8) {
   std::vector<uint8_t> blocks(64 * 16), scales(64);
   const TensorView w{"mx", DType::U8, {64, 16}, blocks.data(), blocks.size()};
   const TensorView s{"mx.scales", DType::U8, {64, 1}, scales.data(), scales.size()};
-  QuantFormat f{4, 32, DType::U8};  // MXFP4's E8M0 byte scales
-  EXPECT_THROW(gpu->load_quantized(w, s, TensorView{}, f), Error);
+  EXPECT_THROW(gpu->load_quantized(w, s, TensorView{}, kMxfp4Format), Error);
+  HostMatrix hm = make_matrix(8, 100, "fp8g64", 1);
+  EXPECT_THROW(gpu->load_quantized(hm.w, hm.s, TensorView{}, QuantFormat{8, 48, DType::F32, QuantScheme::Fp8}), Error);
+  const TensorView short_scales{"w.scales", DType::F32, {8, 1}, hm.f32.data(), 8 * 4};
+  EXPECT_THROW(gpu->load_quantized(hm.w, short_scales, TensorView{}, hm.quant), Error);
 }
 
 }  // namespace
