@@ -108,6 +108,7 @@ Format format(const std::string& name) {
   if (name == "bf16") return {name, DType::BF16, {}};
   if (name == "f16") return {name, DType::F16, {}};
   if (name == "mxfp4") return {name, DType::U8, kMxfp4Format};
+  if (name == "fp8") return {name, DType::F8_E4M3, fp8_format(128)};
   return {name, DType::U32, parse_quant_format(name)};
 }
 
@@ -131,6 +132,16 @@ struct MatrixSet {
       auto* h = reinterpret_cast<uint16_t*>(one.data());
       for (size_t i = 0; i < w.size(); ++i)
         h[i] = f.dtype == DType::F16 ? f32_to_f16(w[i]) : f32_to_bf16(w[i]);
+    } else if (f.quant.scheme == QuantScheme::Fp8) {
+      // Codes of a normal spread (random bytes without NaN) and one scale per 128 columns.
+      data_bytes = rows * cols;
+      const int64_t groups = quant_groups_per_row(f.quant, cols);
+      one.resize(size_t(data_bytes + rows * groups * 4));
+      for (int64_t i = 0; i < data_bytes; ++i) one[size_t(i)] = uint8_t(rng() % 0x7e) | uint8_t(rng() & 0x80);
+      for (int64_t g = 0; g < rows * groups; ++g) {
+        const float scale = 1e-3f;
+        std::memcpy(one.data() + data_bytes + g * 4, &scale, 4);
+      }
     } else if (f.quant.scheme == QuantScheme::Mxfp4) {
       data_bytes = rows * cols / 2;
       one.resize(size_t(data_bytes + rows * cols / 32));
@@ -158,7 +169,7 @@ struct MatrixSet {
       m.quant = f.quant;
       if (f.quant.bits) {
         m.scales = base + data_bytes;
-        m.biases = f.quant.scheme == QuantScheme::Mxfp4 ? nullptr : base + data_bytes + side_bytes;
+        m.biases = f.quant.scheme == QuantScheme::Affine ? base + data_bytes + side_bytes : nullptr;
       }
       matrices.push_back(m);
     }
@@ -232,14 +243,16 @@ void register_all() {
         ->UseRealTime()
         ->MinTime(0.3);
   };
-  for (const char* fmt : {"bf16", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64", "mxfp4"})
+  for (const char* fmt : {"bf16", "fp8", "q8g64", "q6g64", "q4g32", "q4g64", "q4g128", "q3g64", "q2g64", "mxfp4"})
     for (Shape s : experts)
       for (bool precise : {false, true}) {
-        if (precise && std::string(fmt) == "bf16") continue;  // plain weights have one path
+        if (precise && (std::string(fmt) == "bf16" || std::string(fmt) == "fp8")) continue;  // one path
         for (int threads : {1, 2}) add(fmt, s, threads, precise, true);
       }
   for (bool precise : {false, true})
     for (int threads : {1, 2}) add("q4g64", experts[0], threads, precise, false);
+  add("fp8", experts[0], 1, false, false);  // compute rate, the matrix in cache
+  add("bf16", experts[0], 1, false, false);
   for (int threads : {1, 2}) add("bf16", {151936, 2048}, threads, false, true);
 }
 

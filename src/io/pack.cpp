@@ -474,6 +474,9 @@ std::vector<float> fp8_row_scales(const TensorView& w, const TensorView& scale_i
   if (scale_inv.dtype != DType::F32 || scale_inv.shape != want)
     fail("tensor ", scale_inv.name, ": expected F32 ", shape_str(want), " (blocks of ", block[0], "x", block[1],
          " over ", shape_str(w.shape), "), found ", dtype_name(scale_inv.dtype), " ", shape_str(scale_inv.shape));
+  for (int64_t i = 0; i < want[0] * want[1]; ++i)  // the kernels multiply scales by 256 (exact below 2^100)
+    if (!(std::abs(scale_inv.as<float>()[i]) <= 0x1p100f))
+      fail("tensor ", scale_inv.name, ": scale ", scale_inv.as<float>()[i], " at element ", i, " is not a finite number below 2^100");
   std::vector<float> out(size_t(rows * want[1]));
   for (int64_t r = 0; r < rows; ++r)
     std::memcpy(out.data() + r * want[1], scale_inv.as<float>() + (r / block[0]) * want[1], size_t(want[1]) * 4);

@@ -144,53 +144,59 @@ MS_AVX2 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
   return sum;
 }
 
-// 8 FP8 E4M3 codes at p as floats (exact). Normal codes become float32 bits directly: the
-// magnitude bits shifted into place plus the exponent bias difference (127 - 7) << 23;
-// subnormals (exponent 0) are mantissa * 2^-9.
-MS_AVX2 inline __m256 load_fp8(const uint8_t* p) {
-  const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(v, _mm256_set1_epi32(0x7f));
-  const __m256 normal = _mm256_castsi256_ps(_mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23)));
-  const __m256 sub = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
-  const __m256 is_sub = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(8), mag));
-  const __m256 sign = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_and_si256(v, _mm256_set1_epi32(0x80)), 24));
-  return _mm256_or_ps(_mm256_blendv_ps(normal, sub, is_sub), sign);
-}
-// n (< 8) FP8 codes, zeros after them.
-MS_AVX2 inline __m256 load_fp8_n(const uint8_t* p, int64_t n) {
-  alignas(8) uint8_t tmp[8] = {};
-  std::memcpy(tmp, p, size_t(n));
-  return load_fp8(tmp);
+// 16 FP8 E4M3 codes at p times s / 256 as floats (two halves of 8). Each code becomes the FP16
+// number with the same sign, exponent and mantissa bits ((c & 0x7f) << 7, the sign moved to bit
+// 15): that is the FP8 value * 2^-8 exactly, subnormals included (FP8 bias 7, FP16 bias 15), and
+// F16C widens it exactly. With s = scale * 256 (exact) the product is fp8 * scale rounded once.
+MS_AVX2 inline void load_fp8x16(const uint8_t* p, __m256 s, __m256& lo, __m256& hi) {
+  __m256i t = _mm256_slli_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 7);
+  t = _mm256_add_epi16(t, _mm256_and_si256(t, _mm256_set1_epi16(0x4000)));  // sign: bit 14 -> 15
+  lo = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_castsi256_si128(t)), s);
+  hi = _mm256_mul_ps(_mm256_cvtph_ps(_mm256_extracti128_si256(t, 1)), s);
 }
 
-// Row r of an FP8 matrix as weights fp8 * scale, 8 at a time: f(i, weights) for i = 0, 8, ...;
-// the last call may hold fewer than 8 columns, zeros after them.
+// Lanes j < n (n <= 8) set, for masked loads and stores.
+MS_AVX2 inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(int(n)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+// Row r of an FP8 matrix as weights fp8 * scale, 16 at a time: f(i, n, lo, hi) for
+// i = 0, 16, ... with columns [i, i + n) in lo (the first 8) and hi, zeros after them.
 template <class F>
 MS_AVX2 inline void for_each_fp8(const Matrix& w, int64_t r, F&& f) {
   const uint8_t* codes = row_fp8_codes(w, r);
   const float* scales = row_fp8_scales(w, r);
   const int64_t n = w.cols, gs = w.quant.group_size;
   for (int64_t g0 = 0; g0 < n; g0 += gs) {
-    const __m256 s = _mm256_set1_ps(scales[g0 / gs]);
+    const __m256 s = _mm256_set1_ps(scales[g0 / gs] * 256.0f);
     const int64_t end = std::min(n, g0 + gs);
-    for (int64_t i = g0; i < end; i += 8)
-      f(i, _mm256_mul_ps(end - i >= 8 ? load_fp8(codes + i) : load_fp8_n(codes + i, end - i), s));
+    for (int64_t i = g0; i < end; i += 16) {
+      __m256 lo, hi;
+      if (end - i >= 16) {
+        load_fp8x16(codes + i, s, lo, hi);
+        f(i, int64_t(16), lo, hi);
+      } else {
+        alignas(16) uint8_t tail[16] = {};
+        std::memcpy(tail, codes + i, size_t(end - i));
+        load_fp8x16(tail, s, lo, hi);
+        f(i, end - i, lo, hi);
+      }
+    }
   }
 }
 
 MS_AVX2 float dot_fp8_row(const Matrix& w, int64_t r, const float* x) {
-  __m256 acc = _mm256_setzero_ps();
-  float tail = 0;
-  for_each_fp8(w, r, [&](int64_t i, __m256 wv) MS_AVX2 {
-    if (w.cols - i >= 8) {
-      acc = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), acc);
-    } else {
-      alignas(32) float v[8];
-      _mm256_store_ps(v, wv);
-      for (int64_t j = 0; j < w.cols - i; ++j) tail += v[j] * x[i + j];
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for_each_fp8(w, r, [&](int64_t i, int64_t n, __m256 lo, __m256 hi) MS_AVX2 {
+    if (n == 16) {
+      a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i), a0);
+      a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i + 8), a1);
+      return;
     }
+    a0 = _mm256_fmadd_ps(lo, _mm256_maskload_ps(x + i, first_lanes(n)), a0);
+    if (n > 8) a1 = _mm256_fmadd_ps(hi, _mm256_maskload_ps(x + i + 8, first_lanes(n - 8)), a1);
   });
-  return hsum(acc) + tail;
+  return hsum(_mm256_add_ps(a0, a1));
 }
 
 MS_AVX2 float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
@@ -203,14 +209,14 @@ MS_AVX2 float dot_plain_row(const Matrix& w, int64_t r, const float* x) {
 MS_AVX2 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
   const int64_t n = w.cols;
   if (is_fp8(w)) {
-    for_each_fp8(w, r, [&](int64_t i, __m256 wv) MS_AVX2 {
-      if (n - i >= 8) {
-        _mm256_storeu_ps(dst + i, wv);
-      } else {
-        alignas(32) float v[8];
-        _mm256_store_ps(v, wv);
-        std::memcpy(dst + i, v, size_t(n - i) * 4);
+    for_each_fp8(w, r, [&](int64_t i, int64_t m, __m256 lo, __m256 hi) MS_AVX2 {
+      if (m == 16) {
+        _mm256_storeu_ps(dst + i, lo);
+        _mm256_storeu_ps(dst + i + 8, hi);
+        return;
       }
+      _mm256_maskstore_ps(dst + i, first_lanes(m), lo);
+      if (m > 8) _mm256_maskstore_ps(dst + i + 8, first_lanes(m - 8), hi);
     });
     return;
   }

@@ -140,49 +140,63 @@ MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt)
   return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
-// The first n (<= 16) FP8 E4M3 codes at p as floats (exact), zeros after them. Normal codes
-// become float32 bits directly: the magnitude bits shifted into place plus the exponent bias
-// difference (127 - 7) << 23; subnormals (exponent 0) are mantissa * 2^-9.
-MS_AVX512 inline __m512 load_fp8_n(const uint8_t* p, int64_t n) {
-  const __m512i v = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(__mmask16((1u << n) - 1), p));
-  const __m512i mag = _mm512_and_si512(v, _mm512_set1_epi32(0x7f));
-  const __m512 normal = _mm512_castsi512_ps(_mm512_add_epi32(_mm512_slli_epi32(mag, 20), _mm512_set1_epi32(120 << 23)));
-  const __m512 sub = _mm512_mul_ps(_mm512_cvtepi32_ps(mag), _mm512_set1_ps(0x1p-9f));
-  const __m512 value = _mm512_mask_blend_ps(_mm512_cmplt_epi32_mask(mag, _mm512_set1_epi32(8)), normal, sub);
-  const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(v, _mm512_set1_epi32(0x80)), 24);
-  return _mm512_castsi512_ps(_mm512_or_si512(_mm512_castps_si512(value), sign));
+// The first n (<= 32) FP8 E4M3 codes at p times s / 256 as floats, zeros after them (two halves
+// of 16). Each code becomes the FP16 number with the same sign, exponent and mantissa bits
+// ((c & 0x7f) << 7, the sign moved to bit 15): that is the FP8 value * 2^-8 exactly, subnormals
+// included (FP8 bias 7, FP16 bias 15), widened exactly. With s = scale * 256 (exact) the product
+// is fp8 * scale rounded once.
+MS_AVX512 inline void load_fp8x32(const uint8_t* p, int64_t n, __m512 s, __m512& lo, __m512& hi) {
+  const __m256i c = _mm256_maskz_loadu_epi8(n >= 32 ? ~__mmask32(0) : __mmask32((1u << n) - 1), p);
+  __m512i t = _mm512_slli_epi16(_mm512_cvtepu8_epi16(c), 7);
+  t = _mm512_add_epi16(t, _mm512_and_si512(t, _mm512_set1_epi16(0x4000)));  // sign: bit 14 -> 15
+  lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(t)), s);
+  hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(t, 1)), s);
 }
 
-// Row r of an FP8 matrix as weights fp8 * scale, 16 at a time: f(i, n, weights) for
-// i = 0, 16, ... with n (<= 16) columns in the vector, zeros after them.
+// Row r of an FP8 matrix as weights fp8 * scale, 32 at a time: f(i, n, lo, hi) for
+// i = 0, 32, ... with columns [i, i + n) in lo (the first 16) and hi, zeros after them.
 template <class F>
 MS_AVX512 inline void for_each_fp8(const Matrix& w, int64_t r, F&& f) {
   const uint8_t* codes = row_fp8_codes(w, r);
   const float* scales = row_fp8_scales(w, r);
   const int64_t n = w.cols, gs = w.quant.group_size;
   for (int64_t g0 = 0; g0 < n; g0 += gs) {
-    const __m512 s = _mm512_set1_ps(scales[g0 / gs]);
+    const __m512 s = _mm512_set1_ps(scales[g0 / gs] * 256.0f);
     const int64_t end = std::min(n, g0 + gs);
-    for (int64_t i = g0; i < end; i += 16) {
-      const int64_t left = std::min<int64_t>(16, end - i);
-      f(i, left, _mm512_mul_ps(load_fp8_n(codes + i, left), s));
+    for (int64_t i = g0; i < end; i += 32) {
+      const int64_t left = std::min<int64_t>(32, end - i);
+      __m512 lo, hi;
+      load_fp8x32(codes + i, left, s, lo, hi);
+      f(i, left, lo, hi);
     }
   }
 }
 
+// Lanes j < n of 16 (n may exceed 16 or be negative).
+MS_AVX512 inline __mmask16 first16(int64_t n) {
+  return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
 MS_AVX512 float dot_fp8_row(const Matrix& w, int64_t r, const float* x) {
-  __m512 acc = _mm512_setzero_ps();
-  for_each_fp8(w, r, [&](int64_t i, int64_t left, __m512 wv) MS_AVX512 {
-    acc = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(__mmask16((1u << left) - 1), x + i), acc);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  for_each_fp8(w, r, [&](int64_t i, int64_t n, __m512 lo, __m512 hi) MS_AVX512 {
+    if (n == 32) {
+      a0 = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x + i), a0);
+      a1 = _mm512_fmadd_ps(hi, _mm512_loadu_ps(x + i + 16), a1);
+      return;
+    }
+    a0 = _mm512_fmadd_ps(lo, _mm512_maskz_loadu_ps(first16(n), x + i), a0);
+    a1 = _mm512_fmadd_ps(hi, _mm512_maskz_loadu_ps(first16(n - 16), x + i + 16), a1);
   });
-  return _mm512_reduce_add_ps(acc);
+  return _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
 }
 
 MS_AVX512 void plain_row_to_f32(const Matrix& w, int64_t r, float* dst) {
   const int64_t n = w.cols;
   if (is_fp8(w)) {
-    for_each_fp8(w, r, [&](int64_t i, int64_t left, __m512 wv) MS_AVX512 {
-      _mm512_mask_storeu_ps(dst + i, __mmask16((1u << left) - 1), wv);
+    for_each_fp8(w, r, [&](int64_t i, int64_t m, __m512 lo, __m512 hi) MS_AVX512 {
+      _mm512_mask_storeu_ps(dst + i, first16(m), lo);
+      _mm512_mask_storeu_ps(dst + i + 16, first16(m - 16), hi);
     });
     return;
   }
