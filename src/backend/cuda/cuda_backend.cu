@@ -724,6 +724,7 @@ void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store,
   b.dim = dim;
   b.x = x.data;
   b.params = &p;
+  b.one_token = T == 1;
   b.groups = g;
   b.hidden = nullptr;
   b.y = nullptr;

@@ -49,6 +49,7 @@ struct ExpertBatch {
   float* hidden;      // [T*k, inter]
   float* y;           // [T*k, dim]
   const MoeParams* params;
+  bool one_token = false;  // the call has one token (each active expert one row): the decode kernels
 };
 // hidden = act(gate x, up x) and y = down hidden for every (token, expert) row of the batch.
 void run_experts(const ExpertBatch& b, cudaStream_t s);
