@@ -72,6 +72,18 @@ std::vector<float> run_split(Model& model, const std::vector<int32_t>& ids, size
   return logits;
 }
 
+// Logits of every reference token through one prefill, with --precise.
+std::vector<float> precise_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
+  ModelOptions opt;
+  opt.precise = true;
+  opt.threads = 2;
+  auto model = load_model(dir, opt);
+  std::vector<float> logits(tokens.size() * size_t(model->info().vocab_size));
+  auto seq = model->new_sequence(int64_t(tokens.size()));
+  model->forward(tokens, *seq, logits);
+  return logits;
+}
+
 class FamilyFixture : public ::testing::TestWithParam<FamilyCase> {};
 
 TEST_P(FamilyFixture, LogitsMatchTransformers) {
@@ -200,14 +212,7 @@ TEST(GptOss, Mxfp4ExpertsArePackedNativelyOrRequantized) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(PackManifest::load(out).expert(0, 0).format, "q8g32");
   Reference ref = load_reference(dir);
-  ModelOptions opt;
-  opt.precise = true;
-  opt.threads = 2;
-  auto model = load_model(out, opt);
-  std::vector<float> logits(ref.logit_tokens.size() * size_t(model->info().vocab_size));
-  auto seq = model->new_sequence(int64_t(ref.logit_tokens.size()));
-  model->forward(ref.logit_tokens, *seq, logits);
-  const double err = relative_error(logits, ref.logits.data);
+  const double err = relative_error(precise_logits(out, ref.logit_tokens), ref.logits.data);
   EXPECT_LE(err, 3e-2) << "MXFP4 requantized to q8";
   char measured[32];
   std::snprintf(measured, sizeof measured, "%.2e", err);
@@ -251,14 +256,7 @@ TEST(DeepseekV3, Fp8PackedAsBf16MatchesTheBf16RoundedReference) {
   EXPECT_FALSE(nlohmann::json::parse(test::read_file(out + "/config.json")).contains("quantization_config"));
   EXPECT_EQ(PackManifest::load(out).expert(1, 0).format, "bf16");
   const Reference ref = load_reference(dir);
-  ModelOptions opt;
-  opt.precise = true;
-  opt.threads = 2;
-  auto model = load_model(out, opt);
-  std::vector<float> logits(ref.logit_tokens.size() * size_t(model->info().vocab_size));
-  auto seq = model->new_sequence(int64_t(ref.logit_tokens.size()));
-  model->forward(ref.logit_tokens, *seq, logits);
-  EXPECT_LE(relative_error(logits, ref.logits_bf16.data), 1e-3);
+  EXPECT_LE(relative_error(precise_logits(out, ref.logit_tokens), ref.logits_bf16.data), 1e-3);
   auto g = test::run_cli("run -m " + out + " --tokens " + join(ref.prompt_tokens, ",") + " -n " +
                          std::to_string(ref.greedy_tokens_bf16.size()) + " --temp 0 --ids --precise");
   ASSERT_EQ(g.exit_code, 0) << g.err;

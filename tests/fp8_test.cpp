@@ -12,6 +12,7 @@
 #include "backend/cpu/kernels.h"
 #include "core/error.h"
 #include "core/quant.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
@@ -76,27 +77,14 @@ Fp8Matrix random_fp8(int64_t rows, int64_t cols, int group, uint32_t seed) {
   return m;
 }
 
-std::vector<float> gaussian(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
-
-std::vector<KernelLevel> levels() {
-  std::vector<KernelLevel> out;
-  for (KernelLevel l : {KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512})
-    if (cpu::kernel_level_supported(l)) out.push_back(l);
-  return out;
-}
+using test::gaussian;
 
 TEST(Fp8Kernels, RowsDequantizeToCodeTimesScale) {
   const Fp8Matrix m = random_fp8(3, 300, 128, 5);
   const Matrix w = m.matrix();
   const int64_t groups = quant_groups_per_row(w.quant, w.cols);
   std::vector<float> row(size_t(m.cols));
-  for (KernelLevel level : levels()) {
+  for (KernelLevel level : test::supported_levels()) {
     cpu::set_kernel_level(level);
     for (int64_t r = 0; r < m.rows; ++r) {
       cpu::row_to_f32(w, r, row.data());
@@ -130,7 +118,7 @@ TEST(Fp8Kernels, EveryLevelMatchesTheDequantizedProduct) {
       }
       double scale = 0;
       for (double v : ref) scale = std::max(scale, std::abs(v));
-      for (KernelLevel level : levels())
+      for (KernelLevel level : test::supported_levels())
         for (bool precise : {true, false}) {  // FP8 takes float32 activations on both paths
           cpu::set_kernel_level(level);
           cpu::PreparedInput in;

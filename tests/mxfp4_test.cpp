@@ -11,6 +11,7 @@
 #include "backend/cpu/kernels.h"
 #include "core/error.h"
 #include "core/quant.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
@@ -68,13 +69,7 @@ TEST(Mxfp4Layout, AffineViewIsExact) {
     }
 }
 
-std::vector<float> gaussian(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::gaussian;
 
 struct Mx {
   int64_t rows, cols;
@@ -136,13 +131,6 @@ TEST(Mxfp4Quantize, RoundsToTheNearestValueWithoutClipping) {
   EXPECT_THROW(quantize_mxfp4(bad.data(), 1, 32, c, e, "w"), Error);
 }
 
-std::vector<KernelLevel> levels() {
-  std::vector<KernelLevel> out;
-  for (KernelLevel l : {KernelLevel::Scalar, KernelLevel::Avx2, KernelLevel::Avx512})
-    if (cpu::kernel_level_supported(l)) out.push_back(l);
-  return out;
-}
-
 // y (T, rows) with the given level and path, and the float64 product with the dequantized weights.
 std::vector<float> run(const Mx& m, const std::vector<float>& x, int64_t T, KernelLevel level, bool precise) {
   cpu::set_kernel_level(level);
@@ -186,7 +174,7 @@ TEST(Mxfp4Kernels, EveryLevelAndPathMatchesTheDequantizedProduct) {
       const std::vector<float> x = gaussian(size_t(T * cols), uint32_t(7 * cols + T));
       const std::vector<double> ref = reference(m, x, T);
       const std::vector<float> scalar = run(m, x, T, KernelLevel::Scalar, true);
-      for (KernelLevel level : levels()) {
+      for (KernelLevel level : test::supported_levels()) {
         const std::string what = std::string(cpu::kernel_level_name(level)) + " cols " +
                                  std::to_string(cols) + " T " + std::to_string(T);
         const std::vector<float> precise = run(m, x, T, level, true);
@@ -220,7 +208,7 @@ TEST(Mxfp4Kernels, EveryExponentUpToTheLimit) {
     for (float& v : x) v = (std::abs(v) < 0.25f ? 0.25f : v) * c.x_scale;  // products stay normal
     const std::vector<double> ref = reference(m, x, 1);
     const std::vector<float> d = m.dequantized();
-    for (KernelLevel level : levels()) {
+    for (KernelLevel level : test::supported_levels()) {
       const std::vector<float> y = run(m, x, 1, level, true);
       for (size_t r = 0; r < rows; ++r) {
         double scale = 0;
@@ -237,7 +225,7 @@ TEST(Mxfp4Kernels, Int8LevelsAgreeWithTheScalarLevel) {
   const std::vector<float> x = gaussian(2 * 160, 6);
   const std::vector<float> scalar = run(m, x, 2, KernelLevel::Scalar, false);
   const std::vector<double> scalar_d(scalar.begin(), scalar.end());
-  for (KernelLevel level : levels())
+  for (KernelLevel level : test::supported_levels())
     EXPECT_LT(rel_error(run(m, x, 2, level, false), scalar_d), 1e-5) << cpu::kernel_level_name(level);
 }
 

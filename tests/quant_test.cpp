@@ -12,6 +12,7 @@
 #include "backend/cpu/kernels.h"
 #include "core/error.h"
 #include "core/quant.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
@@ -169,13 +170,7 @@ Quantized quantize(const std::vector<float>& w, int64_t rows, int64_t cols, Quan
   return q;
 }
 
-std::vector<float> gaussian(size_t n, uint32_t seed, float sigma = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> d(0.0f, sigma);
-  std::vector<float> v(n);
-  for (auto& x : v) x = d(rng);
-  return v;
-}
+using test::gaussian;
 
 TEST(QuantAffine, FollowsMlxEdgeRules) {
   const QuantFormat f{4, 32, DType::F16};

@@ -10,12 +10,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
+#include "backend/cpu/kernels.h"
 #include "io/npy.h"
 
 namespace moestream::test {
@@ -105,6 +107,23 @@ inline Reference load_reference(const std::string& dir) {
   r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
   r.logits = read_npy_f32(dir + "/ref_logits.npy");
   return r;
+}
+
+// n normal samples (mean 0, standard deviation sigma) from a fixed seed.
+inline std::vector<float> gaussian(size_t n, uint32_t seed, float sigma = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> d(0.0f, sigma);
+  std::vector<float> v(n);
+  for (auto& x : v) x = d(rng);
+  return v;
+}
+
+// The CPU kernel levels this machine runs, scalar first.
+inline std::vector<cpu::KernelLevel> supported_levels() {
+  std::vector<cpu::KernelLevel> out;
+  for (cpu::KernelLevel l : {cpu::KernelLevel::Scalar, cpu::KernelLevel::Avx2, cpu::KernelLevel::Avx512})
+    if (cpu::kernel_level_supported(l)) out.push_back(l);
+  return out;
 }
 
 }  // namespace moestream::test
