@@ -186,16 +186,32 @@ MS_AVX2 inline void for_each_fp8(const Matrix& w, int64_t r, F&& f) {
 }
 
 MS_AVX2 float dot_fp8_row(const Matrix& w, int64_t r, const float* x) {
+  const uint8_t* codes = row_fp8_codes(w, r);
+  const float* scales = row_fp8_scales(w, r);
+  const int64_t n = w.cols, gs = w.quant.group_size;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-  for_each_fp8(w, r, [&](int64_t i, int64_t n, __m256 lo, __m256 hi) MS_AVX2 {
-    if (n == 16) {
+  int64_t g0 = 0;
+  for (; g0 + gs <= n; g0 += gs) {  // whole groups: straight 16-column steps
+    const __m256 s = _mm256_set1_ps(scales[g0 / gs] * 256.0f);
+    for (int64_t i = g0; i < g0 + gs; i += 16) {
+      __m256 lo, hi;
+      load_fp8x16(codes + i, s, lo, hi);
       a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(x + i), a0);
       a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(x + i + 8), a1);
-      return;
     }
-    a0 = _mm256_fmadd_ps(lo, _mm256_maskload_ps(x + i, first_lanes(n)), a0);
-    if (n > 8) a1 = _mm256_fmadd_ps(hi, _mm256_maskload_ps(x + i + 8, first_lanes(n - 8)), a1);
-  });
+  }
+  if (g0 < n) {  // a partial last group
+    const __m256 s = _mm256_set1_ps(scales[g0 / gs] * 256.0f);
+    for (int64_t i = g0; i < n; i += 16) {
+      const int64_t m = std::min<int64_t>(16, n - i);
+      alignas(16) uint8_t c[16] = {};
+      std::memcpy(c, codes + i, size_t(m));
+      __m256 lo, hi;
+      load_fp8x16(c, s, lo, hi);
+      a0 = _mm256_fmadd_ps(lo, _mm256_maskload_ps(x + i, first_lanes(m)), a0);
+      if (m > 8) a1 = _mm256_fmadd_ps(hi, _mm256_maskload_ps(x + i + 8, first_lanes(m - 8)), a1);
+    }
+  }
   return hsum(_mm256_add_ps(a0, a1));
 }
 
