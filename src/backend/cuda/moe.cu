@@ -1,9 +1,13 @@
-// MoE on the GPU. Routing: one warp per token, top-k by repeated warp argmax (ties to the lower
-// expert id, as the CPU's partial_sort comparator). Experts: one launch covers every active
-// expert of a batch (grid.y = active expert, grid.x = row tiles); the rows of an expert's
-// tokens go through the GEMV tile kTokens at a time, so a row's value does not depend on which
-// batch or tier its expert came from.
+// MoE on the GPU. Routing: one block per token, a thread per expert ranks it against all (ties
+// to the lower expert id, as the CPU's partial_sort comparator). Experts: one launch covers every
+// active expert of a batch (grid.y = active expert, grid.x = row tiles); the rows of an expert's
+// tokens go through the GEMV tile kTokens at a time, or, for one token, through kernels shaped
+// for decode (below). Every row sums in one fixed order, so a row's value does not depend on
+// which batch or tier its expert came from.
 #include "backend/cuda/moe.h"
+
+#include <algorithm>
+#include <cstdint>
 
 namespace moestream::cuda {
 
@@ -11,27 +15,16 @@ namespace {
 
 constexpr int kMaxTopK = 32;
 
-// Warp argmax of v[e] over experts not yet taken; ties to the lower id. Returns the id (-1: none).
-__device__ int warp_argmax(const float* v, const unsigned char* taken, int n) {
-  const int lane = threadIdx.x & 31;
-  float best = 0;
-  int id = -1;
-  for (int e = lane; e < n; e += 32) {
-    if (taken[e]) continue;
-    if (id < 0 || v[e] > best) {
-      best = v[e];
-      id = e;
-    }
-  }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ob = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oid = __shfl_xor_sync(0xffffffffu, id, o);
-    if (oid >= 0 && (id < 0 || ob > best || (ob == best && oid < id))) {
-      best = ob;
-      id = oid;
-    }
-  }
-  return id;
+// Reduction over the block (blockDim.x a multiple of 32); every thread gets the result.
+// `scratch` holds 32 floats of shared memory; the call ends with the block synchronized.
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
+  v = warp_max(v);
+  __syncthreads();
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  v = lane < n_warps ? scratch[lane] : -INFINITY;
+  return warp_max(v);
 }
 
 struct RouteArgs {
@@ -48,31 +41,33 @@ struct RouteArgs {
   bool direct;
 };
 
-// One block (one warp) per token. Shared: probs [n], choice [n], taken [n].
+// One block per token, a thread per expert (blockDim.x = n rounded up to a warp, at most 1024).
+// Shared: probs [n], choice [n], scratch [32], by_rank [k].
 __global__ void route_kernel(RouteArgs a) {
   extern __shared__ float sm[];
   float* probs = sm;
   float* choice = sm + a.n;
-  unsigned char* taken = reinterpret_cast<unsigned char*>(sm + 2 * a.n);
-  const int lane = threadIdx.x;
+  float* scratch = sm + 2 * a.n;
+  int* by_rank = reinterpret_cast<int*>(sm + 2 * a.n + 32);
+  const int tid = threadIdx.x, nth = blockDim.x;
   const int64_t t = blockIdx.x;
   const float* l = a.logits + t * a.n;
-  for (int e = lane; e < a.n; e += 32) taken[e] = 0;
+  if (tid < a.k) by_rank[tid] = 0;  // NaN scores may leave a rank unfilled: never an id out of range
   if (a.kind == RouterKind::SoftmaxTopK) {
     float mx = -INFINITY;
-    for (int e = lane; e < a.n; e += 32) mx = fmaxf(mx, l[e]);
-    mx = warp_max(mx);
+    for (int e = tid; e < a.n; e += nth) mx = fmaxf(mx, l[e]);
+    mx = block_max(mx, scratch);
     float sum = 0;
-    for (int e = lane; e < a.n; e += 32) sum += (probs[e] = expf(l[e] - mx));
-    sum = warp_sum(sum);
-    for (int e = lane; e < a.n; e += 32) choice[e] = probs[e] = probs[e] / sum;
+    for (int e = tid; e < a.n; e += nth) sum += (probs[e] = expf(l[e] - mx));
+    sum = block_sum(sum, scratch);
+    for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = probs[e] / sum;
   } else if (a.kind == RouterKind::SigmoidGroupTopK) {
-    for (int e = lane; e < a.n; e += 32) {
+    for (int e = tid; e < a.n; e += nth) {
       probs[e] = 1.0f / (1.0f + expf(-l[e]));
       choice[e] = probs[e] + (a.bias ? a.bias[e] : 0.0f);
     }
-    __syncwarp();
-    if (lane == 0) {  // groups: the sum of their two best choices; keep the topk_group best
+    __syncthreads();
+    if (tid == 0) {  // groups: the sum of their two best choices; keep the topk_group best
       const int per = a.n / a.n_group;
       float gs[64];
       bool kept[64];
@@ -98,68 +93,54 @@ __global__ void route_kernel(RouteArgs a) {
         if (!kept[e / per]) choice[e] = 0.0f;
     }
   } else {  // TopKSoftmax
-    for (int e = lane; e < a.n; e += 32) choice[e] = probs[e] = l[e] + (a.bias ? a.bias[e] : 0.0f);
+    for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = l[e] + (a.bias ? a.bias[e] : 0.0f);
   }
-  __syncwarp();
-  // Top k, in rank order. Up to 256 experts: each lane ranks its experts against all (rank =
-  // how many come first: larger value, or equal value and lower id); else k warp argmaxes.
-  int ids[kMaxTopK];
-  if (a.n <= 256) {
-    int* by_rank = reinterpret_cast<int*>(taken + ((a.n + 15) / 16) * 16);
-    for (int e = lane; e < a.n; e += 32) {
-      const float v = choice[e];
-      int rank = 0;
-      for (int o = 0; o < a.n; ++o) {
-        const float w = choice[o];
-        rank += w > v || (w == v && o < e);
-      }
-      if (rank < a.k) by_rank[rank] = e;
+  __syncthreads();
+  // Each thread ranks its experts against all (rank = how many come first: a larger value, or an
+  // equal value and a lower id, as the CPU's partial_sort comparator); the first k by rank.
+  for (int e = tid; e < a.n; e += nth) {
+    const float v = choice[e];
+    int rank = 0;
+#pragma unroll 8
+    for (int o = 0; o < a.n; ++o) {
+      const float w = choice[o];
+      rank += w > v || (w == v && o < e);
     }
-    __syncwarp();
-    for (int i = 0; i < a.k; ++i) ids[i] = by_rank[i];
-  } else {
-    for (int i = 0; i < a.k; ++i) {
-      const int id = warp_argmax(choice, taken, a.n);
-      ids[i] = id;
-      if (lane == 0) taken[id] = 1;
-      __syncwarp();
-    }
+    if (rank < a.k) by_rank[rank] = e;
   }
-  if (lane != 0) return;
-  float w[kMaxTopK];
+  __syncthreads();
+  if (tid >= a.k) return;
+  // Thread i: the i-th by rank. Sums over the k run in rank order, as the CPU's.
+  const int id = by_rank[tid];
+  float w;
   if (a.kind == RouterKind::TopKSoftmax) {
-    const float mx = probs[ids[0]];
+    const float mx = probs[by_rank[0]];
     float sum = 0;
-    for (int i = 0; i < a.k; ++i) sum += expf(probs[ids[i]] - mx);
-    for (int i = 0; i < a.k; ++i) w[i] = expf(probs[ids[i]] - mx) / sum * a.scaling;
+    for (int i = 0; i < a.k; ++i) sum += expf(probs[by_rank[i]] - mx);
+    w = expf(probs[id] - mx) / sum * a.scaling;
   } else {
     float norm = 1.0f;
     if (a.norm_topk) {
       float s = 0;
-      for (int i = 0; i < a.k; ++i) s += probs[ids[i]];
+      for (int i = 0; i < a.k; ++i) s += probs[by_rank[i]];
       norm = 1.0f / (s + (a.kind == RouterKind::SigmoidGroupTopK ? 1e-20f : 0.0f));
     }
-    for (int i = 0; i < a.k; ++i) w[i] = probs[ids[i]] * norm * a.scaling;
+    w = probs[id] * norm * a.scaling;
   }
-  // Ascending expert id (insertion sort of k pairs): the combine then sums in the CPU's order.
-  for (int i = 1; i < a.k; ++i)
-    for (int j = i; j > 0 && ids[j - 1] > ids[j]; --j) {
-      const int ti = ids[j]; ids[j] = ids[j - 1]; ids[j - 1] = ti;
-      const float tw = w[j]; w[j] = w[j - 1]; w[j - 1] = tw;
-    }
-  for (int i = 0; i < a.k; ++i) {
-    a.sel_ids[t * a.k + i] = ids[i];
-    a.sel_w[t * a.k + i] = w[i];
-  }
+  // Stored in ascending expert id: the combine then sums in the CPU's order.
+  int pos = 0;
+  for (int i = 0; i < a.k; ++i) pos += by_rank[i] < id;
+  a.sel_ids[t * a.k + pos] = id;
+  a.sel_w[t * a.k + pos] = w;
   if (a.direct) {  // one token: expert i of the selection owns row i
-    for (int i = 0; i < a.k; ++i) {
-      a.groups.active[i] = ids[i];
-      a.groups.offset[i] = i;
-      a.groups.row_token[i] = i;
-      a.groups.row_of[i] = i;
+    a.groups.active[pos] = id;
+    a.groups.offset[tid] = tid;
+    a.groups.row_token[tid] = tid;
+    a.groups.row_of[tid] = tid;
+    if (tid == 0) {
+      a.groups.offset[a.k] = a.k;
+      *a.groups.n_active = a.k;
     }
-    a.groups.offset[a.k] = a.k;
-    *a.groups.n_active = a.k;
   }
 }
 
@@ -284,13 +265,271 @@ __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
   }
 }
 
+// Single-token expert kernels (every active expert has one row; correct for more, one at a
+// time). A warp owns R rows of M matrices that share x (gate and up, or down), a block 8 warps;
+// a lane walks packs p = lane, lane + 32, ... of its rows. The warp's first weight loads are
+// issued before the block stages x, the next pack's while the current one is computed, and
+// registers stay low enough for 3 blocks per SM (4 for a one-pass down: 48 registers in q4), so
+// the whole batch runs in one wave with every row's loads in flight.
+// Each row sums exactly as gemv_warp does (per-lane packs in order, then the warp butterfly):
+// its value is bit-identical to the batched kernels'.
+constexpr int kOneWarps = 8;
+constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded packs (two are in flight)
+
+// The kinds these kernels decode (through weights.cuh's load_codes / load_fp8 / load_plain and
+// scale helpers): those the GPU parity tests have run through them (bf16, q4 and MXFP4 experts of
+// the fixtures, bit-identical to the batched kernels). RawPack / load_raw also read f16, q2, q3,
+// q6, q8 and FP8; list a kind here once a fixture exercises it. Any other kind, or a width that is
+// not whole packs, goes through the batched kernels.
+constexpr bool one_token_kind(int kind) { return kind == kBF16 || kind == kQ4 || kind == kMxfp4; }
+
+// One pack (32 values) of one row as loaded: raw words and the raw bits of its group's scale (and
+// affine bias), decoded only once x is staged, so that no use of a loaded value comes before the
+// block's barrier.
+template <int KIND>
+struct RawPack {
+  static constexpr int kWords = KIND == kFp8 ? 8 : is_quant(KIND) ? bits_of(KIND) : KIND == kF32 ? 32 : 16;
+  alignas(16) uint32_t w[kWords];
+  uint32_t scale, bias;
+};
+
+// Rows per warp for M matrices of a kind: as many as one buffer of kOneRawRegs holds (2 of gate
+// and up in q4, 4 of down); the next packs are loaded while the current ones are computed when
+// that fits too.
+template <int KIND, int M>
+constexpr int one_rows() {
+  constexpr int per_row = M * (RawPack<KIND>::kWords + 2);
+  return per_row >= kOneRawRegs ? 1 : kOneRawRegs / per_row;
+}
+template <int KIND, int M, int R>
+constexpr bool one_double_buffered() {
+  return M * R * (RawPack<KIND>::kWords + 2) <= kOneRawRegs;
+}
+
+// Pack p of `row` of m, with the load widths of load_codes / load_fp8 / load_plain (cols % 32 == 0).
+template <int KIND>
+__device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_t p, RawPack<KIND>& r) {
+  constexpr int W = RawPack<KIND>::kWords;
+  const uint32_t* words;
+  if constexpr (KIND == kFp8) words = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.data) + row * m.cols + p * 32);
+  else if constexpr (is_quant(KIND)) words = static_cast<const uint32_t*>(m.data) + row * (m.cols * W / 32) + p * W;
+  else words = reinterpret_cast<const uint32_t*>(static_cast<const char*>(m.data) + (row * m.cols + p * 32) * (W / 8));
+  if constexpr (W % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < W / 4; ++j) reinterpret_cast<uint4*>(r.w)[j] = __ldg(reinterpret_cast<const uint4*>(words) + j);
+  } else if constexpr (W % 2 == 0) {  // 2- and 6-bit rows are 8-byte aligned
+#pragma unroll
+    for (int j = 0; j < W / 2; ++j) reinterpret_cast<uint2*>(r.w)[j] = __ldg(reinterpret_cast<const uint2*>(words) + j);
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) r.w[j] = __ldg(words + j);
+  }
+  if constexpr (is_quant(KIND)) {
+    const int64_t g = group_index(m, row, p * 32);
+    if constexpr (KIND == kMxfp4) r.scale = __ldg(static_cast<const uint8_t*>(m.scales) + g);
+    else if constexpr (KIND == kFp8) r.scale = __float_as_uint(__ldg(static_cast<const float*>(m.scales) + g));
+    else r.scale = __ldg(static_cast<const uint16_t*>(m.scales) + g);
+    if constexpr (is_affine(KIND)) r.bias = __ldg(m.biases + g);
+  }
+}
+
+// acc[m][r] gains pack . x for M x R loaded packs: the arithmetic of gemv_warp's inner loop.
+template <int KIND, bool SF16, int M, int R>
+__device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], const float* xv, float (&acc)[M][R]) {
+  float q[M][R][32];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (KIND == kFp8) load_fp8(reinterpret_cast<const uint8_t*>(raw[m][r].w), true, 32, q[m][r]);
+      else if constexpr (is_quant(KIND)) load_codes<KIND>(raw[m][r].w, q[m][r]);
+      else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
+    }
+  float d[M][R];
+  float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) d[m][r] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float4 x4 = reinterpret_cast<const float4*>(xv)[j];
+    if constexpr (is_affine(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[m][r] = fmaf(q[m][r][4 * j], x4.x, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 1], x4.y, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 2], x4.z, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 3], x4.w, d[m][r]);
+      }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const RawPack<KIND>& p = raw[m][r];
+      if constexpr (is_affine(KIND))
+        acc[m][r] += fmaf(scale_value<SF16>(uint16_t(p.scale)), d[m][r], scale_value<SF16>(uint16_t(p.bias)) * sx);
+      else if constexpr (KIND == kMxfp4) acc[m][r] = fmaf(mxfp4_scale(p.scale), d[m][r], acc[m][r]);
+      else if constexpr (KIND == kFp8) acc[m][r] = fmaf(__uint_as_float(p.scale), d[m][r], acc[m][r]);
+      else acc[m][r] += d[m][r];
+    }
+}
+
+// acc[m][r] = row row0 + r of w[m] . x for one staged x row (xs, padded as stage_x lays it out);
+// `cur` holds the packs at p = lane, loaded by load_first before staging. ONE_PASS: a row has at
+// most 32 packs (no second pass, no buffer for it). All lanes get the sums.
+template <int KIND, bool SF16, int M, int R, bool ONE_PASS>
+__device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
+                                         const float* xs, float (&acc)[M][R]) {
+  const int lane = threadIdx.x & 31;
+  const int64_t packs = w[0]->cols >> 5;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+  if constexpr (ONE_PASS) {
+    if (lane < packs) dot_packs<KIND, SF16, M, R>(cur, xs + lane * 36, acc);
+  } else {
+  for (int64_t p = lane; p < packs; p += 32) {
+    if constexpr (one_double_buffered<KIND, M, R>()) {
+      const bool more = p + 32 < packs;
+      RawPack<KIND> next[M][R];
+      if (more) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 32, next[m][r]);
+      }
+      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+      if (more) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) cur[m][r] = next[m][r];
+      }
+    } else {
+      if (p > lane) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p, cur[m][r]);
+      }
+      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+    }
+  }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+template <int KIND, int M, int R>
+__device__ __forceinline__ void load_first(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R]) {
+  const int lane = threadIdx.x & 31;
+  if (lane < (w[0]->cols >> 5)) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), lane, cur[m][r]);
+  }
+}
+
+// xs [padded_cols(cols)] = x [cols] (cols % 32 == 0); ends with the block synchronized.
+__device__ __forceinline__ void stage_row(const float* __restrict__ x, int64_t cols, float* xs) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x)
+    *reinterpret_cast<float4*>(xs + padded(4 * i)) = x4[i];
+  __syncthreads();
+}
+
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertArgs a) {
+  constexpr int R = one_rows<KIND, 2>();
+  extern __shared__ float smem[];
+  int e, r0, r1;
+  if (!expert_of_block(a, e, r0, r1)) return;
+  const DevExpert& d = a.table[e];
+  const WeightRef* const w[2] = {&d.gate, &d.up};
+  const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
+  const int lane = threadIdx.x & 31;
+  for (int pr = r0; pr < r1; ++pr) {
+    const float* x = a.x + int64_t(a.g.row_token[pr] / a.k) * a.dim;  // read before the weights
+    RawPack<KIND> cur[2][R];
+    load_first<KIND, 2, R>(w, row0, cur);
+    if (pr > r0) __syncthreads();  // the previous row's reads of smem are done
+    stage_row(x, a.dim, smem);
+    float acc[2][R];
+    dot_rows<KIND, SF16, 2, R, false>(w, row0, cur, smem, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r && row0 + r < a.inter) {
+        const float gv = acc[0][r] + (d.gate_bias ? d.gate_bias[row0 + r] : 0.0f);
+        const float uv = acc[1][r] + (d.up_bias ? d.up_bias[row0 + r] : 0.0f);
+        float h;
+        if (!a.clamped) {
+          h = gv / (1.0f + expf(-gv)) * uv;
+        } else {
+          const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
+          h = (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
+        }
+        a.hidden[int64_t(pr) * a.inter + row0 + r] = h;
+      }
+  }
+}
+
+// ONE_PASS (inter <= 1024): no buffer for a second pass, 4 blocks per SM.
+template <int KIND, bool SF16, bool ONE_PASS>
+__global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
+  constexpr int R = one_rows<KIND, 1>();
+  extern __shared__ float smem[];
+  int e, r0, r1;
+  if (!expert_of_block(a, e, r0, r1)) return;
+  const DevExpert& d = a.table[e];
+  const WeightRef* const w[1] = {&d.down};
+  const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
+  const int lane = threadIdx.x & 31;
+  for (int pr = r0; pr < r1; ++pr) {
+    RawPack<KIND> cur[1][R];
+    load_first<KIND, 1, R>(w, row0, cur);
+    if (pr > r0) __syncthreads();
+    stage_row(a.hidden + int64_t(pr) * a.inter, a.inter, smem);
+    float acc[1][R];
+    dot_rows<KIND, SF16, 1, R, ONE_PASS>(w, row0, cur, smem, acc);
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+      if (lane == r && row0 + r < a.dim)
+        a.y[int64_t(pr) * a.dim + row0 + r] = acc[0][r] + (d.down_bias ? d.down_bias[row0 + r] : 0.0f);
+  }
+}
+
 __global__ void combine_kernel(const float* y, const float* w, const int* row_of, int64_t T, int k, int64_t dim,
                                float* out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * dim) return;
   const int64_t t = i / dim, c = i % dim;
   float s = 0;
-  for (int j = 0; j < k; ++j) s += w[t * k + j] * y[int64_t(row_of[t * k + j]) * dim + c];
+  // The loads of 8 selections are issued together (one round trip for row_of and w, one for y);
+  // the sum runs in selection order.
+  for (int j0 = 0; j0 < k; j0 += 8) {
+    float wv[8], yv[8];
+    int64_t row[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j0 + j < k) {
+        wv[j] = w[t * k + j0 + j];
+        row[j] = row_of[t * k + j0 + j];
+      }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j0 + j < k) yv[j] = y[row[j] * dim + c];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+      if (j0 + j < k) s += wv[j] * yv[j];
+  }
   out[i] = s;
 }
 
@@ -312,8 +551,9 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
   RouteArgs a{logits, p.n_experts, p.top_k, p.router, p.norm_topk_prob, router_bias, p.n_group, p.topk_group,
               p.routed_scaling_factor, sel_ids, sel_w, direct_groups ? *direct_groups : MoeGroups{},
               direct_groups != nullptr && T == 1};
-  const size_t smem = size_t(p.n_experts) * (2 * sizeof(float) + 1) + 16 + size_t(p.top_k) * sizeof(int);
-  route_kernel<<<unsigned(T), 32, smem, s>>>(a);
+  const int threads = std::min(1024, (p.n_experts + kWarp - 1) / kWarp * kWarp);
+  const size_t smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
+  route_kernel<<<unsigned(T), unsigned(threads), smem, s>>>(a);
   MS_CUDA_CHECK_LAUNCH();
 }
 
@@ -341,7 +581,23 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
   a.limit = b.params->swiglu_limit;
   a.alpha = b.params->swiglu_alpha;
   const size_t limit = max_gemv_smem();
+  // One token: the single-token kernels where they read the format (x rows 16-byte aligned).
+  const bool one = b.one_token && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
+    if constexpr (one_token_kind(KIND)) {
+      const size_t smem = size_t(padded_cols(b.dim)) * sizeof(float);
+      if (one && smem <= limit) {
+        static bool configured = false;
+        if (!configured) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(gate_up_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+          configured = true;
+        }
+        gate_up_one_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(n_blocks)),
+                                         kOneWarps * 32, smem, s>>>(a);
+        MS_CUDA_CHECK_LAUNCH();
+        return;
+      }
+    }
     static bool configured = false;
     if (!configured) {
       MS_CUDA_CHECK(cudaFuncSetAttribute(gate_up_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
@@ -354,6 +610,25 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     MS_CUDA_CHECK_LAUNCH();
   });
   dispatch_format(b.down, [&]<int KIND, bool SF16>() {
+    if constexpr (one_token_kind(KIND)) {
+      const size_t smem = size_t(padded_cols(b.inter)) * sizeof(float);
+      if (one && smem <= limit) {
+        auto launch = [&]<bool ONE_PASS>() {
+          static bool configured = false;
+          if (!configured) {
+            MS_CUDA_CHECK(cudaFuncSetAttribute(down_one_kernel<KIND, SF16, ONE_PASS>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+            configured = true;
+          }
+          down_one_kernel<KIND, SF16, ONE_PASS><<<dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(n_blocks)),
+                                                  kOneWarps * 32, smem, s>>>(a);
+          MS_CUDA_CHECK_LAUNCH();
+        };
+        if (b.inter <= 32 * 32) launch.template operator()<true>();
+        else launch.template operator()<false>();
+        return;
+      }
+    }
     static bool configured = false;
     if (!configured) {
       MS_CUDA_CHECK(cudaFuncSetAttribute(down_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
