@@ -102,6 +102,7 @@ class CudaBackend final : public Backend {
     MS_CUDA_CHECK(cudaStreamCreateWithFlags(&copy_, cudaStreamNonBlocking));
     MS_CUDA_CHECK(cudaEventCreate(&copy_start_));
     MS_CUDA_CHECK(cudaEventCreate(&copy_done_));
+    MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
     MS_CUDA_CHECK(cudaEventCreateWithFlags(&staging_free_, cudaEventDisableTiming));
     // MOESTREAM_CUDA_SYNC=1: wait for the GPU after every operation, so that --timing's host-side
     // phase times are GPU times (a profile by phase; slower, for measurement only).
@@ -126,6 +127,7 @@ class CudaBackend final : public Backend {
     for (auto& [p, n] : staging_) cudaFreeHost(p);
     cudaEventDestroy(copy_start_);
     cudaEventDestroy(copy_done_);
+    cudaEventDestroy(copies_end_);
     cudaEventDestroy(staging_free_);
     cudaStreamDestroy(compute_);
     cudaStreamDestroy(copy_);
@@ -523,6 +525,25 @@ class CudaBackend final : public Backend {
   std::string device_name_;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
   cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr, staging_free_ = nullptr;
+  // A miss call's copies end at copies_end_. The host does not wait for it: the call's host slots
+  // are released, and the copy time counted, by settle_copies() at the next miss call, before it
+  // asks the store for anything (a store releases by its current layer).
+  cudaEvent_t copies_end_ = nullptr;
+  ExpertStore* unsettled_store_ = nullptr;
+  std::vector<int> unsettled_;
+  bool unsettled_timing_ = false;
+  void settle_copies() {
+    if (unsettled_.empty() && !unsettled_timing_) return;
+    MS_CUDA_CHECK(cudaEventSynchronize(copies_end_));
+    if (unsettled_timing_) {
+      float ms = 0;
+      MS_CUDA_CHECK(cudaEventElapsedTime(&ms, copy_start_, copies_end_));
+      stats_.h2d_seconds += ms / 1e3;  // from the call's first copy's start to its last's end
+      unsettled_timing_ = false;
+    }
+    for (int e : unsettled_) unsettled_store_->release(e);
+    unsettled_.clear();
+  }
   std::unordered_set<void*> device_allocs_;
   std::vector<std::pair<void*, size_t>> staging_;
   Scratch scratch_, deltanet_scratch_;
@@ -836,6 +857,7 @@ void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store,
         if (pairs_of_[size_t(e)].empty() && (where_[size_t(layer)].empty() || where_[size_t(layer)][size_t(e)] < 0))
           request.push_back(e);
     }
+    settle_copies();
     store.request(layer, request);
     // The store may reuse a host slot once it is released, so a copy must finish first. Releases
     // are batched: up to a quarter of the store's slots (all, when it is unbounded) wait for one
@@ -891,14 +913,13 @@ void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store,
       }
     }
     launch();
-    if (copies) {
-      MS_CUDA_CHECK(cudaEventRecord(copy_done_, copy_));
-      MS_CUDA_CHECK(cudaEventSynchronize(copy_done_));
-      float ms = 0;
-      MS_CUDA_CHECK(cudaEventElapsedTime(&ms, copy_start_, copy_done_));
-      stats_.h2d_seconds += ms / 1e3;  // from the first copy's start to the last's end
+    if (copies) {  // settled by the next miss call (settle_copies), not waited for here
+      MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
+      unsettled_timing_ = true;
     }
-    release_deferred();
+    unsettled_store_ = &store;
+    unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
+    deferred.clear();
   }
   upload_table_row(layer);
   MS_CUDA_CHECK(cudaMemcpyAsync(g.row_of, row_of_h, size_t(pairs) * sizeof(int), cudaMemcpyHostToDevice, compute_));
