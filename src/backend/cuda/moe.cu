@@ -194,6 +194,13 @@ struct ExpertArgs {
   float limit, alpha;
 };
 
+// The expert's activation of its gate and up values: SwiGLU, or gpt-oss's clamped variant.
+__device__ __forceinline__ float activation(const ExpertArgs& a, float gv, float uv) {
+  if (!a.clamped) return gv / (1.0f + expf(-gv)) * uv;
+  const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
+  return (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
+}
+
 __device__ __forceinline__ bool expert_of_block(const ExpertArgs& a, int& expert, int& r0, int& r1) {
   const int ai = a.a_begin + int(blockIdx.y);
   const int end = a.count_on_device ? *a.g.n_active : a.a_end;
@@ -228,14 +235,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gate_up_kernel(ExpertArgs a) 
         if (lane == r * kTokens + t && t < nt && row0 + r < a.inter) {
           const float gv = g[r][t] + (d.gate_bias ? d.gate_bias[row0 + r] : 0.0f);
           const float uv = u[r][t] + (d.up_bias ? d.up_bias[row0 + r] : 0.0f);
-          float h;
-          if (!a.clamped) {
-            h = gv / (1.0f + expf(-gv)) * uv;
-          } else {
-            const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
-            h = (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
-          }
-          a.hidden[int64_t(p0 + t) * a.inter + row0 + r] = h;
+          a.hidden[int64_t(p0 + t) * a.inter + row0 + r] = activation(a, gv, uv);
         }
   }
 }
@@ -469,14 +469,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
       if (lane == r && row0 + r < a.inter) {
         const float gv = acc[0][r] + (d.gate_bias ? d.gate_bias[row0 + r] : 0.0f);
         const float uv = acc[1][r] + (d.up_bias ? d.up_bias[row0 + r] : 0.0f);
-        float h;
-        if (!a.clamped) {
-          h = gv / (1.0f + expf(-gv)) * uv;
-        } else {
-          const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
-          h = (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
-        }
-        a.hidden[int64_t(pr) * a.inter + row0 + r] = h;
+        a.hidden[int64_t(pr) * a.inter + row0 + r] = activation(a, gv, uv);
       }
   }
 }
