@@ -77,14 +77,15 @@ inline CliResult run_cli(const std::string& args) {
   return r;
 }
 
-// max|a - b| / max|b|
+// max|a - b| / max|b| (max|a - b| when b is all zero); infinity when a holds a NaN or Inf.
 inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;
   for (size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i])) return INFINITY;  // a NaN would otherwise vanish in the max
     num = std::max(num, double(std::fabs(a[i] - b[i])));
     den = std::max(den, double(std::fabs(b[i])));
   }
-  return num / den;
+  return den > 0 ? num / den : num;
 }
 
 inline std::string join(const std::vector<int32_t>& ids, const char* sep) {

@@ -67,16 +67,6 @@ std::vector<int32_t> greedy(Model& m, const std::vector<int32_t>& prompt, size_t
   return out;
 }
 
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, double(std::fabs(a[i] - b[i])));
-    den = std::max(den, double(std::fabs(b[i])));
-  }
-  return num / den;
-}
-
 ModelOptions options(const std::string& device) {
   ModelOptions o;
   o.device = device;
@@ -102,7 +92,7 @@ TEST_P(Fixture, CudaMatchesCpuPrecise) {
   const std::vector<float> want = logits_of(*cpu, ids);
   auto gpu = load_model(dir, options("cuda"));
   const std::vector<float> got = logits_of(*gpu, ids);
-  const double err = rel_err(got, want);
+  const double err = test::relative_error(got, want);
   std::printf("[ parity   ] %s: max rel err %.3g over %zu logits\n",
               std::filesystem::path(dir).filename().c_str(), err, got.size());
   EXPECT_LT(err, 1e-2);
@@ -113,7 +103,7 @@ TEST_P(Fixture, CudaMatchesCpuPrecise) {
   tight.experts.cache_mb = 0;
   auto streamed = load_model(dir, tight);
   const std::vector<float> got_tight = logits_of(*streamed, ids);
-  EXPECT_EQ(rel_err(got_tight, got), 0.0) << "tiny expert budgets changed the CUDA logits";
+  EXPECT_EQ(test::relative_error(got_tight, got), 0.0) << "tiny expert budgets changed the CUDA logits";
 
   if (ref.contains("prompt_tokens") && ref.contains("greedy_tokens")) {
     const auto prompt = ref["prompt_tokens"].get<std::vector<int32_t>>();

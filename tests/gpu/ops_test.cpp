@@ -13,19 +13,10 @@
 #include "core/dtype.h"
 #include "core/error.h"
 #include "core/quant.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
-
-double rel_err(const std::vector<float>& a, const std::vector<float>& b) {
-  double num = 0, den = 0;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (!std::isfinite(a[i])) return INFINITY;
-    num = std::max(num, double(std::fabs(a[i] - b[i])));
-    den = std::max(den, double(std::fabs(b[i])));
-  }
-  return den > 0 ? num / den : num;
-}
 
 std::vector<float> random(size_t n, uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
@@ -62,7 +53,7 @@ class Pair : public ::testing::Test {
     be.to_host(b, v.data());
     return v;
   }
-  double err(const Buf& b) { return rel_err(host(*gpu, b.g), host(*cpu, b.c)); }
+  double err(const Buf& b) { return test::relative_error(host(*gpu, b.g), host(*cpu, b.c)); }
 
   std::unique_ptr<Backend> cpu, gpu;
 };
@@ -362,8 +353,8 @@ TEST_F(Pair, GatedDeltaNetPrefillThenDecode) {
     cpu->gated_delta_net(qkv.c, z.c, b.c, a.c, wc, p, stc, out.c);
     gpu->gated_delta_net(qkv.g, z.g, b.g, a.g, wg, p, stg, out.g);
     EXPECT_LT(err(out), 1e-4) << "T " << T;
-    EXPECT_LT(rel_err(host(*gpu, stg.recurrent), host(*cpu, stc.recurrent)), 1e-4) << "T " << T;
-    EXPECT_EQ(rel_err(host(*gpu, stg.conv), host(*cpu, stc.conv)), 0.0) << "T " << T;
+    EXPECT_LT(test::relative_error(host(*gpu, stg.recurrent), host(*cpu, stc.recurrent)), 1e-4) << "T " << T;
+    EXPECT_EQ(test::relative_error(host(*gpu, stg.conv), host(*cpu, stc.conv)), 0.0) << "T " << T;
   }
 }
 
