@@ -272,12 +272,7 @@ class CudaBackend final : public Backend {
                  const AttentionParams& p, Buffer& out) override {
     const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
-    if (p.n_past + T > k_cache.rows)
-      fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
-    if (k.cols != kv_dim || k_cache.cols != kv_dim ||
-        (p.values_in_keys ? vd > hd : v.cols != v_dim || v_cache.cols != v_dim))
-      fail("attention: k/v widths ", k.cols, "/", v.cols, " (caches ", k_cache.cols, "/", v_cache.cols,
-           ") do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
+    check_attention_args(q, k, v, k_cache, v_cache, p);
     MS_CUDA_CHECK(cudaMemcpyAsync(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float),
                                   cudaMemcpyDeviceToDevice, compute_));
     if (!p.values_in_keys)
@@ -753,14 +748,19 @@ void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store,
   times_.routing += std::chrono::duration<double>(t_routed - t_start).count();
   ScopedTimer compute(times_.expert_compute);
 
-  if (resident) {
-    ++stats_.resident_calls;
+  // The layer's expert table, formats and buffers, once its tier state is known.
+  auto bind_layer = [&]() {
     b.table = table_dev_ + size_t(layer) * E;
     b.gate_up = gate_up_fmt_[size_t(layer)];
     b.down = down_fmt_[size_t(layer)];
     b.inter = inter_[size_t(layer)];
     b.hidden = scratch_.get(kHidden, size_t(pairs * b.inter));
     b.y = scratch_.get(kY, size_t(pairs * dim));
+  };
+
+  if (resident) {
+    ++stats_.resident_calls;
+    bind_layer();
     if (T > 1) cuda::group_by_expert(sel_ids, T, K, E, g, compute_);
     b.count_on_device = true;
     b.a_begin = 0;
@@ -816,12 +816,7 @@ void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store,
     MS_CUDA_CHECK(cudaMemcpyAsync(g.row_token + off_h[a0], row_token_h + off_h[a0], size_t(off_h[a1] - off_h[a0]) * sizeof(int),
                                   cudaMemcpyHostToDevice, compute_));
     upload_table_row(layer);
-    b.table = table_dev_ + size_t(layer) * E;
-    b.gate_up = gate_up_fmt_[size_t(layer)];
-    b.down = down_fmt_[size_t(layer)];
-    b.inter = inter_[size_t(layer)];
-    b.hidden = scratch_.get(kHidden, size_t(pairs * b.inter));
-    b.y = scratch_.get(kY, size_t(pairs * dim));
+    bind_layer();
     b.count_on_device = false;
     b.a_begin = a0;
     b.a_end = a1;
