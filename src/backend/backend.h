@@ -170,6 +170,12 @@ struct DeltaNetState {
   Buffer recurrent;  // [n_v_heads * k_head_dim, v_head_dim]: S of each value head
 };
 
+// Fails naming the mismatch unless the cache has room for q's T new positions after p.n_past and
+// k, v and the caches have the widths p's heads give (v unused when p.values_in_keys). Every
+// backend's attention() checks its arguments with it.
+void check_attention_args(const Buffer& q, const Buffer& k, const Buffer& v, const Buffer& k_cache,
+                          const Buffer& v_cache, const AttentionParams& p);
+
 class Backend {
  public:
   virtual ~Backend() = default;

@@ -165,12 +165,7 @@ class CpuBackend final : public Backend {
                  Buffer& v_cache, const AttentionParams& p, Buffer& out) override {
     const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
-    if (p.n_past + T > k_cache.rows)
-      fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
-    if (k.cols != kv_dim || k_cache.cols != kv_dim ||
-        (p.values_in_keys ? vd > hd : v.cols != v_dim || v_cache.cols != v_dim))
-      fail("attention: k/v widths ", k.cols, "/", v.cols, " (caches ", k_cache.cols, "/", v_cache.cols,
-           ") do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
+    check_attention_args(q, k, v, k_cache, v_cache, p);
     std::memcpy(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float));
     if (!p.values_in_keys)
       std::memcpy(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float));
