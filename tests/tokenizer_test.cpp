@@ -162,9 +162,14 @@ TEST_F(TokenizerQwen3, StreamDecoderHoldsBackSplitCharacter) {
   EXPECT_EQ(stream.push(ids[1]), "");
   EXPECT_EQ(stream.push(ids[2]), "\xE4\xB8\xAD");
   EXPECT_EQ(stream.push(*tok().token_id("!")), "!");
-  // An unfinished character comes out raw at the end.
+  // An unfinished character at the end comes out as U+FFFD (transformers' decode), never as a
+  // byte that is not UTF-8: a chat reply cut there must encode again in the next turn's prompt.
   EXPECT_EQ(stream.push(ids[0]), "");
-  EXPECT_EQ(stream.flush(), "\xE4");
+  EXPECT_EQ(stream.push(ids[1]), "");
+  EXPECT_EQ(stream.flush(), "\xEF\xBF\xBD");
+  EXPECT_EQ(moestream::unicode::to_valid_utf8("a\xE4\xB8!\xFF\xC3"), "a\xEF\xBF\xBD!\xEF\xBF\xBD\xEF\xBF\xBD");
+  EXPECT_EQ(moestream::unicode::to_valid_utf8("\xED\xA0\x80"), "\xEF\xBF\xBD\xEF\xBF\xBD\xEF\xBF\xBD");  // a surrogate
+  EXPECT_EQ(moestream::unicode::to_valid_utf8("ok \xE4\xB8\xAD"), "ok \xE4\xB8\xAD");
 }
 
 TEST_F(TokenizerQwen3, EncodesFromSeveralThreads) {

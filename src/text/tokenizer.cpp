@@ -282,7 +282,8 @@ std::string StreamDecoder::push(int32_t id) {
   if (text.size() < emitted_bytes_) emitted_bytes_ = text.size();
   size_t complete = unicode::complete_prefix(text, emitted_bytes_);
   if (window_.size() >= kHardLimit) complete = text.size();
-  std::string out = text.substr(emitted_bytes_, complete - emitted_bytes_);
+  // Only a forced emission (kHardLimit) can cut a character; what is emitted is always valid.
+  std::string out = unicode::to_valid_utf8(std::string_view(text).substr(emitted_bytes_, complete - emitted_bytes_));
   emitted_bytes_ = complete;
   if (complete == text.size() && window_.size() >= kMaxWindow) {
     window_.erase(window_.begin(), window_.end() - 1);
@@ -293,7 +294,9 @@ std::string StreamDecoder::push(int32_t id) {
 
 std::string StreamDecoder::flush() {
   std::string text = tok_.decode(window_);
-  std::string out = text.size() > emitted_bytes_ ? text.substr(emitted_bytes_) : "";
+  // A reply cut inside a character (a token limit, a stop) ends in U+FFFD, as transformers
+  // decodes it, never in bytes that are not UTF-8 (the next turn's prompt must encode).
+  std::string out = text.size() > emitted_bytes_ ? unicode::to_valid_utf8(std::string_view(text).substr(emitted_bytes_)) : "";
   emitted_bytes_ = text.size();
   return out;
 }

@@ -53,6 +53,39 @@ size_t find_invalid_utf8(std::string_view text) {
   return std::string_view::npos;
 }
 
+std::string to_valid_utf8(std::string_view text) {
+  size_t bad = find_invalid_utf8(text);
+  if (bad == std::string_view::npos) return std::string(text);
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  std::string out(text.substr(0, bad));
+  size_t i = bad;
+  while (i < text.size()) {
+    const size_t next_bad = find_invalid_utf8(text.substr(i));
+    if (next_bad == std::string_view::npos) {
+      out.append(text.substr(i));
+      break;
+    }
+    out.append(text.substr(i, next_bad));
+    i += next_bad;
+    // The maximal subpart: a lead byte and the continuation bytes that could still have
+    // completed it (the second byte's range depends on the lead), replaced by one U+FFFD.
+    const unsigned char c = s[i];
+    const size_t len = sequence_length(c);
+    size_t k = 1;
+    if (len > 1) {
+      const unsigned char lo = c == 0xE0 ? 0xA0 : c == 0xF0 ? 0x90 : 0x80;
+      const unsigned char hi = c == 0xED ? 0x9F : c == 0xF4 ? 0x8F : 0xBF;
+      if (i + 1 < text.size() && s[i + 1] >= lo && s[i + 1] <= hi) {
+        k = 2;
+        while (k < len && i + k < text.size() && is_continuation(s[i + k])) ++k;
+      }
+    }
+    out += "\xEF\xBF\xBD";
+    i += k;
+  }
+  return out;
+}
+
 char32_t next_code_point(std::string_view text, size_t& pos) {
   auto c = static_cast<unsigned char>(text[pos]);
   size_t len = sequence_length(c);

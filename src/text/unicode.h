@@ -19,6 +19,11 @@ size_t find_invalid_utf8(std::string_view text);
 // continuation byte or a byte that never starts a sequence.
 size_t sequence_length(unsigned char lead);
 
+// The text with each maximal invalid subsequence replaced by U+FFFD, as Python's
+// bytes.decode("utf-8", errors="replace") (and so transformers' decode) does; valid text is
+// returned unchanged.
+std::string to_valid_utf8(std::string_view text);
+
 // Decodes the code point starting at text[pos] (text must be valid UTF-8) and advances pos.
 char32_t next_code_point(std::string_view text, size_t& pos);
 void append_utf8(std::string& out, char32_t cp);
