@@ -95,7 +95,7 @@ TEST(CliErrors, OneLineMessageAndNonZeroExit) {
       {"run -m /nonexistent --tokens 1", "/nonexistent"},
       {"run -m " + dir + " --tokens 1 --temp abc", "--temp"},
       {"logits -m " + dir + " --tokens 1,2", "--output"},
-      {"frobnicate", "subcommand"},
+      {"frobnicate", "unknown command"},
   };
   for (const auto& c : cases) {
     auto r = test::run_cli(c.args);

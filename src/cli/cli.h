@@ -23,6 +23,23 @@ void add_perplexity(CLI::App& app);
 void add_template(CLI::App& app);  // render a conversation with the chat template
 void add_serve(CLI::App& app);
 void add_chat(CLI::App& app);
+void add_list(CLI::App& app);   // models in the caches and given directories
+void add_cache(CLI::App& app);  // cache list | prune
+
+// llama.cpp's multi-letter single-dash options (-np, -ngl) rewritten to moestream's before CLI11
+// parses them (CLI11 would read "-ngl 99" as "-n gl 99"); argv[0] included.
+std::vector<std::string> normalize_args(int argc, char** argv);
+// A parse error as one line naming the command, with "did you mean" for a near miss.
+std::string describe_parse_error(const CLI::App& app, const CLI::ParseError& e);
+// Number checks whose messages are short (CLI11's print the whole double range).
+extern const CLI::Validator kNonNegative, kPositive;
+
+// What -m names, as a directory: a model directory or pack as given, or a Hugging Face repo id
+// ("org/name") found in the hub cache (its snapshot). A GGUF file, a plain file or a missing
+// path is an Error saying what -m takes.
+std::string resolve_model_arg(const std::string& arg);
+// $HF_HUB_CACHE, else $HF_HOME/hub, else ~/.cache/huggingface/hub.
+std::string hf_hub_cache_dir();
 
 // "1,2,3" -> {1, 2, 3}; throws Error naming the flag on anything else.
 std::vector<int32_t> parse_token_list(const std::string& text, const std::string& flag);
@@ -31,6 +48,7 @@ std::vector<int32_t> parse_token_list(const std::string& text, const std::string
 struct ModelFlags {
   std::string dir;
   ModelOptions options;
+  int64_t ctx = 0;  // -c/--ctx-size: context length in tokens; 0 = the command's default
   bool stats = false, timing = false;
   void add_to(CLI::App& cmd, bool required = true);
 };
@@ -54,5 +72,12 @@ struct RunCounters {
 void report(const ModelFlags& flags, Model& model, const RunCounters& c);
 
 uint64_t peak_rss_bytes();  // VmHWM of this process
+
+// Ctrl-C. catch_interrupts() counts presses instead of ending the process (installed without
+// SA_RESTART, so a blocking read returns); with exit_on_second the second press ends it as
+// usual. The generation loops poll interrupts() and stop.
+void catch_interrupts(bool exit_on_second);
+int interrupts();
+void reset_interrupts();
 
 }  // namespace moestream::cli

@@ -5,10 +5,14 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <numeric>
 #include <random>
+#include <thread>
+#include <cmath>
+#include <cstring>
 
 #include "backend/backend_factory.h"
 #include "cli/cli.h"
@@ -16,6 +20,7 @@
 #include "core/thread_pool.h"
 #include "io/async_reader.h"
 #include "io/pack.h"
+#include "io/safetensors.h"
 #include "models/generate.h"
 
 namespace moestream::cli {
@@ -108,6 +113,65 @@ double memory_read_gb_per_s(int threads) {
   return best;
 }
 
+struct Spread {
+  double mean = 0, sd = 0;
+};
+Spread spread(const std::vector<double>& v) {
+  Spread s;
+  if (v.empty()) return s;
+  for (double x : v) s.mean += x;
+  s.mean /= double(v.size());
+  if (v.size() > 1) {
+    for (double x : v) s.sd += (x - s.mean) * (x - s.mean);
+    s.sd = std::sqrt(s.sd / double(v.size() - 1));
+  }
+  return s;
+}
+
+// Parameters of a pack, as llama-bench counts them: experts from their logical shapes, the other
+// tensors by element count (affine-quantized ones from their scales: rows x groups x group size;
+// their scales and biases are not parameters).
+int64_t count_params(const PackManifest& pack) {
+  int64_t n = 0;
+  for (const auto& layer : pack.layers)
+    for (const auto& e : layer)
+      for (const char* role : {"gate", "up", "down"})
+        if (e.find(role)) {
+          const auto shape = e.logical_shape(role);
+          n += shape[0] * shape[1];
+        }
+  auto weights = SafetensorsFile::open(pack.dir + "/" + pack.weights_file);
+  const auto& tensors = weights->tensors();
+  int group = 64;
+  std::ifstream config_file(pack.dir + "/config.json");
+  if (const auto config = nlohmann::json::parse(config_file, nullptr, false);
+      config.is_object() && config.contains("quantization") && config["quantization"].is_object())
+    group = config["quantization"].value("group_size", 64);
+  auto ends_with = [](const std::string& s, const std::string& t) {
+    return s.size() >= t.size() && s.compare(s.size() - t.size(), t.size(), t) == 0;
+  };
+  for (const auto& [name, t] : tensors) {
+    if (ends_with(name, ".scales") || ends_with(name, ".biases")) continue;
+    const std::string stem = ends_with(name, ".weight") ? name.substr(0, name.size() - 7) : name;
+    const auto scales = tensors.find(stem + ".scales");
+    if (t.dtype == DType::U32 && scales != tensors.end() && scales->second.shape.size() == 2) {
+      n += scales->second.shape[0] * scales->second.shape[1] * group;
+      continue;
+    }
+    int64_t elems = 1;
+    for (int64_t d : t.shape) elems *= d;
+    n += elems;
+  }
+  return n;
+}
+
+std::string params_text(int64_t n) {
+  char buf[32];
+  if (n >= 1000000000) std::snprintf(buf, sizeof buf, "%.2f B", n / 1e9);
+  else std::snprintf(buf, sizeof buf, "%.2f M", n / 1e6);
+  return buf;
+}
+
 }  // namespace
 
 void add_bench(CLI::App& app) {
@@ -115,15 +179,18 @@ void add_bench(CLI::App& app) {
     ModelFlags model;
     int n_prompt = 512, n_gen = 128;
     double raw_mb = 1024;
+    int repetitions = 1;
     bool json = false;
     bool warmup = false;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("bench", "Measure prefill/decode speed and expert streaming against the disk");
   f->model.add_to(*cmd);
-  cmd->add_option("-p,--n-prompt", f->n_prompt, "Prompt tokens for the prefill test (default 512; 0 skips it)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("-n,--n-gen", f->n_gen, "Tokens for the decode test (default 128; 0 skips it)")->check(CLI::NonNegativeNumber);
-  cmd->add_option("--raw-read-mb", f->raw_mb, "Bytes of experts read for the raw read rate (default 1024)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-p,--n-prompt", f->n_prompt, "Prompt tokens for the prefill test (default 512; 0 skips it)")->check(kNonNegative);
+  cmd->add_option("-n,--n-gen", f->n_gen, "Tokens for the decode test (default 128; 0 skips it)")->check(kNonNegative);
+  cmd->add_option("--raw-read-mb", f->raw_mb, "Bytes of experts read for the raw read rate (default 1024)")->check(kNonNegative);
+  cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test; t/s is their mean +- standard deviation (default 1)")
+      ->check(kPositive);
   cmd->add_flag("--json", f->json, "Print the results as one JSON object");
   cmd->add_flag("--warmup", f->warmup,
                 "Run one untimed prefill first, so that pp measures warm expert tiers (GPU: everything loaded and pinned)");
@@ -170,42 +237,56 @@ void add_bench(CLI::App& app) {
         model->forward(prompt, *warm, logits);
         out["warmup_s"] = seconds_since(t0);
       }
-      auto seq = model->new_sequence(f->n_prompt);
+      std::vector<double> rates;
       const ExpertStats before = model->expert_stats();
-      auto t0 = clock_type::now();
-      model->forward(prompt, *seq, logits);
-      const double secs = seconds_since(t0);
+      for (int rep = 0; rep < f->repetitions; ++rep) {
+        auto seq = model->new_sequence(f->n_prompt);
+        auto t0 = clock_type::now();
+        model->forward(prompt, *seq, logits);
+        rates.push_back(f->n_prompt / seconds_since(t0));
+      }
       const ExpertStats after = model->expert_stats();
-      out["pp"] = {{"tokens", f->n_prompt}, {"tok_per_s", f->n_prompt / secs},
-                   {"bytes_read", after.bytes_read - before.bytes_read}};
+      const Spread pp = spread(rates);
+      out["pp"] = {{"tokens", f->n_prompt}, {"tok_per_s", pp.mean}, {"tok_per_s_sd", pp.sd},
+                   {"samples", rates}, {"bytes_read", (after.bytes_read - before.bytes_read) / f->repetitions}};
     }
     if (f->n_gen > 0) {
-      auto seq = model->new_sequence(f->n_gen + 1);
-      int32_t next = token(rng);
-      model->forward(std::span(&next, 1), *seq, logits);
+      // Each repetition decodes n_gen tokens after a one-token prompt of its own; the counters
+      // below cover all of them, the rate is their mean.
+      std::vector<double> rates;
       const ExpertStats before = model->expert_stats();
       const std::optional<GpuTierStats> tier_before = gpu_tier_stats(model->backend());
       const PhaseTimes phases_before = model->backend().times();
-      auto t0 = clock_type::now();
-      for (int i = 0; i < f->n_gen; ++i) {
-        next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+      double secs = 0;
+      for (int rep = 0; rep < f->repetitions; ++rep) {
+        auto seq = model->new_sequence(f->n_gen + 1);
+        int32_t next = token(rng);
         model->forward(std::span(&next, 1), *seq, logits);
+        auto t0 = clock_type::now();
+        for (int i = 0; i < f->n_gen; ++i) {
+          next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+          model->forward(std::span(&next, 1), *seq, logits);
+        }
+        const double rep_secs = seconds_since(t0);
+        secs += rep_secs;
+        rates.push_back(f->n_gen / rep_secs);
       }
-      const double secs = seconds_since(t0);
+      const int64_t generated = int64_t(f->n_gen) * f->repetitions;
+      const Spread tg = spread(rates);
       const ExpertStats after = model->expert_stats();
       const uint64_t hits = after.hits - before.hits, misses = after.misses - before.misses;
       const uint64_t bytes = after.bytes_read - before.bytes_read;
       const double busy = after.io_busy_seconds - before.io_busy_seconds;
       const double read = busy > 0 ? bytes / busy / 1e9 : 0;
-      out["tg"] = {{"tokens", f->n_gen}, {"tok_per_s", f->n_gen / secs},
+      out["tg"] = {{"tokens", f->n_gen}, {"tok_per_s", tg.mean}, {"tok_per_s_sd", tg.sd}, {"samples", rates},
                    {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
-                   {"bytes_read", bytes}, {"bytes_read_per_token", bytes / f->n_gen},
+                   {"bytes_read", bytes}, {"bytes_read_per_token", bytes / uint64_t(generated)},
                    {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
                    {"read_ratio", raw > 0 ? read / raw : 0.0},
                    // Weights touched per token (non-expert + top-k experts) at this speed,
                    // against the memory read bandwidth measured above.
-                   {"weight_gb_per_s", info.active_bytes_per_token * (f->n_gen / secs) / 1e9},
-                   {"weight_bw_ratio", info.active_bytes_per_token * (f->n_gen / secs) / 1e9 / mem_bw}};
+                   {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
+                   {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw}};
       {  // time per phase of the decode loop (GPU time only with MOESTREAM_CUDA_SYNC=1)
         const PhaseTimes& p1 = model->backend().times();
         const PhaseTimes& p0 = phases_before;
@@ -220,9 +301,9 @@ void add_bench(CLI::App& app) {
         // PCIe (expert bytes copied up per token over pinned host-to-device), disk (bytes read
         // per token over the raw read rate).
         const GpuTierStats t1 = *gpu_tier_stats(model->backend()), &t0s = *tier_before;
-        const double tps = f->n_gen / secs;
-        const double pcie_per_token = double(t1.bytes_h2d - t0s.bytes_h2d) / f->n_gen;
-        const double disk_per_token = double(bytes) / f->n_gen;
+        const double tps = generated / secs;
+        const double pcie_per_token = double(t1.bytes_h2d - t0s.bytes_h2d) / double(generated);
+        const double disk_per_token = double(bytes) / double(generated);
         const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
         const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;
         const double disk_bound = disk_per_token > 0 && raw > 0 ? raw * 1e9 / disk_per_token : 0;
@@ -255,18 +336,53 @@ void add_bench(CLI::App& app) {
                 opt.experts.io.c_str(), opt.experts.direct_io ? " O_DIRECT" : "", opt.experts.io_threads);
     std::printf("raw read of the expert files: %.2f GB/s (%.0f MB, random experts); memory read: %.1f GB/s\n\n",
                 raw, raw_bytes / 1e6, mem_bw);
-    std::printf("| test   |      t/s | hit rate | read MB/token | read GB/s | of raw |\n");
-    std::printf("|--------|---------:|---------:|--------------:|----------:|-------:|\n");
-    if (out.contains("pp"))
-      std::printf("| pp%-4d | %8.2f |          |               |           |        |\n", f->n_prompt,
-                  out["pp"]["tok_per_s"].get<double>());
+    // llama-bench's columns, then moestream's: the expert hit rate, the storage read rate, and
+    // the fraction of the bound the test reached (decode: weights read per second over the
+    // memory bandwidth measured above, or the HBM bound on a GPU).
+    std::string quant;
+    for (const auto& layer : pack.layers)
+      for (const auto& e : layer)
+        if (quant.find(e.format) == std::string::npos) quant += (quant.empty() ? "" : "+") + e.format;
+    char model_name[160];
+    std::snprintf(model_name, sizeof model_name, "%s %s", info.model_type.c_str(), quant.empty() ? "dense" : quant.c_str());
+    const std::string params = params_text(count_params(pack));
+    const int threads = opt.threads > 0 ? opt.threads : int(std::thread::hardware_concurrency());
+    auto t_s = [](const nlohmann::json& t) {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, "%.2f ± %.2f", t["tok_per_s"].get<double>(), t["tok_per_s_sd"].get<double>());
+      return std::string(buf);
+    };
+    std::printf("| %-24s | %9s | %9s | %-7s | %7s | %6s | %18s | %8s | %9s | %8s |\n", "model", "size", "params",
+                "backend", "threads", "test", "t/s", "hit rate", "read GB/s", "of bound");
+    std::printf("| %.24s | %.9s | %.9s | %.7s | %.7s | %.6s | %.18s | %.8s | %.9s | %.8s |\n",
+                "------------------------", "--------:", "--------:", "-------", "------:", "-----:",
+                "-----------------:", "-------:", "--------:", "-------:");
+    char size_text[32];
+    if (info.weight_bytes >= (int64_t(1) << 30)) std::snprintf(size_text, sizeof size_text, "%.2f GiB", info.weight_bytes / 1073741824.0);
+    else std::snprintf(size_text, sizeof size_text, "%.2f MiB", info.weight_bytes / 1048576.0);
+    const std::string backend_name = model->backend().name().substr(0, model->backend().name().find('('));
+    char test[16];
+    if (out.contains("pp")) {
+      std::snprintf(test, sizeof test, "pp%d", f->n_prompt);
+      std::printf("| %-24s | %9s | %9s | %-7s | %7d | %6s | %18s | %8s | %9s | %8s |\n", model_name, size_text,
+                  params.c_str(), backend_name.c_str(), threads, test, t_s(out["pp"]).c_str(), "", "", "");
+    }
     if (out.contains("tg")) {
       const auto& tg = out["tg"];
-      std::printf("| tg%-4d | %8.2f | %7.1f%% | %13.2f | %9.2f | %5.0f%% |\n", f->n_gen,
-                  tg["tok_per_s"].get<double>(), 100 * tg["hit_rate"].get<double>(),
-                  tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
-                  100 * tg["read_ratio"].get<double>());
+      std::snprintf(test, sizeof test, "tg%d", f->n_gen);
+      char hit[16], read[16], bound[16];
+      std::snprintf(hit, sizeof hit, "%.1f%%", 100 * tg["hit_rate"].get<double>());
+      std::snprintf(read, sizeof read, "%.2f", tg["read_gb_per_s"].get<double>());
+      const double of_bound = tg.contains("gpu") ? tg["gpu"]["of_hbm_bound"].get<double>() : tg["weight_bw_ratio"].get<double>();
+      std::snprintf(bound, sizeof bound, "%.0f%%", 100 * of_bound);
+      std::printf("| %-24s | %9s | %9s | %-7s | %7d | %6s | %18s | %8s | %9s | %8s |\n", model_name, size_text,
+                  params.c_str(), backend_name.c_str(), threads, test, t_s(tg).c_str(), hit, read, bound);
+      if (tg["bytes_read"].get<uint64_t>() > 0)
+        std::printf("\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same files\n",
+                    tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
+                    100 * tg["read_ratio"].get<double>());
     }
+    if (f->repetitions > 1) std::printf("(%d repetitions of each test; t/s is mean ± standard deviation)\n", f->repetitions);
     if (out.contains("tg"))
       std::printf("\ndecode touches %.1f MB of weights per token: %.2f GB/s, %.0f%% of the memory read bandwidth\n",
                   info.active_bytes_per_token / 1e6, out["tg"]["weight_gb_per_s"].get<double>(),

@@ -19,9 +19,9 @@ void add_demo(CLI::App& app) {
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("demo", "Stream a small random-weight Qwen3-MoE through a bounded expert cache (no download)");
-  cmd->add_option("-n,--n-predict", f->n_predict, "Tokens to generate (default 64)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("-n,--n-predict", f->n_predict, "Tokens to generate (default 64)")->check(kNonNegative);
   cmd->add_option("-p,--prompt", f->prompt, "Prompt text");
-  cmd->add_option("--threads", f->options.threads, "CPU threads (default: all)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--threads", f->options.threads, "CPU threads (default: all)")->check(kNonNegative);
   f->options.device = "auto";
   cmd->add_option("--device", f->options.device, "Where to compute: auto | cuda | cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));

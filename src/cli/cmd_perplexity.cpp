@@ -4,6 +4,7 @@
 // Window i is tokens[i*ctx, (i+1)*ctx + 1): its first ctx tokens are run from an empty context
 // and the ctx next-token predictions are scored. --kl-save stores each scored position's
 // log-probabilities (f16); --kl-base compares the run against such a file.
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -45,14 +46,13 @@ void add_perplexity(CLI::App& app) {
   struct Flags {
     ModelFlags model;
     std::string file, kl_save, kl_base;
-    int ctx = 512, chunks = 0;
+    int chunks = 0;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("perplexity", "Perplexity of a text file (and KL divergence against a stored run)");
   f->model.add_to(*cmd);
   cmd->add_option("-f,--file", f->file, "Text file")->required();
-  cmd->add_option("--ctx", f->ctx, "Tokens per window (default 512)")->check(CLI::PositiveNumber);
-  cmd->add_option("--chunks", f->chunks, "Windows to score (default: all that fit)")->check(CLI::NonNegativeNumber);
+  cmd->add_option("--chunks", f->chunks, "Windows to score (default: all that fit)")->check(kNonNegative);
   cmd->add_option("--kl-save", f->kl_save, "Store the log-probabilities of every scored position");
   cmd->add_option("--kl-base", f->kl_base, "Report KL divergence and top-1 agreement against a --kl-save file");
   cmd->callback([f] {
@@ -62,7 +62,7 @@ void add_perplexity(CLI::App& app) {
     ss << in.rdbuf();
     auto tok = Tokenizer::load(ensure_pack(f->model.dir, f->model.options.cache_dir));
     const std::vector<int32_t> ids = tok->encode(ss.str());
-    const int64_t ctx = f->ctx;
+    const int64_t ctx = f->model.ctx > 0 ? f->model.ctx : 512;  // -c: tokens per window
     int64_t windows = (int64_t(ids.size()) - 1) / ctx;
     if (f->chunks > 0) windows = std::min<int64_t>(windows, f->chunks);
     if (windows <= 0)
@@ -98,6 +98,7 @@ void add_perplexity(CLI::App& app) {
     std::vector<uint16_t> row16(static_cast<size_t>(vocab));
     double nll = 0, kl = 0;
     int64_t scored = 0, agree = 0;
+    std::vector<double> token_nll, token_kl;  // per scored position, for the error estimates
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t w = 0; w < windows; ++w) {
       auto seq = model->new_sequence(ctx);
@@ -105,6 +106,7 @@ void add_perplexity(CLI::App& app) {
       for (int64_t i = 0; i < ctx; ++i) {
         log_softmax(logits.data() + i * vocab, vocab, logp);
         nll -= logp[size_t(ids[size_t(w * ctx + i + 1)])];
+        token_nll.push_back(-logp[size_t(ids[size_t(w * ctx + i + 1)])]);
         ++scored;
         if (save.is_open()) {
           for (int64_t v = 0; v < vocab; ++v) row16[size_t(v)] = f32_to_f16(float(logp[size_t(v)]));
@@ -122,6 +124,7 @@ void add_perplexity(CLI::App& app) {
             if (logp[size_t(v)] > logp[size_t(best)]) best = v;
           }
           kl += d;
+          token_kl.push_back(d);
           agree += best == best_base;
         }
       }
@@ -135,11 +138,27 @@ void add_perplexity(CLI::App& app) {
       if (!save) fail(f->kl_save, ": write failed");
       std::filesystem::rename(f->kl_save + ".tmp", f->kl_save);
     }
-    std::printf("ppl = %.6f\n", std::exp(nll / double(scored)));
+    // Error estimates as llama-perplexity gives them: the standard error of the mean
+    // negative log-likelihood carried to the perplexity (ppl * se), of the mean KL, and of the
+    // agreement rate; tokens are treated as independent, so these are lower bounds.
+    const double n = double(scored);
+    auto standard_error = [n](const std::vector<double>& v, double mean) {
+      if (v.size() < 2) return 0.0;
+      double ss = 0;
+      for (double x : v) ss += (x - mean) * (x - mean);
+      return std::sqrt(ss / (n - 1) / n);
+    };
+    const double mean_nll = nll / n, ppl = std::exp(mean_nll);
+    std::printf("ppl = %.6f +/- %.6f\n", ppl, ppl * standard_error(token_nll, mean_nll));
     std::printf("tokens scored: %lld (%lld windows of %lld)\n", (long long)scored, (long long)windows, (long long)ctx);
     if (base.is_open()) {
-      std::printf("kl divergence (base || this run) = %.6f\n", kl / double(scored));
-      std::printf("top-1 agreement = %.2f%%\n", 100.0 * double(agree) / double(scored));
+      const double mean_kl = kl / n, p_agree = double(agree) / n;
+      std::printf("kl divergence (base || this run) = %.6f +/- %.6f\n", mean_kl, standard_error(token_kl, mean_kl));
+      std::sort(token_kl.begin(), token_kl.end());
+      auto pct = [&](double q) { return token_kl[std::min(token_kl.size() - 1, size_t(q * double(token_kl.size() - 1) + 0.5))]; };
+      std::printf("kl percentiles: median %.6f, 90%% %.6f, 99%% %.6f, 99.9%% %.6f, max %.6f\n", pct(0.5), pct(0.9),
+                  pct(0.99), pct(0.999), token_kl.back());
+      std::printf("top-1 agreement = %.2f%% +/- %.2f%%\n", 100.0 * p_agree, 100.0 * std::sqrt(p_agree * (1 - p_agree) / n));
     }
     std::fprintf(stderr, "%.1f tokens/s\n", double(scored) / secs);
     report(f->model, *model, {scored, 0, secs, 0});

@@ -18,7 +18,6 @@ struct ServeFlags {
   EngineOptions engine;
   std::string name;
   double max_body_mb = 16;
-  int64_t ctx = 0;
 };
 
 void serve(ServeFlags& f) {
@@ -35,7 +34,7 @@ void serve(ServeFlags& f) {
   sigaddset(&signals, SIGTERM);
   pthread_sigmask(SIG_BLOCK, &signals, nullptr);
 
-  f.engine.ctx = f.ctx;
+  f.engine.ctx = f.model.ctx;
   auto served = ServedModel::load(f.model.dir, f.model.options, f.engine, f.name);
   HttpServer server(*served, f.serve);
   const int port = server.bind();
@@ -67,14 +66,12 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--api-key", flags->serve.api_key,
                   "Require this key (Authorization: Bearer KEY, or x-api-key); default $MOESTREAM_API_KEY");
   cmd->add_option("--name", flags->name, "Model id clients see (default: the directory's name)");
-  cmd->add_option("--parallel", flags->engine.parallel, "Requests generated at once (default 4)")->check(CLI::PositiveNumber);
+  cmd->add_option("--parallel", flags->engine.parallel, "Requests generated at once (default 4)")->check(kPositive);
   cmd->add_option("--queue", flags->engine.max_queue, "Requests that may wait beyond those; more get 503 (default 64)")
-      ->check(CLI::NonNegativeNumber);
-  cmd->add_option("--ctx", flags->ctx, "Context length per request (default: the model's, at most 4096)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_option("--kv-slots", flags->engine.kv_slots,
                   "Sequence states the prefix cache keeps for reuse (default 8; 0 = off)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd->add_option("--max-body-mb", flags->max_body_mb, "Largest request body in MB (default 16)");
   cmd->callback([flags] { serve(*flags); });
 }

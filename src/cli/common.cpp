@@ -1,3 +1,7 @@
+#include <signal.h>
+
+#include <atomic>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -30,35 +34,69 @@ std::vector<int32_t> parse_token_list(const std::string& text, const std::string
 }
 
 void ModelFlags::add_to(CLI::App& cmd, bool required) {
-  auto* m = cmd.add_option("-m,--model", dir, "Model directory: a pack, or Hugging Face layout (packed into the cache on first use)");
+  auto* m = cmd.add_option("-m,--model", dir,
+                           "Model: a pack, a Hugging Face directory (packed into the cache on first use), or a repo id "
+                           "(org/name) in the Hugging Face cache");
+  m->transform(CLI::Validator(
+      [](std::string& value) {
+        value = resolve_model_arg(value);
+        return std::string();
+      },
+      "DIR|ORG/NAME"));
   if (required) m->required();
-  cmd.add_option("--threads", options.threads, "CPU threads (default: all hardware threads)")
-      ->check(CLI::NonNegativeNumber);
+  cmd.add_option("-t,--threads", options.threads, "CPU threads (default: all hardware threads)")
+      ->check(kNonNegative);
+  cmd.add_option("-c,--ctx-size,--ctx", ctx, "Context length in tokens (default: the command's; see its help)")
+      ->check(kNonNegative);
   cmd.add_flag("--precise", options.precise, "Keep activations in float32 everywhere (exact)");
   cmd.add_flag("--int8-activations", options.int8_activations,
                "With quantized weights, quantize activations to int8 for integer dot products "
                "(faster decode, about 1% less exact; --precise overrides it)");
   ExpertStoreOptions& e = options.experts;
   cmd.add_option("--expert-cache-mb", e.cache_mb, "Memory for expert weights in MB (default: unbounded)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd.add_option("--cache-policy", e.policy, "Expert cache eviction: lru | lfu | lcp (default lru)")
       ->check(CLI::IsMember({"lru", "lfu", "lcp"}));
   cmd.add_option("--io", e.io, "Expert reads: pread | uring (default pread)")
       ->check(CLI::IsMember({"pread", "uring"}));
   cmd.add_flag("--direct-io", e.direct_io, "Read experts with O_DIRECT (bypass the page cache)");
-  cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(CLI::PositiveNumber);
+  cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(kPositive);
   options.device = "auto";
   cmd.add_option("--device", options.device, "Where to compute: auto (the GPU when there is one) | cuda | cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd.add_option("--gpu-expert-mb", options.gpu_expert_mb,
                  "CUDA: VRAM for expert weights in MB (default: free VRAM minus a reserve)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd.add_option("--host-expert-mb", e.cache_mb,
                  "CUDA: pinned RAM for experts between disk and VRAM, in MB (the same budget as --expert-cache-mb)")
-      ->check(CLI::NonNegativeNumber);
+      ->check(kNonNegative);
   cmd.add_flag("--stats", stats, "Print one JSON line of statistics on stderr at the end");
   cmd.add_flag("--timing", timing, "Print time per phase on stderr at the end");
 }
+
+namespace {
+std::atomic<int> g_interrupts{0};
+std::atomic<bool> g_exit_on_second{false};
+
+void on_interrupt(int) {
+  if (g_interrupts.fetch_add(1) + 1 >= 2 && g_exit_on_second) {
+    std::signal(SIGINT, SIG_DFL);
+    std::raise(SIGINT);
+  }
+}
+}  // namespace
+
+void catch_interrupts(bool exit_on_second) {
+  g_exit_on_second = exit_on_second;
+  struct sigaction sa {};
+  sa.sa_handler = on_interrupt;
+  sigemptyset(&sa.sa_mask);
+  sa.sa_flags = 0;  // no SA_RESTART: a read waiting for the user returns with EINTR
+  sigaction(SIGINT, &sa, nullptr);
+}
+
+int interrupts() { return g_interrupts.load(); }
+void reset_interrupts() { g_interrupts = 0; }
 
 uint64_t peak_rss_bytes() {
   std::ifstream in("/proc/self/status");

@@ -1,5 +1,7 @@
 // moestream: run Mixture-of-Experts language models larger than the machine.
 #include <cstdio>
+#include <string>
+#include <vector>
 
 #include "cli/cli.h"
 #include "core/error.h"
@@ -19,10 +21,17 @@ int main(int argc, char** argv) {
   moestream::cli::add_template(app);
   moestream::cli::add_serve(app);
   moestream::cli::add_chat(app);
+  moestream::cli::add_list(app);
+  moestream::cli::add_cache(app);
   try {
-    app.parse(argc, argv);
+    const std::vector<std::string> args = moestream::cli::normalize_args(argc, argv);
+    std::vector<const char*> ptrs;
+    for (const std::string& a : args) ptrs.push_back(a.c_str());
+    app.parse(int(ptrs.size()), ptrs.data());
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help, --version
+    std::fprintf(stderr, "moestream: error: %s\n", moestream::cli::describe_parse_error(app, e).c_str());
+    return e.get_exit_code();
   } catch (const moestream::Error& e) {
     std::fflush(stdout);
     std::fprintf(stderr, "moestream: error: %s\n", e.what());

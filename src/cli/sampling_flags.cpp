@@ -11,7 +11,7 @@ void SamplingFlags::add_to(CLI::App& cmd) {
   cmd.add_option("--top-p", top_p, "Nucleus sampling threshold");
   cmd.add_option("--min-p", min_p, "Drop tokens below min-p times the best probability");
   cmd.add_option("--repeat-penalty", repeat_penalty, "Repetition penalty (1 = off)");
-  cmd.add_option("--seed", seed, "Random seed for sampling (default 0)");
+  cmd.add_option("-s,--seed", seed, "Random seed for sampling (default 0)");
 }
 
 SamplingParams SamplingFlags::resolve(const std::string& model_dir) const {
