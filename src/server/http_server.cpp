@@ -1,4 +1,5 @@
 #include "server/http_server.h"
+#include "server/webui.h"
 
 #include <httplib.h>
 #include <sys/socket.h>
@@ -121,6 +122,11 @@ HttpServer::HttpServer(ServedModel& model, const ServeOptions& options)
                     "application/json");
   });
 
+  svr.Get("/", [&ctx](const httplib::Request&, httplib::Response& res) {
+    const std::string_view page = web_ui_page();
+    res.set_content(page.data(), page.size(), "text/html; charset=utf-8");
+    ctx.count("/", 200);
+  });
   svr.Get("/health", [&ctx](const httplib::Request&, httplib::Response& res) {
     const EngineStats s = ctx.model.engine->stats();
     const EngineOptions& o = ctx.model.engine->options();
