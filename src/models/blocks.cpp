@@ -364,19 +364,25 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     return;
   }
   Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
-  ScopedTimer timer(be.times().dense_mlp);
-  be.mlp(xn, shared, s);
   if (shared_gate) {
     // Qwen3-Next: out += sigmoid(shared_gate xn) * shared(xn), then x += out.
-    Buffer gate = ws.shared_gate.rows_view(0, T);
-    be.linear(xn, shared_gate, nullptr, gate);
-    be.sigmoid_gate(s, gate);
-    be.add(out, s);
+    {
+      ScopedTimer timer(be.times().dense_mlp);
+      Buffer gate = ws.shared_gate.rows_view(0, T);
+      be.mlp(xn, shared, s);
+      be.linear(xn, shared_gate, nullptr, gate);
+      be.sigmoid_gate(s, gate);
+      be.add(out, s);
+    }
     be.add(x, out);
-  } else {
-    be.add(x, out);
-    be.add(x, s);
+    return;
   }
+  be.add(x, out);
+  {
+    ScopedTimer timer(be.times().dense_mlp);
+    be.mlp(xn, shared, s);
+  }
+  be.add(x, s);
 }
 
 MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias) {
