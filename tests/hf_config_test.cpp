@@ -1,5 +1,5 @@
 // config.json alias resolution across transformers versions, text_config nesting, RoPE
-// parameters and generation defaults.
+// parameters, generation defaults, and the validation of DecoderConfig's common fields.
 #include "io/hf_config.h"
 
 #include <gtest/gtest.h>
@@ -10,6 +10,7 @@
 #include <initializer_list>
 
 #include "core/error.h"
+#include "models/decoder_config.h"
 
 namespace moestream {
 namespace {
@@ -239,6 +240,117 @@ TEST_F(HfConfigTest, LoadErrorsNameTheFile) {
   HfConfig c = HfConfig::load(p);
   EXPECT_EQ(c.model_type(), "olmoe");
   EXPECT_EQ(c.path(), p);
+}
+
+// A valid Mixtral-style config with `field` set to `value` (null removes it).
+HfConfig decoder_cfg(const std::string& field, const json& value) {
+  json j = json::parse(R"({"model_type": "mixtral", "vocab_size": 300, "hidden_size": 64,
+    "intermediate_size": 48, "num_hidden_layers": 3, "num_attention_heads": 4,
+    "num_key_value_heads": 2, "num_local_experts": 6, "num_experts_per_tok": 2,
+    "rope_theta": 10000.0})");
+  if (value.is_null())
+    j.erase(field);
+  else
+    j[field] = value;
+  return HfConfig(j, "test/config.json");
+}
+
+DecoderConfig parse_decoder(const std::string& field, const json& value) {
+  return DecoderConfig::parse(decoder_cfg(field, value), {.expert_size_field = "intermediate_size"});
+}
+
+TEST_F(HfConfigTest, DecoderConfigReadsTheCommonFields) {
+  const DecoderConfig c = parse_decoder("rms_norm_eps", 1e-5);
+  EXPECT_EQ(c.model_type, "mixtral");
+  EXPECT_EQ(c.vocab_size, 300);
+  EXPECT_EQ(c.hidden_size, 64);
+  EXPECT_EQ(c.n_layers, 3);
+  EXPECT_EQ(c.n_heads, 4);
+  EXPECT_EQ(c.n_kv_heads, 2);
+  EXPECT_EQ(c.head_dim, 16);  // hidden_size / num_attention_heads
+  EXPECT_EQ(c.expert_size, 48);
+  EXPECT_EQ(c.n_experts, 6);  // from num_local_experts
+  EXPECT_EQ(c.top_k, 2);
+  EXPECT_FLOAT_EQ(c.rms_norm_eps, 1e-5f);
+  EXPECT_EQ(c.max_position, 32768);  // the default
+  EXPECT_EQ(parse_decoder("num_key_value_heads", nullptr).n_kv_heads, 4);  // MHA by default
+  EXPECT_EQ(parse_decoder("head_dim", 24).head_dim, 24);  // may differ from hidden / heads
+  // An integer written as a float that is exact still reads (as json.dumps of some tools writes them).
+  EXPECT_EQ(parse_decoder("num_hidden_layers", 3.0).n_layers, 3);
+}
+
+// Each bad value: one line naming config.json, the field and the value.
+TEST_F(HfConfigTest, DecoderConfigRejectsOutOfRangeIntegers) {
+  struct Case {
+    std::string field;
+    json value;
+    std::string expect;
+  } cases[] = {
+      {"num_attention_heads", 0, "field 'num_attention_heads' must be in [1, 65536], found 0"},
+      {"num_hidden_layers", -1, "field 'num_hidden_layers' must be in [1, 4096], found -1"},
+      {"num_hidden_layers", int64_t(1) << 31, "field 'num_hidden_layers' must be in [1, 4096], found 2147483648"},
+      {"num_hidden_layers", int64_t(1) << 40, "found 1099511627776"},
+      {"num_hidden_layers", 4097, "found 4097"},
+      {"hidden_size", 0, "field 'hidden_size' must be in [1, "},
+      {"vocab_size", int64_t(1) << 32, "field 'vocab_size' must be in [1, 16777216], found 4294967296"},
+      {"num_key_value_heads", 0, "field 'num_key_value_heads' must be in [1, 4], found 0"},
+      {"num_key_value_heads", 8, "field 'num_key_value_heads' must be in [1, 4], found 8"},
+      {"num_key_value_heads", 3, "field 'num_key_value_heads' (3) must divide num_attention_heads (4)"},
+      {"head_dim", 0, "field 'head_dim' must be in [1, "},
+      {"head_dim", 15, "field 'head_dim' must be even"},
+      {"hidden_size", 66, "hidden_size (66) is not a multiple of num_attention_heads (4)"},
+      {"num_local_experts", 0, "field 'num_local_experts' must be in [1, 65536], found 0"},
+      {"num_experts_per_tok", 0, "field 'num_experts_per_tok' must be in [1, num_local_experts = 6], found 0"},
+      {"num_experts_per_tok", 7, "field 'num_experts_per_tok' must be in [1, num_local_experts = 6], found 7"},
+      {"num_experts_per_tok", (int64_t(1) << 32) + 2, "found 4294967298"},
+      {"intermediate_size", -48, "field 'intermediate_size' must be in [1, "},
+      {"max_position_embeddings", 0, "field 'max_position_embeddings' must be in [1, "},
+      {"rms_norm_eps", -1.0, "field 'rms_norm_eps' must be in [0, 1), found -1"},
+  };
+  for (const Case& c : cases) {
+    const std::string msg = error_of([&] { parse_decoder(c.field, c.value); });
+    expect_contains(msg, {"test/config.json: ", c.expect});
+    EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+  }
+}
+
+TEST_F(HfConfigTest, DecoderConfigRejectsWrongTypes) {
+  expect_contains(error_of([&] { parse_decoder("hidden_size", "64"); }),
+                  {"test/config.json: field 'hidden_size' must be an integer, found string \"64\""});
+  expect_contains(error_of([&] { parse_decoder("num_hidden_layers", 2.5); }),
+                  {"field 'num_hidden_layers' must be an integer, found number 2.5"});
+  expect_contains(error_of([&] { parse_decoder("num_attention_heads", true); }),
+                  {"field 'num_attention_heads' must be an integer, found boolean"});
+  expect_contains(error_of([&] { parse_decoder("num_experts_per_tok", json::array({2})); }),
+                  {"field 'num_experts_per_tok' must be an integer, found array"});
+  expect_contains(error_of([&] { parse_decoder("tie_word_embeddings", 1); }),
+                  {"field 'tie_word_embeddings' must be a boolean"});
+  expect_contains(error_of([&] { parse_decoder("rms_norm_eps", "1e-5"); }),
+                  {"field 'rms_norm_eps' must be a number, found string"});
+  expect_contains(error_of([&] { parse_decoder("vocab_size", nullptr); }), {"missing field 'vocab_size'"});
+}
+
+TEST_F(HfConfigTest, LayerTypesAndSparseLayersAreChecked) {
+  const HfConfig ok = decoder_cfg("layer_types", json::array({"full_attention", "sliding_attention", "full_attention"}));
+  EXPECT_EQ(parse_layer_types(ok, 3, "sliding_attention", "full_attention"), (std::vector<bool>{false, true, false}));
+  expect_contains(error_of([&] { parse_layer_types(ok, 4, "sliding_attention", "full_attention"); }),
+                  {"test/config.json: layer_types has 3 entries, num_hidden_layers is 4"});
+  expect_contains(error_of([&] { parse_layer_types(ok, 3, "linear_attention", "full_attention"); }),
+                  {"layer_types entry 'sliding_attention' is not supported"});
+  expect_contains(error_of([&] { SparseLayers::parse(decoder_cfg("decoder_sparse_step", 0), 3); }),
+                  {"field 'decoder_sparse_step' must be in [1, 4096], found 0"});
+  expect_contains(error_of([&] { SparseLayers::parse(decoder_cfg("mlp_only_layers", json::array({1, 3})), 3); }),
+                  {"field 'mlp_only_layers' lists layer 3, outside [0, num_hidden_layers = 3)"});
+  const SparseLayers s = SparseLayers::parse(decoder_cfg("decoder_sparse_step", 2), 3);
+  EXPECT_EQ(std::vector<bool>({s.is_moe(0), s.is_moe(1), s.is_moe(2)}), (std::vector<bool>{false, true, false}));
+}
+
+TEST_F(HfConfigTest, GetIntInNamesTheSpellingFound) {
+  const HfConfig c = cfg(R"({"n_layer": 5000})");
+  EXPECT_EQ(error_of([&] { c.get_int_in("num_hidden_layers", 1, 4096); }),
+            "test/config.json: field 'n_layer' must be in [1, 4096], found 5000");
+  EXPECT_EQ(c.get_int_in("head_dim", 1, 8, 99), 99);  // absent: the default, unchecked
+  EXPECT_EQ(c.spelling("num_hidden_layers"), "n_layer");
 }
 
 TEST_F(HfConfigTest, GenerationDefaultsUnionOfEosIds) {

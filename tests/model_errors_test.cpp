@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "models/model.h"
+#include "models/registry.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -81,6 +82,54 @@ TEST(ModelErrors, TensorWithWrongShapeIsNamed) {
 TEST(ModelErrors, MissingDirectory) {
   const std::string msg = load_error("/nonexistent/model");
   EXPECT_NE(msg.find("/nonexistent/model"), std::string::npos) << msg;
+}
+
+// One tiny checkpoint of each family; Qwen3.5 both text-only and multimodal (text_config).
+const char* const kFamilyFixtures[] = {
+    "models/qwen3moe_gqa_tied",  "families/mixtral_tiny",          "families/olmoe_tiny",
+    "families/glm4_moe_tiny",    "families/deepseek_v3_tiny",      "families/gpt_oss_tiny",
+    "families/qwen3_next_tiny",  "families/qwen3_5_moe_text_tiny", "families/qwen3_5_moe_vl",
+};
+
+// A copy of the fixture's pack (packed once into the test cache) whose config.json has `field`
+// set to `value`, in text_config where the checkpoint nests the language model there.
+std::string pack_with(const std::string& fixture, const std::string& field, const nlohmann::json& value) {
+  const std::string pack = ensure_pack(test::fixture(fixture), "");
+  static int n = 0;
+  const std::string dir = test::temp_dir("cfg" + std::to_string(n++)) + "/pack";
+  fs::copy(pack, dir, fs::copy_options::recursive);
+  edit_config(dir, [&](nlohmann::json& j) { (j.contains("text_config") ? j["text_config"] : j)[field] = value; });
+  return dir;
+}
+
+// Out-of-range, overflowing and mistyped integers in config.json: one error naming config.json,
+// the field and the value, for every family (a zero head count used to divide by zero, a
+// negative or 2^31 layer count loaded a model of no layers, and 2^40 was cut to 32 bits).
+TEST(ModelErrors, ConfigIntegersAreValidatedInEveryFamily) {
+  struct Case {
+    std::string field;
+    nlohmann::json value;
+    std::vector<std::string> expect;
+  } cases[] = {
+      {"num_attention_heads", 0, {"num_attention_heads", "found 0"}},
+      {"num_hidden_layers", -1, {"num_hidden_layers", "found -1"}},
+      {"num_hidden_layers", int64_t(1) << 31, {"num_hidden_layers", "found 2147483648"}},
+      {"num_hidden_layers", int64_t(1) << 40, {"num_hidden_layers", "found 1099511627776"}},
+      {"num_attention_heads", (int64_t(1) << 32) + 4, {"num_attention_heads", "found 4294967300"}},
+      {"num_experts_per_tok", (int64_t(1) << 32) + 2, {"num_experts_per_tok", "4294967298"}},
+      {"num_experts_per_tok", 1000, {"num_experts_per_tok", "1000"}},
+      {"hidden_size", "64", {"hidden_size", "must be an integer, found string"}},
+      {"num_hidden_layers", 2.5, {"num_hidden_layers", "must be an integer, found number 2.5"}},
+  };
+  for (const char* fixture : kFamilyFixtures)
+    for (const Case& c : cases) {
+      const std::string msg = load_error(pack_with(fixture, c.field, c.value));
+      EXPECT_NE(msg.find("config.json"), std::string::npos) << fixture << " " << c.field << ": " << msg;
+      for (const std::string& part : c.expect)
+        EXPECT_NE(msg.find(part), std::string::npos) << fixture << " " << c.field << " = " << c.value.dump()
+                                                     << ": " << msg;
+      EXPECT_EQ(msg.find('\n'), std::string::npos) << msg;
+    }
 }
 
 TEST(CliErrors, OneLineMessageAndNonZeroExit) {

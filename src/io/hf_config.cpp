@@ -218,6 +218,29 @@ std::string HfConfig::get_string(const std::string& field, const std::string& df
   return f.value ? to_string(*f.value, path_, f.name) : dflt;
 }
 
+namespace {
+
+int64_t in_range(int64_t v, int64_t lo, int64_t hi, const std::string& path, const std::string& name) {
+  if (v < lo || v > hi) fail(path, ": field '", name, "' must be in [", lo, ", ", hi, "], found ", v);
+  return v;
+}
+
+}  // namespace
+
+int64_t HfConfig::get_int_in(const std::string& field, int64_t lo, int64_t hi) const {
+  Found f = require(json_, field, path_);
+  return in_range(to_int(*f.value, path_, f.name), lo, hi, path_, f.name);
+}
+int64_t HfConfig::get_int_in(const std::string& field, int64_t lo, int64_t hi, int64_t dflt) const {
+  Found f = find_field(json_, field, path_);
+  return f.value ? in_range(to_int(*f.value, path_, f.name), lo, hi, path_, f.name) : dflt;
+}
+
+std::string HfConfig::spelling(const std::string& field) const {
+  Found f = find_field(json_, field, path_);
+  return f.value ? f.name : field;
+}
+
 std::vector<int64_t> HfConfig::get_int_list(const std::string& field) const {
   Found f = find_field(json_, field, path_);
   if (!f.value) return {};

@@ -51,6 +51,12 @@ class HfConfig {
   double get_double(const std::string& field, double dflt) const;
   bool get_bool(const std::string& field, bool dflt) const;
   std::string get_string(const std::string& field, const std::string& dflt) const;
+  // Integers that must lie in [lo, hi]: "<path>: field 'x' must be in [lo, hi], found v" (the
+  // spelling found in the file). The default is not checked.
+  int64_t get_int_in(const std::string& field, int64_t lo, int64_t hi) const;
+  int64_t get_int_in(const std::string& field, int64_t lo, int64_t hi, int64_t dflt) const;
+  // The spelling of field (or of one of its aliases) present in the file; field when absent.
+  std::string spelling(const std::string& field) const;
   // [] when absent or null; a single value (eos_token_id: 2) counts as a one-element list.
   std::vector<int64_t> get_int_list(const std::string& field) const;
   std::vector<std::string> get_string_list(const std::string& field) const;

@@ -345,92 +345,95 @@ void fail_truncate(int64_t n, int64_t n_past) {
        " (restore a snapshot taken at that length instead)");
 }
 
-void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
-                             const ModelOptions& options, const Dims& dims) {
-  pack_ = PackManifest::load(dir);
-  BackendOptions bo;
-  bo.device = options.device;
-  bo.threads = options.threads;
-  bo.precise = options.precise || !options.int8_activations;
-  bo.gpu_expert_mb = options.gpu_expert_mb;
-  bo.max_expert_bytes = pack_.max_expert_size();
-  bo.host_expert_mb = options.experts.cache_mb;
-  for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
-  backend_ = make_backend(bo);
-  weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
-  info_.model_type = dims.model_type;
-  info_.dir = dir;
-  info_.vocab_size = dims.vocab_size;
-  info_.n_layers = dims.n_layers;
-  info_.hidden_size = dims.hidden_size;
-  info_.max_position = dims.max_position;
-  info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
-  norm_eps = dims.norm_eps;
-}
-
-void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
-  const int64_t vocab = info_.vocab_size, h = info_.hidden_size;
-  embed_tokens = w.matrix("model.embed_tokens.weight", vocab, h);
-  final_norm = w.vector("model.norm.weight", h);
-  lm_head = tie_word_embeddings && !w.has("lm_head.weight") ? embed_tokens
-                                                           : w.matrix("lm_head.weight", vocab, h);
-}
-
-void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
-                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T) {
-  Backend& be = *backend_;
-  ScopedTimer timer(be.times().attention);
-  Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
-  be.rmsnorm(x, norm, norm_eps, x.cols, xn);
-  attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope, out);
-  be.add(x, out);
-}
-
-void DecoderModel::init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim) {
-  Backend& be = *backend_;
-  const int64_t h = info_.hidden_size;
-  ws_.max_batch = max_batch;
-  ws_.x = be.alloc(max_batch, h);
-  ws_.xn = be.alloc(max_batch, h);
-  ws_.attn_out = be.alloc(max_batch, std::max(h, q_dim));
-  ws_.ffn_out = be.alloc(max_batch, h);
-  ws_.q = be.alloc(max_batch, q_dim);
-  ws_.k = be.alloc(max_batch, kv_dim);
-  ws_.v = be.alloc(max_batch, kv_dim);
-  ws_.logits = be.alloc(max_batch, info_.vocab_size);
-}
-
-void DecoderModel::forward(std::span<const int32_t> tokens, SequenceState& state,
-                           std::span<float> logits) {
-  const int64_t n = int64_t(tokens.size()), vocab = info_.vocab_size;
-  const bool all = int64_t(logits.size()) == n * vocab;
-  if (!all && int64_t(logits.size()) != vocab)
-    fail("forward: logits span holds ", logits.size(), " floats, expected ", vocab, " or ", n * vocab);
-  if (state.n_past + n > state.capacity())
-    fail("context full: ", state.n_past + n, " positions needed, the sequence holds ", state.capacity());
-  for (int32_t t : tokens)
-    if (t < 0 || t >= vocab) fail("token id ", t, " out of range [0, ", vocab, ")");
-  Backend& be = *backend_;
-  for (int64_t begin = 0; begin < n; begin += ws_.max_batch) {
-    const int64_t T = std::min(ws_.max_batch, n - begin);
-    Buffer x = ws_.x.rows_view(0, T);
-    {
-      ScopedTimer timer(be.times().embed);
-      be.embed(tokens.subspan(size_t(begin), size_t(T)), embed_tokens, x);
-    }
-    for (int l = 0; l < info_.n_layers; ++l) run_layer(l, T, state);
-    state.n_past += T;
-    const bool last_batch = begin + T == n;
-    if (!all && !last_batch) continue;
-    // Only the rows whose logits are wanted go through the norm and the output head.
-    ScopedTimer timer(be.times().output_head);
-    const int64_t first = all ? 0 : T - 1, rows = all ? T : 1;
-    Buffer xs = ws_.x.rows_view(first, rows), xn = ws_.xn.rows_view(0, rows);
-    be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
-    Buffer out = ws_.logits.rows_view(0, rows);
-    be.linear(xn, lm_head, nullptr, out);
-    be.to_host(out, logits.data() + (all ? begin * vocab : 0));
+void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
+                             Buffer& x) const {
+  const int64_t T = x.rows;
+  Buffer out = ws.ffn_out.rows_view(0, T);
+  if (!moe) {
+    ScopedTimer timer(be.times().dense_mlp);
+    be.mlp(xn, dense, out);
+    be.add(x, out);
+    return;
   }
+  MoeParams p = routing;
+  p.layer = l;
+  p.router_bias = router_bias ? &router_bias : nullptr;
+  be.moe(xn, router, experts, p, out);
+  if (!shared.gate) {
+    be.add(x, out);
+    return;
+  }
+  Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
+  if (shared_gate) {
+    // Qwen3-Next: out += sigmoid(shared_gate xn) * shared(xn), then x += out.
+    {
+      ScopedTimer timer(be.times().dense_mlp);
+      Buffer gate = ws.shared_gate.rows_view(0, T);
+      be.mlp(xn, shared, s);
+      be.linear(xn, shared_gate, nullptr, gate);
+      be.sigmoid_gate(s, gate);
+      be.add(out, s);
+    }
+    be.add(x, out);
+    return;
+  }
+  be.add(x, out);
+  {
+    ScopedTimer timer(be.times().dense_mlp);
+    be.mlp(xn, shared, s);
+  }
+  be.add(x, s);
+}
+
+MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias) {
+  MoeFeedForward f;
+  f.moe = true;
+  f.router = std::move(router);
+  f.router_bias = std::move(router_bias);
+  f.routing = routing;
+  return f;
+}
+
+MoeFeedForward load_shared_expert_ffn(WeightLoader& w, const std::string& p, bool moe, int64_t hidden,
+                                      int64_t dense_inter, int64_t shared_inter, const MoeParams& routing) {
+  MoeFeedForward f;
+  f.moe = moe;
+  if (!moe) {
+    f.dense = load_mlp(w, p + "mlp.", hidden, dense_inter);
+    return f;
+  }
+  f.router = w.matrix(p + "mlp.gate.weight", routing.n_experts, hidden);
+  f.router_bias = w.vector(p + "mlp.gate.e_score_correction_bias", routing.n_experts);
+  f.shared = load_mlp(w, p + "mlp.shared_experts.", hidden, shared_inter);
+  f.routing = routing;
+  return f;
+}
+
+MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, int n_group, int topk_group,
+                                float routed_scaling_factor) {
+  MoeParams p;
+  p.n_experts = n_experts;
+  p.top_k = top_k;
+  p.router = RouterKind::SigmoidGroupTopK;
+  p.norm_topk_prob = norm_topk_prob;
+  p.n_group = n_group;
+  p.topk_group = topk_group;
+  p.routed_scaling_factor = routed_scaling_factor;
+  return p;
+}
+
+std::string expert_tensor_name(ExpertNaming naming, int l, int e, const std::string& role,
+                               const std::string& model) {
+  const std::string p = layer_prefix(l, model), expert = std::to_string(e);
+  switch (naming) {
+    case ExpertNaming::Hub: return p + "mlp.experts." + expert + "." + role + "_proj.weight";
+    case ExpertNaming::Mixtral:
+      return p + "block_sparse_moe.experts." + expert + "." + (role == "gate" ? "w1" : role == "down" ? "w2" : "w3") +
+             ".weight";
+    case ExpertNaming::Stacked:
+      return p + "mlp.experts." + (role == "down" ? "down_proj" : "gate_up_proj") + "[" + expert + "] (" + role + ")";
+  }
+  return p + "mlp.experts." + expert;
 }
 
 }  // namespace moestream

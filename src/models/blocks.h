@@ -1,5 +1,6 @@
 // Building blocks shared by the architecture files: weight lookup, rotary tables, grouped-query
-// attention, and the decoder-only skeleton (batching, final norm, output head) every family uses.
+// attention, the MoE feed-forward, KV-cache sequences and checkpoint names. The decoder skeleton
+// that puts them together is in moe_decoder.h.
 #pragma once
 
 #include <functional>
@@ -8,6 +9,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "experts/expert_store.h"
 #include "io/hf_config.h"
 #include "io/pack.h"
 #include "models/model.h"
@@ -64,6 +66,7 @@ struct Workspace {
   Buffer x, xn, attn_out, ffn_out;  // [max_batch, hidden]
   Buffer q, k, v;                   // [max_batch, heads * head_dim], [max_batch, kv_dim] x2
   Buffer logits;                    // [max_batch, vocab]
+  Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
 };
 
 // Variants of GqaAttention that a family's config selects.
@@ -144,46 +147,50 @@ void check_pack_experts(const PackManifest& pack, const std::vector<bool>& moe_l
 void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManifest& pack,
                       const std::vector<bool>& moe_layers, int n_experts, int top_k);
 
-// Decoder-only language model skeleton: embedding -> layers -> final norm -> output head. A
-// family implements load-time construction and run_layer; batching and logits live here.
-class DecoderModel : public Model {
- public:
-  const ModelInfo& info() const override { return info_; }
-  Backend& backend() override { return *backend_; }
-  void forward(std::span<const int32_t> tokens, SequenceState& state,
-               std::span<float> logits) override;
+// The feed-forward half of a layer: routed experts, optionally with a shared expert added after
+// them, or a dense SwiGLU MLP.
+struct MoeFeedForward {
+  bool moe = false;
+  Matrix router;        // [n_experts, hidden]                                  (moe layers)
+  Vector router_bias;   // gpt-oss logit bias / DeepSeek, GLM e_score_correction_bias, or empty
+  MlpWeights shared;    // shared experts, or empty
+  Matrix shared_gate;   // [1, hidden]: shared expert scaled by sigmoid(shared_gate x) (Qwen3-Next), or empty
+  MoeParams routing;    // how tokens are routed (MoeParams::layer is set per call)
+  MlpWeights dense;     //                                                      (dense layers)
 
- protected:
-  // x (T, hidden) in ws.x is updated in place by layer l.
-  virtual void run_layer(int layer, int64_t T, SequenceState& state) = 0;
-  void init_workspace(int64_t max_batch, int64_t q_dim, int64_t kv_dim);
-
-  // What open_pack takes from the family's config.
-  struct Dims {
-    std::string model_type;
-    int64_t vocab_size = 0, hidden_size = 0;
-    int n_layers = 0;
-    int64_t max_position = 0;
-    float norm_eps = 1e-6f;
-  };
-  // Opens the pack in `dir`: the backend, the manifest, the non-expert weights, and the ModelInfo
-  // fields every family fills the same way (eos ids from config.json / generation_config.json).
-  void open_pack(const std::string& dir, const HfConfig& hf, const ModelOptions& options,
-                 const Dims& dims);
-  // model.embed_tokens, model.norm and lm_head (the embedding when tied and lm_head is absent).
-  void load_embeddings(WeightLoader& w, bool tie_word_embeddings);
-  // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase.
-  void attention_residual(const Vector& norm, const GqaAttention& attn, KvSequence& seq, int l,
-                          const RopeTable& rope, int64_t T);
-
-  std::unique_ptr<Backend> backend_;
-  PackManifest pack_;
-  std::unique_ptr<WeightSet> weights_;
-  ModelInfo info_;
-  Workspace ws_;
-  Matrix embed_tokens, lm_head;
-  Vector final_norm;
-  float norm_eps = 1e-6f;
+  // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out, ws.attn_out (shared expert) and
+  // ws.shared_gate are scratch.
+  void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x) const;
 };
+
+// Routed experts alone (no shared experts): router [n_experts, hidden] and optional logit bias.
+MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias = {});
+
+// DeepSeek-V3 / GLM-4.5 feed-forward of layer prefix p ("model.layers.L."): routed experts with
+// p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias" and shared experts
+// p + "mlp.shared_experts.*" [shared_inter] when moe, else the dense MLP p + "mlp.*" [dense_inter].
+MoeFeedForward load_shared_expert_ffn(WeightLoader& w, const std::string& p, bool moe, int64_t hidden,
+                                      int64_t dense_inter, int64_t shared_inter, const MoeParams& routing);
+
+// Routing of the sigmoid-scored families: SigmoidGroupTopK over n_group groups, keeping
+// topk_group of them, weights optionally renormalized, then scaled.
+MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, int n_group, int topk_group,
+                                float routed_scaling_factor);
+
+// Checkpoint names. `model` is the decoder's prefix: "model." (or, for multimodal checkpoints,
+// "model.language_model." / "language_model.model.").
+// "<model>layers.<l>."
+inline std::string layer_prefix(int l, const std::string& model = "model.") {
+  return model + "layers." + std::to_string(l) + ".";
+}
+// How a checkpoint names routed expert weights (for errors about the pack's experts).
+enum class ExpertNaming {
+  Hub,      // mlp.experts.<e>.{gate,up,down}_proj.weight (Qwen, OLMoE, GLM, DeepSeek)
+  Mixtral,  // block_sparse_moe.experts.<e>.w1 / w3 / w2.weight (gate / up / down)
+  Stacked,  // mlp.experts.gate_up_proj[<e>] / down_proj[<e>], all experts in one tensor (gpt-oss)
+};
+// The tensor holding `role` ("gate", "up" or "down") of expert e in layer l.
+std::string expert_tensor_name(ExpertNaming naming, int l, int e, const std::string& role,
+                               const std::string& model = "model.");
 
 }  // namespace moestream

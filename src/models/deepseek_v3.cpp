@@ -14,10 +14,7 @@
 // also the values: the cache holds rank + rope floats per token and layer.
 #include "core/dtype.h"
 #include "core/error.h"
-#include "experts/expert_store.h"
 #include "io/pack.h"
-#include "io/safetensors.h"
-#include "models/blocks.h"
 #include "models/moe_decoder.h"
 #include "models/registry.h"
 
@@ -28,63 +25,36 @@ namespace moestream {
 
 namespace {
 
-struct DeepseekV3Config {
-  int64_t vocab_size;             // tokens
-  int64_t hidden_size;            // model width
-  int64_t intermediate_size;      // dense MLP width (first_k_dense_replace layers)
-  int64_t moe_intermediate_size;  // width of one routed expert
-  int64_t shared_intermediate;    // moe_intermediate_size * n_shared_experts
-  int n_layers, n_heads;
+struct DeepseekV3Config : DecoderConfig {
+  int64_t shared_intermediate;    // width of the shared experts: expert_size * n_shared_experts
   int q_lora_rank;                // 0: q_proj directly (DeepSeek-V2-Lite style)
   int kv_lora_rank;               // latent width
   int nope_dim, rope_dim, v_dim;  // per head: qk_nope_head_dim, qk_rope_head_dim, v_head_dim
   bool rope_interleave;           // rotary pairs (2i, 2i+1)
-  int n_experts, top_k, n_group, topk_group;
-  float routed_scaling_factor;
-  bool norm_topk_prob;
+  int n_group, topk_group;        // group-limited routing
+  float routed_scaling_factor;    // multiplies the routing weights
   int first_k_dense_replace;      // layers [0, k) are dense
-  bool tie_word_embeddings;
-  float rms_norm_eps;
-  int64_t max_position;
-  RopeParams rope;
 
-  static DeepseekV3Config from(const HfConfig& c) {
-    DeepseekV3Config m;
-    m.vocab_size = c.get_int("vocab_size");
-    m.hidden_size = c.get_int("hidden_size");
-    m.intermediate_size = c.get_int("intermediate_size");
-    m.moe_intermediate_size = c.get_int("moe_intermediate_size");
-    m.shared_intermediate = m.moe_intermediate_size * c.get_int("n_shared_experts", 1);
-    m.n_layers = int(c.get_int("num_hidden_layers"));
-    m.n_heads = int(c.get_int("num_attention_heads"));
-    m.q_lora_rank = int(c.get_int("q_lora_rank", 0));
-    m.kv_lora_rank = int(c.get_int("kv_lora_rank"));
-    m.nope_dim = int(c.get_int("qk_nope_head_dim"));
-    m.rope_dim = int(c.get_int("qk_rope_head_dim"));
-    m.v_dim = int(c.get_int("v_head_dim"));
-    m.rope_interleave = c.get_bool("rope_interleave", true);
-    m.n_experts = int(c.get_int("n_routed_experts"));
-    m.top_k = int(c.get_int("num_experts_per_tok"));
-    m.n_group = int(c.get_int("n_group", 1));
-    m.topk_group = int(c.get_int("topk_group", 1));
-    m.routed_scaling_factor = float(c.get_double("routed_scaling_factor", 1.0));
-    m.norm_topk_prob = c.get_bool("norm_topk_prob", true);
-    m.first_k_dense_replace = int(c.get_int("first_k_dense_replace", 0));
-    m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
-    m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-6));
-    m.max_position = c.get_int("max_position_embeddings", 163840);
-    m.rope = c.rope();
+  explicit DeepseekV3Config(const HfConfig& c)
+      : DecoderConfig(parse(c, {.max_position = 163840, .norm_topk_prob = true, .gqa = false})),
+        shared_intermediate(expert_size * c.get_int_in("n_shared_experts", 1, kMaxExperts, 1)),
+        q_lora_rank(int(c.get_int_in("q_lora_rank", 0, kMaxWidth, 0))),
+        kv_lora_rank(int(c.get_int_in("kv_lora_rank", 1, kMaxWidth))),
+        nope_dim(int(c.get_int_in("qk_nope_head_dim", 1, kMaxWidth))),
+        rope_dim(int(c.get_int_in("qk_rope_head_dim", 1, kMaxWidth))),
+        v_dim(int(c.get_int_in("v_head_dim", 1, kMaxWidth))),
+        rope_interleave(c.get_bool("rope_interleave", true)),
+        n_group(int(c.get_int_in("n_group", 1, kMaxExperts, 1))),
+        topk_group(int(c.get_int_in("topk_group", 1, kMaxExperts, 1))),
+        routed_scaling_factor(float(c.get_double("routed_scaling_factor", 1.0))),
+        first_k_dense_replace(int(c.get_int_in("first_k_dense_replace", 0, kMaxLayers, 0))) {
     check_silu(c);
     if (c.get_bool("attention_bias", false)) fail(c.path(), ": attention_bias is not supported for deepseek_v3");
-    if (m.n_heads <= 0 || m.kv_lora_rank <= 0 || m.nope_dim <= 0 || m.v_dim <= 0 || m.q_lora_rank < 0)
-      fail(c.path(), ": num_attention_heads, kv_lora_rank, qk_nope_head_dim and v_head_dim must be positive");
-    if (m.rope_dim <= 0 || m.rope_dim % 2 != 0)
-      fail(c.path(), ": qk_rope_head_dim must be positive and even, found ", m.rope_dim);
-    if (m.rope.partial_rotary_factor != 1.0)
+    if (rope_dim % 2 != 0) fail(c.path(), ": field 'qk_rope_head_dim' must be even, found ", rope_dim);
+    if (rope.partial_rotary_factor != 1.0)
       fail(c.path(), ": partial_rotary_factor is not supported for deepseek_v3 (qk_rope_head_dim sets the rotated dims)");
-    check_top_k(c, m.top_k, m.n_experts, "n_routed_experts");
-    check_expert_groups(c, m.n_experts, m.n_group, m.topk_group);
-    return m;
+    check_expert_groups(c, n_experts, n_group, topk_group);
+    check_dense_width([&](int l) { return is_moe_layer(l); });
   }
 
   int qk_dim() const { return nope_dim + rope_dim; }
@@ -99,11 +69,6 @@ struct DeepseekV3Config {
     return s;
   }
 };
-
-std::string expert_tensor_name(int layer, int expert, const std::string& role) {
-  return "model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) + "." + role +
-         "_proj.weight";
-}
 
 struct MlaWeights {
   Matrix q_a_proj, q_b_proj, q_proj;  // q_a/q_b with q_lora_rank, else q_proj
@@ -128,9 +93,8 @@ struct MlaBuffers {
 class DeepseekV3 final : public DecoderModel {
  public:
   DeepseekV3(const std::string& dir, const HfConfig& hf, const ModelOptions& options)
-      : cfg_(DeepseekV3Config::from(hf)) {
-    open_pack(dir, hf, options, {hf.model_type(), cfg_.vocab_size, cfg_.hidden_size, cfg_.n_layers,
-                                  cfg_.max_position, cfg_.rms_norm_eps});  // deepseek_v3 or kimi_k2
+      : cfg_(hf) {
+    open_pack(dir, hf, options, cfg_);  // model_type deepseek_v3 or kimi_k2
 
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     const int64_t h = cfg_.hidden_size;
@@ -149,8 +113,7 @@ class DeepseekV3 final : public DecoderModel {
       moe_layers.push_back(layer.ffn.moe);
       layers_.push_back(std::move(layer));
     }
-    check_pack_experts(pack_, moe_layers, cfg_.n_experts, h, cfg_.moe_intermediate_size, expert_tensor_name);
-    experts_ = make_expert_store(pack_, *backend_, options.experts);
+    load_experts(options, moe_layers, cfg_.n_experts, cfg_.expert_size, ExpertNaming::Hub);
 
     // Queries rotate their trailing rope dims of each head; the latent row [c, k_rope] its tail.
     q_rope_ = make_rope_table(cfg_.rope, cfg_.rope_dim, hf.path());
@@ -165,7 +128,7 @@ class DeepseekV3 final : public DecoderModel {
     attn_params_.values_in_keys = true;
     attn_params_.scale = cfg_.attention_scale();
 
-    init_workspace(kMaxBatch, int64_t(cfg_.n_heads) * cfg_.v_dim, 1);
+    init_workspace(int64_t(cfg_.n_heads) * cfg_.v_dim, 1);
     const int64_t H = cfg_.n_heads, R = cfg_.kv_lora_rank, rope = cfg_.rope_dim;
     Backend& be = *backend_;
     buf_.q_a = be.alloc(kMaxBatch, std::max(cfg_.q_lora_rank, 1));
@@ -179,8 +142,6 @@ class DeepseekV3 final : public DecoderModel {
     buf_.o_heads = be.alloc(kMaxBatch, H * cfg_.v_dim);
     set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
   }
-
-  ExpertStats expert_stats() const override { return experts_->stats(); }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
     // Keys [c, k_rope]; values are c, read from the key rows (no V cache).
@@ -205,8 +166,6 @@ class DeepseekV3 final : public DecoderModel {
   }
 
  private:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-
   MlaWeights load_mla(WeightLoader& w, const std::string& p) {
     const int64_t h = cfg_.hidden_size, H = cfg_.n_heads, R = cfg_.kv_lora_rank;
     const int64_t nope = cfg_.nope_dim, vd = cfg_.v_dim;
@@ -280,7 +239,6 @@ class DeepseekV3 final : public DecoderModel {
   DeepseekV3Config cfg_;
   std::vector<DeepseekV3Layer> layers_;
   std::deque<std::vector<float>> owned_;  // W_uk^T copies behind the uk_t matrices
-  std::unique_ptr<ExpertStore> experts_;
   RopeTable q_rope_, k_rope_;
   AttentionParams attn_params_;
   MlaBuffers buf_;

@@ -1,5 +1,6 @@
-// The generation loop shared by run, demo and (later) the server: prefill the prompt, then sample
-// and decode one token at a time until max_tokens or an end-of-sequence id.
+// The generation loop of `moestream run` and `demo`: prefill the prompt, then sample and decode
+// one token at a time until max_tokens or an end-of-sequence id. (The server interleaves many
+// sequences in its own loop, src/server/engine.cpp.)
 #pragma once
 
 #include <cstdint>

@@ -12,10 +12,7 @@
 #include <regex>
 
 #include "core/error.h"
-#include "experts/expert_store.h"
 #include "io/pack.h"
-#include "io/safetensors.h"
-#include "models/blocks.h"
 #include "models/moe_decoder.h"
 #include "models/registry.h"
 
@@ -23,70 +20,29 @@ namespace moestream {
 
 namespace {
 
-struct GptOssConfig {
-  int64_t vocab_size;         // tokens
-  int64_t hidden_size;        // model width
-  int64_t intermediate_size;  // width of one expert
-  int n_layers;
-  int n_heads, n_kv_heads, head_dim;
-  int n_experts, top_k;
+struct GptOssConfig : DecoderConfig {
   int64_t sliding_window;     // positions a sliding layer sees
   std::vector<bool> sliding;  // per layer: layer_types[l] == "sliding_attention"
-  float swiglu_limit;
-  bool tie_word_embeddings;
-  float rms_norm_eps;
-  int64_t max_position;
-  RopeParams rope;
+  float swiglu_limit;         // clamp of the expert's gate and up projections
 
-  static GptOssConfig from(const HfConfig& c) {
-    GptOssConfig m;
-    m.vocab_size = c.get_int("vocab_size");
-    m.hidden_size = c.get_int("hidden_size");
-    m.intermediate_size = c.get_int("intermediate_size");
-    m.n_layers = int(c.get_int("num_hidden_layers"));
-    m.n_heads = int(c.get_int("num_attention_heads"));
-    m.n_kv_heads = int(c.get_int("num_key_value_heads", m.n_heads));
-    m.head_dim = int(c.get_int("head_dim", m.hidden_size / m.n_heads));
-    m.n_experts = int(c.get_int("num_local_experts"));
-    m.top_k = int(c.get_int("num_experts_per_tok"));
-    m.sliding_window = c.get_int("sliding_window", 0);
-    m.swiglu_limit = float(c.get_double("swiglu_limit", 7.0));
-    m.tie_word_embeddings = c.get_bool("tie_word_embeddings", false);
-    m.rms_norm_eps = float(c.get_double("rms_norm_eps", 1e-5));
-    m.max_position = c.get_int("max_position_embeddings", 131072);
-    m.rope = c.rope();
-    const std::vector<std::string> types = c.get_string_list("layer_types");
-    if (types.empty()) {
-      // transformers' default: sliding and full layers alternate, starting with sliding.
-      for (int l = 0; l < m.n_layers; ++l) m.sliding.push_back(l % 2 == 0);
-    } else {
-      if (int(types.size()) != m.n_layers)
-        fail(c.path(), ": layer_types has ", types.size(), " entries, num_hidden_layers is ", m.n_layers);
-      for (const auto& t : types) {
-        if (t != "sliding_attention" && t != "full_attention")
-          fail(c.path(), ": layer_types entry '", t, "' is not supported (expected sliding_attention or full_attention)");
-        m.sliding.push_back(t == "sliding_attention");
-      }
-    }
-    check_gqa_heads(c, m.n_heads, m.n_kv_heads);
-    check_head_dim(c, m.head_dim);
-    check_top_k(c, m.top_k, m.n_experts, "num_local_experts");
-    for (bool s : m.sliding)
-      if (s && m.sliding_window <= 0) fail(c.path(), ": sliding layers need a positive sliding_window");
-    return m;
+  explicit GptOssConfig(const HfConfig& c)
+      : DecoderConfig(parse(c, {.rms_norm_eps = 1e-5, .max_position = 131072, .expert_size_field = "intermediate_size"})),
+        sliding_window(c.get_int_in("sliding_window", 0, kMaxPositions, 0)),
+        sliding(parse_layer_types(c, n_layers, "sliding_attention", "full_attention")),
+        swiglu_limit(float(c.get_double("swiglu_limit", 7.0))) {
+    // transformers' default: sliding and full layers alternate, starting with sliding.
+    if (sliding.empty())
+      for (int l = 0; l < n_layers; ++l) sliding.push_back(l % 2 == 0);
+    for (bool s : sliding)
+      if (s && sliding_window <= 0) fail(c.path(), ": sliding layers need a positive sliding_window");
   }
 };
-
-std::string expert_tensor_name(int layer, int expert, const std::string& role) {
-  return "model.layers." + std::to_string(layer) + ".mlp.experts." + (role == "down" ? "down_proj" : "gate_up_proj") +
-         "[" + std::to_string(expert) + "] (" + role + ")";
-}
 
 class GptOss final : public MoeDecoder {
  public:
   GptOss(const std::string& dir, const HfConfig& hf, const ModelOptions& options) {
-    const GptOssConfig c = GptOssConfig::from(hf);
-    open_pack(dir, hf, options, {"gpt_oss", c.vocab_size, c.hidden_size, c.n_layers, c.max_position, c.rms_norm_eps});
+    const GptOssConfig c(hf);
+    open_pack(dir, hf, options, c);
     WeightLoader w(*weights_, *backend_, quantization_lookup(hf));
     const int64_t h = c.hidden_size;
     load_embeddings(w, c.tie_word_embeddings);
@@ -103,14 +59,14 @@ class GptOss final : public MoeDecoder {
                              w.vector(p + "mlp.router.bias", c.n_experts));
       layers_.push_back(std::move(layer));
     }
-    finish_load(hf, options, c.rope, {c.n_experts, c.top_k, c.intermediate_size, expert_tensor_name});
+    finish_load(hf, options, c, ExpertNaming::Stacked);
     for (int l = 0; l < c.n_layers; ++l)
       for (int e = 0; e < c.n_experts; ++e)
         for (const std::string role : {"gate", "up", "down"}) {
-          const std::vector<int64_t> want{1, role == "down" ? h : c.intermediate_size};
+          const std::vector<int64_t> want{1, role == "down" ? h : c.expert_size};
           const PackedTensor* b = pack_.expert(l, e).find(role + "_bias");
           if (!b || b->shape != want)
-            fail("tensor ", expert_tensor_name(l, e, role), " bias: expected shape ", shape_str(want), ", found ",
+            fail("tensor ", expert_tensor_name(ExpertNaming::Stacked, l, e, role), " bias: expected shape ", shape_str(want), ", found ",
                  b ? shape_str(b->shape) : std::string("none"));
         }
   }

@@ -1,98 +1,14 @@
 #include "models/moe_decoder.h"
 
+#include <algorithm>
+
+#include "backend/backend_factory.h"
 #include "core/error.h"
 #include "io/hf_config.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
 
 namespace moestream {
-
-void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
-                             Buffer& x) const {
-  const int64_t T = x.rows;
-  Buffer out = ws.ffn_out.rows_view(0, T);
-  if (!moe) {
-    ScopedTimer timer(be.times().dense_mlp);
-    be.mlp(xn, dense, out);
-    be.add(x, out);
-    return;
-  }
-  MoeParams p = routing;
-  p.layer = l;
-  p.router_bias = router_bias ? &router_bias : nullptr;
-  be.moe(xn, router, experts, p, out);
-  be.add(x, out);
-  if (!shared.gate) return;
-  Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
-  {
-    ScopedTimer timer(be.times().dense_mlp);
-    be.mlp(xn, shared, s);
-  }
-  be.add(x, s);
-}
-
-MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias) {
-  MoeFeedForward f;
-  f.moe = true;
-  f.router = std::move(router);
-  f.router_bias = std::move(router_bias);
-  f.routing = routing;
-  return f;
-}
-
-MoeFeedForward load_shared_expert_ffn(WeightLoader& w, const std::string& p, bool moe, int64_t hidden,
-                                      int64_t dense_inter, int64_t shared_inter, const MoeParams& routing) {
-  MoeFeedForward f;
-  f.moe = moe;
-  if (!moe) {
-    f.dense = load_mlp(w, p + "mlp.", hidden, dense_inter);
-    return f;
-  }
-  f.router = w.matrix(p + "mlp.gate.weight", routing.n_experts, hidden);
-  f.router_bias = w.vector(p + "mlp.gate.e_score_correction_bias", routing.n_experts);
-  f.shared = load_mlp(w, p + "mlp.shared_experts.", hidden, shared_inter);
-  f.routing = routing;
-  return f;
-}
-
-MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, int n_group, int topk_group,
-                                float routed_scaling_factor) {
-  MoeParams p;
-  p.n_experts = n_experts;
-  p.top_k = top_k;
-  p.router = RouterKind::SigmoidGroupTopK;
-  p.norm_topk_prob = norm_topk_prob;
-  p.n_group = n_group;
-  p.topk_group = topk_group;
-  p.routed_scaling_factor = routed_scaling_factor;
-  return p;
-}
-
-void check_silu(const HfConfig& c) {
-  const std::string act = c.get_string("hidden_act", "silu");
-  if (act != "silu") fail(c.path(), ": hidden_act '", act, "' is not supported (expected silu)");
-}
-
-void check_gqa_heads(const HfConfig& c, int n_heads, int n_kv_heads) {
-  if (n_heads <= 0 || n_kv_heads <= 0 || n_heads % n_kv_heads != 0)
-    fail(c.path(), ": num_attention_heads (", n_heads, ") must be a positive multiple of num_key_value_heads (",
-         n_kv_heads, ")");
-}
-
-void check_head_dim(const HfConfig& c, int head_dim) {
-  if (head_dim <= 0 || head_dim % 2 != 0) fail(c.path(), ": head_dim must be positive and even, found ", head_dim);
-}
-
-void check_top_k(const HfConfig& c, int top_k, int n_experts, const char* experts_field) {
-  if (top_k <= 0 || top_k > n_experts)
-    fail(c.path(), ": num_experts_per_tok (", top_k, ") must be in [1, ", experts_field, " = ", n_experts, "]");
-}
-
-void check_expert_groups(const HfConfig& c, int n_experts, int n_group, int topk_group) {
-  if (n_group <= 0 || n_experts % n_group != 0 || topk_group <= 0 || topk_group > n_group)
-    fail(c.path(), ": n_group (", n_group, ") must divide n_routed_experts (", n_experts, ") and topk_group (",
-         topk_group, ") must be in [1, n_group]");
-}
 
 std::unique_ptr<SequenceState> MoeDecoder::new_sequence(int64_t capacity) {
   return std::make_unique<KvSequence>(*backend_, int(layers_.size()), capacity, kv_dim_);
@@ -110,17 +26,16 @@ MoeDecoderLayer MoeDecoder::load_layer(WeightLoader& w, int l, const AttentionSh
   return layer;
 }
 
-void MoeDecoder::finish_load(const HfConfig& hf, const ModelOptions& options, const RopeParams& rope,
-                             const ExpertShape& e) {
+void MoeDecoder::finish_load(const HfConfig& hf, const ModelOptions& options, const DecoderConfig& c,
+                             ExpertNaming naming) {
   const AttentionShape& a = attention_shape_;
   std::vector<bool> moe_layers;
   for (const MoeDecoderLayer& layer : layers_) moe_layers.push_back(layer.ffn.moe);
-  check_pack_experts(pack_, moe_layers, e.n_experts, info_.hidden_size, e.intermediate, e.tensor_name);
-  experts_ = make_expert_store(pack_, *backend_, options.experts);
-  rope_ = make_rope_table(rope, a.rot_dim > 0 ? a.rot_dim : a.head_dim, hf.path());
+  load_experts(options, moe_layers, c.n_experts, c.expert_size, naming);
+  rope_ = make_rope_table(c.rope, a.rot_dim > 0 ? a.rot_dim : a.head_dim, hf.path());
   kv_dim_ = int64_t(a.n_kv_heads) * a.head_dim;
-  init_workspace(kMaxBatch, int64_t(a.n_heads) * a.head_dim, kv_dim_);
-  set_weight_bytes(info_, *weights_, pack_, moe_layers, e.n_experts, e.top_k);
+  init_workspace(int64_t(a.n_heads) * a.head_dim, kv_dim_);
+  set_weight_bytes(info_, *weights_, pack_, moe_layers, c.n_experts, c.top_k);
 }
 
 void MoeDecoder::run_layer(int l, int64_t T, SequenceState& state) {
@@ -130,6 +45,103 @@ void MoeDecoder::run_layer(int l, int64_t T, SequenceState& state) {
   attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
   backend_->rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
   layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x);
+}
+
+
+void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
+                             const ModelOptions& options, const DecoderConfig& c) {
+  pack_ = PackManifest::load(dir);
+  BackendOptions bo;
+  bo.device = options.device;
+  bo.threads = options.threads;
+  bo.precise = options.precise || !options.int8_activations;
+  bo.gpu_expert_mb = options.gpu_expert_mb;
+  bo.max_expert_bytes = pack_.max_expert_size();
+  bo.host_expert_mb = options.experts.cache_mb;
+  for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
+  backend_ = make_backend(bo);
+  weights_ = std::make_unique<WeightSet>(WeightSet::open_files({dir + "/" + pack_.weights_file}));
+  info_.model_type = c.model_type;
+  info_.dir = dir;
+  info_.vocab_size = c.vocab_size;
+  info_.n_layers = c.n_layers;
+  info_.hidden_size = c.hidden_size;
+  info_.max_position = c.max_position;
+  info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
+  norm_eps = c.rms_norm_eps;
+}
+
+void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
+  const int64_t vocab = info_.vocab_size, h = info_.hidden_size;
+  embed_tokens = w.matrix("model.embed_tokens.weight", vocab, h);
+  final_norm = w.vector("model.norm.weight", h);
+  lm_head = tie_word_embeddings && !w.has("lm_head.weight") ? embed_tokens
+                                                           : w.matrix("lm_head.weight", vocab, h);
+}
+
+void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
+                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T) {
+  Backend& be = *backend_;
+  ScopedTimer timer(be.times().attention);
+  Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
+  be.rmsnorm(x, norm, norm_eps, x.cols, xn);
+  attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope, out);
+  be.add(x, out);
+}
+
+void DecoderModel::load_experts(const ModelOptions& options, const std::vector<bool>& moe_layers, int n_experts,
+                                int64_t expert_size, ExpertNaming naming, const std::string& model) {
+  check_pack_experts(pack_, moe_layers, n_experts, info_.hidden_size, expert_size,
+                     [&](int l, int e, const std::string& role) { return expert_tensor_name(naming, l, e, role, model); });
+  experts_ = make_expert_store(pack_, *backend_, options.experts);
+}
+
+void DecoderModel::init_workspace(int64_t q_dim, int64_t kv_dim) {
+  Backend& be = *backend_;
+  const int64_t h = info_.hidden_size, max_batch = kMaxBatch;
+  ws_.max_batch = max_batch;
+  ws_.x = be.alloc(max_batch, h);
+  ws_.xn = be.alloc(max_batch, h);
+  ws_.attn_out = be.alloc(max_batch, std::max(h, q_dim));
+  ws_.ffn_out = be.alloc(max_batch, h);
+  ws_.q = be.alloc(max_batch, q_dim);
+  ws_.k = be.alloc(max_batch, kv_dim);
+  ws_.v = be.alloc(max_batch, kv_dim);
+  ws_.logits = be.alloc(max_batch, info_.vocab_size);
+  ws_.shared_gate = be.alloc(max_batch, 1);
+}
+
+void DecoderModel::forward(std::span<const int32_t> tokens, SequenceState& state,
+                           std::span<float> logits) {
+  const int64_t n = int64_t(tokens.size()), vocab = info_.vocab_size;
+  const bool all = int64_t(logits.size()) == n * vocab;
+  if (!all && int64_t(logits.size()) != vocab)
+    fail("forward: logits span holds ", logits.size(), " floats, expected ", vocab, " or ", n * vocab);
+  if (state.n_past + n > state.capacity())
+    fail("context full: ", state.n_past + n, " positions needed, the sequence holds ", state.capacity());
+  for (int32_t t : tokens)
+    if (t < 0 || t >= vocab) fail("token id ", t, " out of range [0, ", vocab, ")");
+  Backend& be = *backend_;
+  for (int64_t begin = 0; begin < n; begin += ws_.max_batch) {
+    const int64_t T = std::min(ws_.max_batch, n - begin);
+    Buffer x = ws_.x.rows_view(0, T);
+    {
+      ScopedTimer timer(be.times().embed);
+      be.embed(tokens.subspan(size_t(begin), size_t(T)), embed_tokens, x);
+    }
+    for (int l = 0; l < info_.n_layers; ++l) run_layer(l, T, state);
+    state.n_past += T;
+    const bool last_batch = begin + T == n;
+    if (!all && !last_batch) continue;
+    // Only the rows whose logits are wanted go through the norm and the output head.
+    ScopedTimer timer(be.times().output_head);
+    const int64_t first = all ? 0 : T - 1, rows = all ? T : 1;
+    Buffer xs = ws_.x.rows_view(first, rows), xn = ws_.xn.rows_view(0, rows);
+    be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
+    Buffer out = ws_.logits.rows_view(0, rows);
+    be.linear(xn, lm_head, nullptr, out);
+    be.to_host(out, logits.data() + (all ? begin * vocab : 0));
+  }
 }
 
 }  // namespace moestream

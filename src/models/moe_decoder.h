@@ -1,63 +1,66 @@
-// The layer shape most MoE families share, as blocks:
+// The decoder skeletons the families build on:
 //
-//   MoeFeedForward  the feed-forward half of a layer: routed experts (with optional shared
-//                   experts added after them) or a dense SwiGLU MLP. DeepSeek-V3 uses it with its
-//                   own latent attention.
-//   MoeDecoder      a decoder whose every layer is x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))
-//                   with grouped-query attention (Mixtral, OLMoE, Qwen3-MoE, GLM-4.5, gpt-oss).
-//                   A family parses its config, fills layers_ with the checkpoint's names, then
-//                   calls finish_load; the forward pass is the same for all of them.
+//   DecoderModel  embedding -> layers -> final norm -> output head, batched in chunks of
+//                 kMaxBatch tokens; owns the backend, the pack, the non-expert weights and the
+//                 expert store. A family loads its layers and implements run_layer (DeepSeek-V3
+//                 with latent attention, Qwen3-Next / Qwen3.5 with Gated DeltaNet layers).
+//   MoeDecoder    a DecoderModel whose every layer is x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))
+//                 with grouped-query attention (Mixtral, OLMoE, Qwen3-MoE, GLM-4.5, gpt-oss).
+//                 A family parses its config, fills layers_ with the checkpoint's names, then
+//                 calls finish_load; the forward pass is the same for all of them.
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "experts/expert_store.h"
+#include "io/safetensors.h"  // WeightSet, destroyed with the model
 #include "models/blocks.h"
+#include "models/decoder_config.h"
 
 namespace moestream {
 
-struct MoeFeedForward {
-  bool moe = false;
-  Matrix router;        // [n_experts, hidden]                                  (moe layers)
-  Vector router_bias;   // gpt-oss logit bias / DeepSeek, GLM e_score_correction_bias, or empty
-  MlpWeights shared;    // shared experts, or empty
-  MoeParams routing;    // how tokens are routed (MoeParams::layer is set per call)
-  MlpWeights dense;     //                                                      (dense layers)
+class DecoderModel : public Model {
+ public:
+  const ModelInfo& info() const override { return info_; }
+  Backend& backend() override { return *backend_; }
+  ExpertStats expert_stats() const override { return experts_->stats(); }
+  void forward(std::span<const int32_t> tokens, SequenceState& state,
+               std::span<float> logits) override;
 
-  // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out (and ws.attn_out for shared experts) are
-  // scratch.
-  void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x) const;
+ protected:
+  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
+
+  // x (T, hidden) in ws.x is updated in place by layer l.
+  virtual void run_layer(int layer, int64_t T, SequenceState& state) = 0;
+  // ws_ for kMaxBatch tokens; q_dim and kv_dim size the attention projections.
+  void init_workspace(int64_t q_dim, int64_t kv_dim);
+
+  // Opens the pack in `dir`: the backend, the manifest, the non-expert weights, and the ModelInfo
+  // fields every family fills the same way (eos ids from config.json / generation_config.json).
+  void open_pack(const std::string& dir, const HfConfig& hf, const ModelOptions& options,
+                 const DecoderConfig& c);
+  // model.embed_tokens, model.norm and lm_head (the embedding when tied and lm_head is absent).
+  void load_embeddings(WeightLoader& w, bool tie_word_embeddings);
+  // Checks that the pack holds experts [expert_size wide] exactly for the layers marked in
+  // moe_layers, then opens the expert store.
+  void load_experts(const ModelOptions& options, const std::vector<bool>& moe_layers, int n_experts,
+                    int64_t expert_size, ExpertNaming naming, const std::string& model = "model.");
+  // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase.
+  void attention_residual(const Vector& norm, const GqaAttention& attn, KvSequence& seq, int l,
+                          const RopeTable& rope, int64_t T);
+
+  std::unique_ptr<Backend> backend_;
+  PackManifest pack_;
+  std::unique_ptr<WeightSet> weights_;
+  std::unique_ptr<ExpertStore> experts_;
+  ModelInfo info_;
+  Workspace ws_;
+  Matrix embed_tokens, lm_head;
+  Vector final_norm;
+  float norm_eps = 1e-6f;
 };
-
-// "model.layers.<l>."
-inline std::string layer_prefix(int l) { return "model.layers." + std::to_string(l) + "."; }
-
-// Routed experts alone (no shared experts): router [n_experts, hidden] and optional logit bias.
-MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias = {});
-
-// DeepSeek-V3 / GLM-4.5 feed-forward of layer prefix p ("model.layers.L."): routed experts with
-// p + "mlp.gate.weight", p + "mlp.gate.e_score_correction_bias" and shared experts
-// p + "mlp.shared_experts.*" [shared_inter] when moe, else the dense MLP p + "mlp.*" [dense_inter].
-MoeFeedForward load_shared_expert_ffn(WeightLoader& w, const std::string& p, bool moe, int64_t hidden,
-                                      int64_t dense_inter, int64_t shared_inter, const MoeParams& routing);
-
-// Routing of the sigmoid-scored families: SigmoidGroupTopK over n_group groups, keeping
-// topk_group of them, weights optionally renormalized, then scaled.
-MoeParams sigmoid_group_routing(int n_experts, int top_k, bool norm_topk_prob, int n_group, int topk_group,
-                                float routed_scaling_factor);
-
-// Config checks the MoE families share; each fails naming config.json and the field.
-void check_silu(const HfConfig& c);  // hidden_act is silu (the default)
-// num_attention_heads a positive multiple of num_key_value_heads.
-void check_gqa_heads(const HfConfig& c, int n_heads, int n_kv_heads);
-void check_head_dim(const HfConfig& c, int head_dim);  // positive and even
-// num_experts_per_tok in [1, n_experts]; experts_field names the config's expert count.
-void check_top_k(const HfConfig& c, int top_k, int n_experts, const char* experts_field);
-// n_group divides n_routed_experts, topk_group in [1, n_group].
-void check_expert_groups(const HfConfig& c, int n_experts, int n_group, int topk_group);
 
 struct MoeDecoderLayer {
   Vector input_norm, post_attention_norm;
@@ -67,12 +70,9 @@ struct MoeDecoderLayer {
 
 class MoeDecoder : public DecoderModel {
  public:
-  ExpertStats expert_stats() const override { return experts_->stats(); }
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override;
 
  protected:
-  static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
-
   // Norms and attention of layer l from "model.layers.<l>.{input,post_attention}_layernorm" and
   // "model.layers.<l>.self_attn."; the family adds ffn.
   struct AttentionShape {
@@ -82,22 +82,14 @@ class MoeDecoder : public DecoderModel {
   };
   MoeDecoderLayer load_layer(WeightLoader& w, int l, const AttentionShape& shape);
 
-  // What finish_load checks the pack's experts against.
-  struct ExpertShape {
-    int n_experts = 0, top_k = 0;
-    int64_t intermediate = 0;  // width of one routed expert
-    // The checkpoint tensor of (layer, expert, role), for errors.
-    std::function<std::string(int, int, const std::string&)> tensor_name;
-  };
-  // After layers_ is filled: the pack holds experts of that shape exactly for the MoE layers; the
+  // After layers_ is filled: the pack holds experts of c's shape exactly for the MoE layers; the
   // expert store, rotary table, workspace and weight sizes.
-  void finish_load(const HfConfig& hf, const ModelOptions& options, const RopeParams& rope,
-                   const ExpertShape& experts);
+  void finish_load(const HfConfig& hf, const ModelOptions& options, const DecoderConfig& c,
+                   ExpertNaming naming = ExpertNaming::Hub);
 
   void run_layer(int l, int64_t T, SequenceState& state) override;
 
   std::vector<MoeDecoderLayer> layers_;
-  std::unique_ptr<ExpertStore> experts_;
   RopeTable rope_;
   AttentionShape attention_shape_;  // of every layer (load_layer records it)
   int64_t kv_dim_ = 0;
