@@ -2,8 +2,8 @@
 // oversized requests. Each case first shows the fault is answered with a clear JSON error (and no
 // crash), then that the server still serves transformers' exact greedy replies.
 #include <arpa/inet.h>
-#include <httplib.h>
 #include <gtest/gtest.h>
+#include <httplib.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -34,15 +34,18 @@ const std::string& pack_dir() {
     for (const auto& e : fs::directory_iterator(test::fixture("serve/qwen3_tiny_chat")))
       fs::copy_file(e.path(), fs::path(d) / e.path().filename());
     const fs::path tok = fs::path(test::source_dir()) / ".cache/tokenizer-qwen3/tokenizer.json";
-    if (!fs::exists(tok)) ADD_FAILURE() << tok << " is missing: run scripts/setup";
-    else fs::copy_file(tok, fs::path(d) / "tokenizer.json");
+    if (!fs::exists(tok))
+      ADD_FAILURE() << tok << " is missing: run scripts/setup";
+    else
+      fs::copy_file(tok, fs::path(d) / "tokenizer.json");
     return ensure_pack(d, "");
   }();
   return dir;
 }
 
 const json& ref() {
-  static const json r = json::parse(test::read_file(test::fixture("serve/qwen3_tiny_chat/ref.json")));
+  static const json r =
+      json::parse(test::read_file(test::fixture("serve/qwen3_tiny_chat/ref.json")));
   return r;
 }
 
@@ -108,7 +111,8 @@ void expect_greedy_replies(const Served& s) {
   }
 }
 
-std::string nested(int depth, const std::string& open, const std::string& close, const std::string& inner) {
+std::string nested(int depth, const std::string& open, const std::string& close,
+                   const std::string& inner) {
   std::string s;
   for (int i = 0; i < depth; ++i) s += open;
   s += inner;
@@ -123,12 +127,13 @@ TEST(ServerReliability, DeeplyNestedJsonIsRefusedBeforeAnythingRecurses) {
   const std::vector<std::pair<std::string, std::string>> cases = {
       {"/v1/chat/completions", "{" + user + ", \"chat_template_kwargs\": " + deep + "}"},
       {"/v1/chat/completions",
-       "{" + user + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": )" + deep + "}}]}"},
+       "{" + user + R"(, "tools": [{"type": "function", "function": {"name": "f", "parameters": )" +
+           deep + "}}]}"},
       {"/v1/chat/completions",
        R"({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": )" +
            nlohmann::json(deep).dump() + "}}]}]}"},
-      {"/v1/messages",
-       "{\"max_tokens\": 4, " + user + R"(, "tools": [{"name": "f", "input_schema": )" + deep + "}]}"},
+      {"/v1/messages", "{\"max_tokens\": 4, " + user +
+                           R"(, "tools": [{"name": "f", "input_schema": )" + deep + "}]}"},
       {"/v1/chat/completions", nested(30000, "[", "]", "")},
   };
   for (const auto& [path, body] : cases) {
@@ -138,7 +143,9 @@ TEST(ServerReliability, DeeplyNestedJsonIsRefusedBeforeAnythingRecurses) {
   }
   // Nesting within the limit is fine.
   json ok = post(s, "/v1/chat/completions",
-                 "{" + user + ", \"max_tokens\": 2, \"chat_template_kwargs\": {\"x\": " + nested(30, "[", "]", "") + "}}", 200);
+                 "{" + user + ", \"max_tokens\": 2, \"chat_template_kwargs\": {\"x\": " +
+                     nested(30, "[", "]", "") + "}}",
+                 200);
   EXPECT_EQ(ok["object"], "chat.completion");
   expect_greedy_replies(s);
 }
@@ -169,8 +176,11 @@ TEST(ServerReliability, WrongTypedFieldsName400) {
     }
   }
   const json abase = {{"messages", {{{"role", "user"}, {"content", "hi"}}}}, {"max_tokens", 2}};
-  for (const auto& [key, value] : std::vector<std::pair<std::string, json>>{
-           {"metadata", 5}, {"thinking", "yes"}, {"tool_choice", "auto"}, {"thinking", {{"type", 1}}}}) {
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, json>>{{"metadata", 5},
+                                                 {"thinking", "yes"},
+                                                 {"tool_choice", "auto"},
+                                                 {"thinking", {{"type", 1}}}}) {
     SCOPED_TRACE(key + " = " + value.dump());
     json body = abase;
     body[key] = value;
@@ -180,7 +190,8 @@ TEST(ServerReliability, WrongTypedFieldsName400) {
   }
   // A content block whose fields have the wrong types: a 400, not a 500.
   json bad_block = abase;
-  bad_block["messages"] = {{{"role", "user"}, {"content", {{{"type", "tool_result"}, {"tool_use_id", 5}}}}}};
+  bad_block["messages"] = {
+      {{"role", "user"}, {"content", {{{"type", "tool_result"}, {"tool_use_id", 5}}}}}};
   post(s, "/v1/messages", bad_block.dump(), 400);
   json bad_part = base;
   bad_part["messages"] = {{{"role", "user"}, {"content", {{{"type", 3}, {"text", "x"}}}}}};
@@ -192,7 +203,8 @@ TEST(ServerReliability, WrongTypedFieldsName400) {
 void flip_expert_byte(const std::string& dir) {
   const PackManifest m = PackManifest::load(dir);
   const PackedExpert& e = m.expert(0, 1);
-  std::fstream f(dir + "/" + m.expert_files[size_t(e.file)], std::ios::in | std::ios::out | std::ios::binary);
+  std::fstream f(dir + "/" + m.expert_files[size_t(e.file)],
+                 std::ios::in | std::ios::out | std::ios::binary);
   f.seekg(std::streamoff(e.offset + 8));
   char c = 0;
   f.read(&c, 1);
@@ -206,7 +218,8 @@ TEST(ServerReliability, FailedExpertReadDoesNotWedgeTheServer) {
   fs::copy(pack_dir(), dir, fs::copy_options::recursive);
   flip_expert_byte(dir);
   Served s(quick_options(), dir);
-  const json body = {{"messages", ref()["cases"][0]["messages"]}, {"temperature", 0}, {"max_tokens", 4}};
+  const json body = {
+      {"messages", ref()["cases"][0]["messages"]}, {"temperature", 0}, {"max_tokens", 4}};
   for (int i = 0; i < 2; ++i) {  // every request touching the expert fails the same clear way
     json r = post(s, "/v1/chat/completions", body.dump(), 500);
     const std::string msg = r["error"]["message"].get<std::string>();
@@ -217,7 +230,8 @@ TEST(ServerReliability, FailedExpertReadDoesNotWedgeTheServer) {
   const json h = json::parse(health->body);
   EXPECT_EQ(h["status"], "degraded");
   EXPECT_EQ(h["failed_requests"], 2);
-  EXPECT_NE(h["last_error"].get<std::string>().find("checksum mismatch"), std::string::npos) << h.dump();
+  EXPECT_NE(h["last_error"].get<std::string>().find("checksum mismatch"), std::string::npos)
+      << h.dump();
   EXPECT_EQ(h["slots_busy"], 0);
   auto metrics = s.client().Get("/metrics");
   ASSERT_TRUE(metrics);
@@ -250,7 +264,8 @@ std::string read_reply(int fd, double timeout_s) {
   const auto end = clock_type::now() + std::chrono::milliseconds(int(timeout_s * 1000));
   char buf[4096];
   for (;;) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(end - clock_type::now()).count();
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(end - clock_type::now()).count();
     pollfd p{fd, POLLIN, 0};
     if (left <= 0 || ::poll(&p, 1, int(left)) <= 0) break;
     const ssize_t n = ::recv(fd, buf, sizeof buf, 0);
@@ -269,8 +284,12 @@ TEST(ServerReliability, SlowClientsDoNotHoldWorkers) {
   std::vector<int> slow;
   for (int i = 0; i < 40; ++i) {  // more than the workers
     const int fd = connect_to(s.port());
-    if (i % 2 == 0) send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n");  // the head never ends
-    else send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"mess");
+    if (i % 2 == 0)
+      send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n");  // the head never ends
+    else
+      send_all(
+          fd,
+          "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n{\"mess");
     slow.push_back(fd);
   }
   for (int i = 0; i < 5; ++i) {
@@ -286,28 +305,36 @@ TEST(ServerReliability, SlowClientsDoNotHoldWorkers) {
   for (size_t i = 0; i < slow.size(); ++i) {
     const std::string reply = read_reply(slow[i], 5);
     EXPECT_EQ(reply.rfind("HTTP/1.1 408", 0), 0u) << reply;
-    EXPECT_NE(reply.find(i % 2 == 0 ? "request head was not complete" : "request body was not complete"),
-              std::string::npos) << reply;
+    EXPECT_NE(
+        reply.find(i % 2 == 0 ? "request head was not complete" : "request body was not complete"),
+        std::string::npos)
+        << reply;
     ::close(slow[i]);
   }
   EXPECT_LT(seconds_since(t0), 3);
   auto metrics = s.client().Get("/metrics");
   ASSERT_TRUE(metrics);
-  EXPECT_NE(metrics->body.find("moestream_http_refused_total{reason=\"header_timeout\"} 20"), std::string::npos);
-  EXPECT_NE(metrics->body.find("moestream_http_refused_total{reason=\"body_timeout\"} 20"), std::string::npos);
+  EXPECT_NE(metrics->body.find("moestream_http_refused_total{reason=\"header_timeout\"} 20"),
+            std::string::npos);
+  EXPECT_NE(metrics->body.find("moestream_http_refused_total{reason=\"body_timeout\"} 20"),
+            std::string::npos);
   expect_greedy_replies(s);
 }
 
 TEST(ServerReliability, BadContentLengthIsRefusedAtOnce) {
   Served s;
   const std::vector<std::pair<std::string, std::string>> cases = {
-      {"-5", "HTTP/1.1 400"}, {"9223372036854775807", "HTTP/1.1 413"}, {"12abc", "HTTP/1.1 400"},
-      {"99999999999999999999999", "HTTP/1.1 400"}, {"2000000", "HTTP/1.1 413"}};
+      {"-5", "HTTP/1.1 400"},
+      {"9223372036854775807", "HTTP/1.1 413"},
+      {"12abc", "HTTP/1.1 400"},
+      {"99999999999999999999999", "HTTP/1.1 400"},
+      {"2000000", "HTTP/1.1 413"}};
   for (const auto& [length, status] : cases) {
     SCOPED_TRACE(length);
     const int fd = connect_to(s.port());
     const auto t0 = clock_type::now();
-    send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + length + "\r\n\r\n{");
+    send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: " + length +
+                     "\r\n\r\n{");
     const std::string reply = read_reply(fd, 5);
     EXPECT_LT(seconds_since(t0), 0.5);
     EXPECT_EQ(reply.rfind(status, 0), 0u) << reply;
@@ -320,7 +347,8 @@ TEST(ServerReliability, BadContentLengthIsRefusedAtOnce) {
 TEST(ServerReliability, ChunkedBodyOverTheLimitIsCutShort) {
   Served s;  // at most 1 MiB
   const int fd = connect_to(s.port());
-  send_all(fd, "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
+  send_all(fd,
+           "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n");
   const std::string chunk(64 << 10, ' ');
   char size[32];
   std::snprintf(size, sizeof size, "%zx\r\n", chunk.size());
@@ -344,12 +372,13 @@ TEST(ServerReliability, ChunkedBodyOverTheLimitIsCutShort) {
   // The same through an HTTP client: a 413 with a JSON body.
   httplib::Client c = s.client();
   const std::string big(2 << 20, ' ');
-  auto res = c.Post("/v1/chat/completions", big.size(),
-                    [&](size_t offset, size_t length, httplib::DataSink& sink) {
-                      sink.write(big.data() + offset, std::min<size_t>(length, 65536));
-                      return true;
-                    },
-                    "application/json");
+  auto res = c.Post(
+      "/v1/chat/completions", big.size(),
+      [&](size_t offset, size_t length, httplib::DataSink& sink) {
+        sink.write(big.data() + offset, std::min<size_t>(length, 65536));
+        return true;
+      },
+      "application/json");
   if (res) {
     EXPECT_EQ(res->status, 413);
   }

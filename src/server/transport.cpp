@@ -38,7 +38,8 @@ namespace {
 using clock_type = std::chrono::steady_clock;
 
 clock_type::time_point after(clock_type::time_point t, double seconds) {
-  return t + std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(seconds));
+  return t +
+         std::chrono::duration_cast<clock_type::duration>(std::chrono::duration<double>(seconds));
 }
 
 std::string lower_trimmed(std::string_view s) {
@@ -73,20 +74,27 @@ struct Conn {
   bool chunked = false;
   uint64_t content_length = 0;
   enum Phase { Size, Data, Trailers } phase = Size;
-  size_t scan = 0;        // chunked: where the next unparsed piece starts in buf
+  size_t scan = 0;  // chunked: where the next unparsed piece starts in buf
   uint64_t chunk_left = 0;
   uint64_t body_bytes = 0;  // chunked: decoded so far
 };
 
 const char* status_text(int status) {
   switch (status) {
-    case 400: return "Bad Request";
-    case 408: return "Request Timeout";
-    case 413: return "Payload Too Large";
-    case 431: return "Request Header Fields Too Large";
-    case 501: return "Not Implemented";
-    case 503: return "Service Unavailable";
-    default: return "Error";
+    case 400:
+      return "Bad Request";
+    case 408:
+      return "Request Timeout";
+    case 413:
+      return "Payload Too Large";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 501:
+      return "Not Implemented";
+    case 503:
+      return "Service Unavailable";
+    default:
+      return "Error";
   }
 }
 
@@ -179,13 +187,16 @@ struct Transport::Impl {
   // Answers with a JSON error and stops reading: the rest of what the client sends is dropped
   // for a moment (so it sees the answer, not a reset), then the connection is closed.
   void reject(Conn& c, const Rejection& r) {
-    const std::string body =
-        nlohmann::json{{"error", {{"message", r.message}, {"type", "invalid_request_error"}, {"param", nullptr},
-                                  {"code", r.status}}}}
-            .dump();
-    const std::string head = "HTTP/1.1 " + std::to_string(r.status) + " " + status_text(r.status) +
-                             "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
-                             "\r\nConnection: close\r\n\r\n";
+    const std::string body = nlohmann::json{
+        {"error",
+         {{"message", r.message},
+          {"type", "invalid_request_error"},
+          {"param", nullptr},
+          {"code", r.status}}}}.dump();
+    const std::string head =
+        "HTTP/1.1 " + std::to_string(r.status) + " " + status_text(r.status) +
+        "\r\nContent-Type: application/json\r\nContent-Length: " + std::to_string(body.size()) +
+        "\r\nConnection: close\r\n\r\n";
     const std::string msg = head + body;
     [[maybe_unused]] ssize_t n = ::send(c.fd, msg.data(), msg.size(), MSG_NOSIGNAL | MSG_DONTWAIT);
     ::shutdown(c.fd, SHUT_WR);
@@ -209,8 +220,10 @@ struct Transport::Impl {
         const std::string value = lower_trimmed(line.substr(colon + 1));
         if (name == "content-length") {
           const bool digits = !value.empty() && value.size() <= 19 &&
-                              std::all_of(value.begin(), value.end(), [](char ch) { return ch >= '0' && ch <= '9'; });
-          if (!digits) return Rejection{400, "bad_content_length", "invalid Content-Length '" + value + "'"};
+                              std::all_of(value.begin(), value.end(),
+                                          [](char ch) { return ch >= '0' && ch <= '9'; });
+          if (!digits)
+            return Rejection{400, "bad_content_length", "invalid Content-Length '" + value + "'"};
           const uint64_t n = std::stoull(value);
           if (has_length && n != c.content_length)
             return Rejection{400, "bad_content_length", "conflicting Content-Length headers"};
@@ -218,7 +231,8 @@ struct Transport::Impl {
           c.content_length = n;
         } else if (name == "transfer-encoding") {
           if (value != "chunked")
-            return Rejection{501, "bad_transfer_encoding", "unsupported Transfer-Encoding '" + value + "'"};
+            return Rejection{501, "bad_transfer_encoding",
+                             "unsupported Transfer-Encoding '" + value + "'"};
           c.chunked = true;
         } else if (name == "expect" && value == "100-continue") {
           // Answered here, before the body is read; the header is renamed so that the handler
@@ -230,11 +244,12 @@ struct Transport::Impl {
       pos = eol + 2;
     }
     if (c.chunked && has_length)
-      return Rejection{400, "bad_content_length", "both Content-Length and Transfer-Encoding were sent"};
+      return Rejection{400, "bad_content_length",
+                       "both Content-Length and Transfer-Encoding were sent"};
     if (has_length && c.content_length > o.max_body_bytes)
-      return Rejection{413, "body_too_large", "the request body is " + std::to_string(c.content_length) +
-                                                  " bytes; at most " + std::to_string(o.max_body_bytes) +
-                                                  " are accepted"};
+      return Rejection{413, "body_too_large",
+                       "the request body is " + std::to_string(c.content_length) +
+                           " bytes; at most " + std::to_string(o.max_body_bytes) + " are accepted"};
     return std::nullopt;
   }
 
@@ -245,7 +260,8 @@ struct Transport::Impl {
       if (c.phase == Conn::Data) {
         if (c.buf.size() < c.scan + c.chunk_left + 2) return 0;
         if (c.buf.compare(c.scan + c.chunk_left, 2, "\r\n") != 0) {
-          rejection = Rejection{400, "bad_chunk", "malformed chunked body (a chunk does not end with CRLF)"};
+          rejection = Rejection{400, "bad_chunk",
+                                "malformed chunked body (a chunk does not end with CRLF)"};
           return 0;
         }
         c.scan += c.chunk_left + 2;
@@ -269,8 +285,10 @@ struct Transport::Impl {
         continue;
       }
       const std::string size = lower_trimmed(line.substr(0, line.find(';')));
-      if (size.empty() || size.size() > 15 || size.find_first_not_of("0123456789abcdef") != std::string::npos) {
-        rejection = Rejection{400, "bad_chunk", "malformed chunked body (bad chunk size '" + size + "')"};
+      if (size.empty() || size.size() > 15 ||
+          size.find_first_not_of("0123456789abcdef") != std::string::npos) {
+        rejection =
+            Rejection{400, "bad_chunk", "malformed chunked body (bad chunk size '" + size + "')"};
         return 0;
       }
       const uint64_t n = std::stoull(size, nullptr, 16);
@@ -280,8 +298,9 @@ struct Transport::Impl {
       }
       c.body_bytes += n;
       if (c.body_bytes > o.max_body_bytes) {
-        rejection = Rejection{413, "body_too_large", "the chunked request body exceeds " +
-                                                         std::to_string(o.max_body_bytes) + " bytes"};
+        rejection = Rejection{
+            413, "body_too_large",
+            "the chunked request body exceeds " + std::to_string(o.max_body_bytes) + " bytes"};
         return 0;
       }
       c.chunk_left = n;
@@ -299,7 +318,8 @@ struct Transport::Impl {
       const size_t end = c.buf.find("\r\n\r\n");
       if (end == std::string::npos || end + 4 > o.max_header_bytes) {
         if (c.buf.size() > o.max_header_bytes || end != std::string::npos)
-          reject(c, {431, "header_too_large", "the request head exceeds " + std::to_string(o.max_header_bytes) + " bytes"});
+          reject(c, {431, "header_too_large",
+                     "the request head exceeds " + std::to_string(o.max_header_bytes) + " bytes"});
         return;
       }
       c.head_len = end + 4;
@@ -315,7 +335,8 @@ struct Transport::Impl {
       const bool have_body = c.chunked ? false : c.buf.size() >= c.head_len + c.content_length;
       if (expect_continue && !have_body) {
         static const char cont[] = "HTTP/1.1 100 Continue\r\n\r\n";
-        [[maybe_unused]] ssize_t n = ::send(c.fd, cont, sizeof cont - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
+        [[maybe_unused]] ssize_t n =
+            ::send(c.fd, cont, sizeof cont - 1, MSG_NOSIGNAL | MSG_DONTWAIT);
       }
     }
     if (c.state != Conn::Body) return;
@@ -342,7 +363,8 @@ struct Transport::Impl {
     for (int i = 0; i < 64; ++i) {
       sockaddr_storage addr{};
       socklen_t len = sizeof addr;
-      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len, SOCK_NONBLOCK | SOCK_CLOEXEC);
+      const int fd = ::accept4(listen_fd, reinterpret_cast<sockaddr*>(&addr), &len,
+                               SOCK_NONBLOCK | SOCK_CLOEXEC);
       if (fd < 0) {
         // Out of descriptors: the listening socket stays readable, so pause accepting briefly
         // rather than spin; the backlog holds the clients meanwhile.
@@ -368,7 +390,8 @@ struct Transport::Impl {
         stats.open = int64_t(conns.size());
       }
       if (int(conns.size()) > o.max_connections)
-        reject(c, {503, "too_many_connections", "the server has too many open connections; retry later"});
+        reject(c, {503, "too_many_connections",
+                   "the server has too many open connections; retry later"});
       else if (from_client > o.max_connections_per_client)
         reject(c, {503, "too_many_client_connections",
                    "too many open connections from " + c.ip + " (at most " +
@@ -419,14 +442,17 @@ struct Transport::Impl {
     std::vector<int> closing;
     for (auto& [fd, c] : conns) {
       if (c.state == Conn::Busy || now < c.deadline) continue;
-      if (c.state == Conn::Idle || c.state == Conn::Lingering || (c.state == Conn::Head && c.buf.empty())) {
+      if (c.state == Conn::Idle || c.state == Conn::Lingering ||
+          (c.state == Conn::Head && c.buf.empty())) {
         closing.push_back(fd);
       } else if (c.state == Conn::Head) {
-        reject(c, {408, "header_timeout", "the request head was not complete within " +
-                                              nlohmann::json(o.header_timeout_s).dump() + " s"});
+        reject(c, {408, "header_timeout",
+                   "the request head was not complete within " +
+                       nlohmann::json(o.header_timeout_s).dump() + " s"});
       } else {
-        reject(c, {408, "body_timeout", "the request body was not complete within " +
-                                            nlohmann::json(o.body_timeout_s).dump() + " s"});
+        reject(c, {408, "body_timeout",
+                   "the request body was not complete within " +
+                       nlohmann::json(o.body_timeout_s).dump() + " s"});
       }
     }
     for (int fd : closing) close_conn(fd);
@@ -440,7 +466,8 @@ struct Transport::Impl {
       take_returned(now);
       fds.clear();
       fds.push_back({wake_fd, POLLIN, 0});
-      fds.push_back({now < accept_paused_until ? -1 : listen_fd, POLLIN, 0});  // -1: skipped by poll
+      fds.push_back(
+          {now < accept_paused_until ? -1 : listen_fd, POLLIN, 0});  // -1: skipped by poll
       auto next = after(now, 1.0);
       for (auto& [fd, c] : conns) {
         if (c.state == Conn::Busy) continue;
@@ -448,7 +475,8 @@ struct Transport::Impl {
         next = std::min(next, c.deadline);
       }
       const auto wait = std::chrono::duration_cast<std::chrono::milliseconds>(next - now).count();
-      if (::poll(fds.data(), fds.size(), int(std::clamp<int64_t>(wait + 1, 0, 1000))) < 0 && errno != EINTR)
+      if (::poll(fds.data(), fds.size(), int(std::clamp<int64_t>(wait + 1, 0, 1000))) < 0 &&
+          errno != EINTR)
         break;
       now = clock_type::now();
       if (fds[0].revents) {
@@ -460,7 +488,8 @@ struct Transport::Impl {
         if (!fds[i].revents) continue;
         auto it = conns.find(fds[i].fd);
         if (it == conns.end() || it->second.state == Conn::Busy) continue;
-        if (!read_conn(it->second, now) && it->second.state != Conn::Busy) finished.push_back(fds[i].fd);
+        if (!read_conn(it->second, now) && it->second.state != Conn::Busy)
+          finished.push_back(fds[i].fd);
       }
       for (int fd : finished) close_conn(fd);
       if (fds[1].revents) accept_all(now);
@@ -469,7 +498,8 @@ struct Transport::Impl {
   }
 };
 
-Transport::Transport(const TransportOptions& options, RequestHandler handler) : impl_(std::make_unique<Impl>()) {
+Transport::Transport(const TransportOptions& options, RequestHandler handler)
+    : impl_(std::make_unique<Impl>()) {
   impl_->o = options;
   impl_->handler = std::move(handler);
   impl_->wake_fd = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
@@ -503,7 +533,8 @@ int Transport::bind(const std::string& host, int port) {
     }
   }
   ::freeaddrinfo(list);
-  if (fd < 0) fail("serve: cannot listen on ", host, ":", port, " (address in use or not available)");
+  if (fd < 0)
+    fail("serve: cannot listen on ", host, ":", port, " (address in use or not available)");
   sockaddr_storage addr{};
   socklen_t len = sizeof addr;
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
@@ -512,12 +543,15 @@ int Transport::bind(const std::string& host, int port) {
                                     : ntohs(reinterpret_cast<sockaddr_in*>(&addr)->sin_port);
 }
 
-int Transport::listen_fd() const { return impl_->listen_fd; }
+int Transport::listen_fd() const {
+  return impl_->listen_fd;
+}
 
 void Transport::run() {
   Impl& m = *impl_;
   if (m.listen_fd < 0) fail("serve: run() before bind()");
-  for (int i = 0; i < std::max(1, m.o.workers); ++i) m.workers.emplace_back([&m] { m.worker_loop(); });
+  for (int i = 0; i < std::max(1, m.o.workers); ++i)
+    m.workers.emplace_back([&m] { m.worker_loop(); });
   m.reactor();
   {
     std::lock_guard lock(m.mu);

@@ -29,7 +29,7 @@ struct TransportOptions {
   int max_connections = 512;
   int max_connections_per_client = 64;
   int workers = 16;
-  int keep_alive_max = 100;      // requests per connection
+  int keep_alive_max = 100;  // requests per connection
 };
 
 // Answers one complete request (its raw bytes) on the connection `fd`, writing the response to it.
@@ -44,9 +44,9 @@ struct Exchange {
 using RequestHandler = std::function<bool(const Exchange&)>;
 
 struct TransportStats {
-  int64_t open = 0;                          // connections open now
+  int64_t open = 0;  // connections open now
   int64_t accepted = 0;
-  std::map<std::string, int64_t> rejected;   // reason -> count (timeouts and limits)
+  std::map<std::string, int64_t> rejected;  // reason -> count (timeouts and limits)
 };
 
 class Transport {
