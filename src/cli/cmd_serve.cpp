@@ -72,7 +72,22 @@ void add_serve(CLI::App& app) {
   cmd->add_option("--kv-slots", flags->engine.kv_slots,
                   "Sequence states the prefix cache keeps for reuse (default 8; 0 = off)")
       ->check(kNonNegative);
-  cmd->add_option("--max-body-mb", flags->max_body_mb, "Largest request body in MB (default 16)");
+  cmd->add_option("--max-body-mb", flags->max_body_mb, "Largest request body in MB, chunked or not (default 16)");
+  cmd->add_option("--header-timeout", flags->serve.header_timeout_s,
+                  "Seconds a client has to send a request's whole head (default 10)")
+      ->check(kPositive);
+  cmd->add_option("--body-timeout", flags->serve.body_timeout_s,
+                  "Seconds a client has to send a request's whole body (default 60)")
+      ->check(kPositive);
+  cmd->add_option("--idle-timeout", flags->serve.idle_timeout_s,
+                  "Seconds a kept-alive connection may wait for its next request (default 5)")
+      ->check(kPositive);
+  cmd->add_option("--max-connections", flags->serve.max_connections,
+                  "Client connections open at once; more get 503 (default 512)")
+      ->check(kPositive);
+  cmd->add_option("--max-connections-per-client", flags->serve.max_connections_per_client,
+                  "Connections open at once from one address; more get 503 (default 64)")
+      ->check(kPositive);
   cmd->callback([flags] { serve(*flags); });
 }
 

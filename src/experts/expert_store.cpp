@@ -74,8 +74,9 @@ class StreamingExpertStore final : public ExpertStore {
   }
 
   void request(int layer, std::span<const int> experts) override {
-    std::lock_guard lock(mu_);
-    if (remaining_ != 0) fail("expert store: request for layer ", layer, " before the previous one was consumed");
+    std::unique_lock lock(mu_);
+    // The previous request was left part way (its caller failed while computing with an expert).
+    if (remaining_ != 0 || held()) abandon(lock);
     if (layer < 0 || size_t(layer) >= pack_.layers.size() || pack_.layers[size_t(layer)].empty())
       fail("expert store: layer ", layer, " has no routed experts");
     layer_ = layer;
@@ -103,7 +104,13 @@ class StreamingExpertStore final : public ExpertStore {
   bool next(int& expert, MlpWeights& weights) override {
     std::unique_lock lock(mu_);
     for (;;) {
-      if (error_) fail(*error_);
+      if (error_) {
+        // The request is abandoned here, so the store is ready for the next one whatever the
+        // caller does with the error.
+        const std::string message = *error_;
+        abandon(lock);
+        fail(message);
+      }
       if (!ready_.empty()) {
         const Slot& s = slots_[size_t(ready_.front())];
         ready_.pop_front();
@@ -145,6 +152,24 @@ class StreamingExpertStore final : public ExpertStore {
     int pins = 0;
     MlpWeights weights;  // views into mem, valid while Ready
   };
+
+  bool held() const {
+    for (const Slot& s : slots_)
+      if (s.pins > 0) return true;
+    return false;
+  }
+
+  // Drops the current request after a failure: waits for its reads still in flight, then unpins
+  // every slot (pins only ever belong to the current request) and forgets what was not handed
+  // out. Experts that were read correctly stay cached; a failed one left no trace.
+  void abandon(std::unique_lock<std::mutex>& lock) {
+    cv_.wait(lock, [&] { return outstanding_ == 0; });
+    for (Slot& s : slots_) s.pins = 0;
+    pending_.clear();
+    ready_.clear();
+    remaining_ = 0;
+    error_.reset();
+  }
 
   // Starts reads for pending experts while slots can be found. Called with mu_ held.
   void start_loads() {

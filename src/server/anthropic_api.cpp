@@ -18,7 +18,7 @@ std::string block_text(const ojson& content, const std::string& where) {
   if (!content.is_array()) throw ApiError(400, where, "'" + where + "' must be a string or a list of blocks");
   std::string text;
   for (const auto& b : content) {
-    if (!b.is_object() || b.value("type", "") != "text" || !b.contains("text") || !b["text"].is_string())
+    if (string_member(b, "type") != "text" || !b.contains("text") || !b["text"].is_string())
       throw ApiError(400, where, "'" + where + "' may only hold text blocks here");
     text += b["text"].get<std::string>();
   }
@@ -53,22 +53,22 @@ ojson template_messages(const ojson& body) {
     for (size_t j = 0; j < content.size(); ++j) {
       const ojson& b = content[j];
       const std::string bat = at + ".content[" + std::to_string(j) + "]";
-      const std::string type = b.is_object() ? b.value("type", "") : "";
+      const std::string type = string_member(b, "type");
       if (type == "text" && b.contains("text") && b["text"].is_string()) {
         text += b["text"].get<std::string>();
       } else if (type == "thinking" && role == "assistant") {
-        thinking += b.value("thinking", "");
+        thinking += field::member(b, "thinking", bat + ".thinking", "");
       } else if (type == "tool_use" && role == "assistant") {
         if (!b.contains("name") || !b["name"].is_string())
           throw ApiError(400, bat + ".name", "'" + bat + ".name' must be a string");
         const ojson input = b.value("input", ojson::object());
         if (!input.is_object()) throw ApiError(400, bat + ".input", "'" + bat + ".input' must be an object");
-        calls.push_back({{"id", b.value("id", "")}, {"type", "function"},
+        calls.push_back({{"id", field::member(b, "id", bat + ".id", "")}, {"type", "function"},
                          {"function", {{"name", b["name"]}, {"arguments", input}}}});
       } else if (type == "tool_result" && role == "user") {
         if (!text.empty()) out.push_back({{"role", "user"}, {"content", text}}), text.clear();
         ojson result = b.value("content", ojson(""));
-        out.push_back({{"role", "tool"}, {"tool_call_id", b.value("tool_use_id", "")},
+        out.push_back({{"role", "tool"}, {"tool_call_id", field::member(b, "tool_use_id", bat + ".tool_use_id", "")},
                        {"content", result.is_null() ? std::string() : block_text(result, bat + ".content")}});
       } else {
         throw ApiError(400, bat, "'" + bat + "': unsupported content block type '" + type + "'");
@@ -110,7 +110,7 @@ std::string stop_reason(const GenerateResult& r) {
 }
 
 ojson tool_use_block(const ToolCall& c) {
-  ojson input = ojson::parse(c.arguments, nullptr, false);
+  ojson input = json_depth(c.arguments) > kMaxJsonDepth ? ojson() : ojson::parse(c.arguments, nullptr, false);
   if (input.is_discarded()) input = ojson::object();
   return {{"type", "tool_use"}, {"id", "toolu_" + c.id.substr(5)}, {"name", c.name}, {"input", input}};
 }
@@ -132,11 +132,24 @@ void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response
   ojson messages = template_messages(body);
   ojson tools = request_tools(body);
   bool parse_tools = !tools.is_null();
-  if (body.contains("tool_choice") && body["tool_choice"].is_object() && body["tool_choice"].value("type", "") == "none")
-    tools = nullptr, parse_tools = false;
+  if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
+    const ojson& tc = body["tool_choice"];
+    const std::string type = string_member(tc, "type");
+    if (type != "auto" && type != "any" && type != "tool" && type != "none")
+      throw ApiError(400, "tool_choice", "'tool_choice' must be an object with a 'type' of auto, any, tool or none");
+    if (type == "none") tools = nullptr, parse_tools = false;
+  }
   ojson kwargs = ojson::object();
-  if (body.contains("thinking") && body["thinking"].is_object())
-    kwargs["enable_thinking"] = body["thinking"].value("type", "") == "enabled";
+  if (body.contains("thinking") && !body["thinking"].is_null()) {
+    const ojson& th = body["thinking"];
+    const std::string type = string_member(th, "type");
+    if (type != "enabled" && type != "disabled")
+      throw ApiError(400, "thinking", "'thinking' must be an object with a 'type' of enabled or disabled");
+    field::integer(th, "budget_tokens", 0, 0, INT32_MAX);
+    kwargs["enable_thinking"] = type == "enabled";
+  }
+  field::string_map(body, "metadata");
+  field::string(body, "service_tier", "");
   const std::string prompt = render_chat(m, messages, tools, kwargs);
   o.prompt = m.encode_chat(prompt);
   o.max_tokens = resolve_max_tokens(m, int64_t(o.prompt.size()), max_tokens, "max_tokens", max_tokens);
@@ -236,6 +249,11 @@ void add_anthropic_routes(httplib::Server& svr, ServerContext& ctx) {
     } catch (const ApiError& e) {
       res.status = e.status;
       res.set_content(error_body(e.status == 401 ? "authentication_error" : "invalid_request_error", e.what()).dump(),
+                      "application/json");
+    } catch (const nlohmann::json::exception&) {
+      // A field read without its own check met a value of another type: still the client's error.
+      res.status = 400;
+      res.set_content(error_body("invalid_request_error", "a field of the request has the wrong type").dump(),
                       "application/json");
     } catch (const QueueFull& e) {
       res.status = 503;

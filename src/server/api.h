@@ -9,6 +9,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 
 #include "server/generation.h"
 
@@ -51,7 +52,36 @@ int64_t integer(const ojson& body, const std::string& key, int64_t fallback, int
 bool boolean(const ojson& body, const std::string& key, bool fallback);
 std::string string(const ojson& body, const std::string& key, const std::string& fallback);
 std::vector<std::string> string_or_list(const ojson& body, const std::string& key, size_t max_items);
+// A string member of an object inside the body; `path` names it in the error ("tools[0].type").
+std::string member(const ojson& object, const std::string& key, const std::string& path, const std::string& fallback);
+// One of `allowed` (strings).
+std::string choice(const ojson& body, const std::string& key, std::initializer_list<const char*> allowed);
+// An object whose values are all strings (OpenAI's and Anthropic's `metadata`).
+void string_map(const ojson& body, const std::string& key);
+// Refuses logit_bias: a map of token ids to numbers in [-100, 100] is the right shape, but a
+// non-empty one is not supported.
+void logit_bias(const ojson& body);
 }  // namespace field
+
+// obj[key] when obj is an object holding a string there, else "" (to dispatch on a "type" member;
+// any other value then falls through to the caller's error that names the field).
+inline std::string string_member(const ojson& obj, const char* key) {
+  if (!obj.is_object()) return "";
+  auto it = obj.find(key);
+  return it != obj.end() && it->is_string() ? it->get<std::string>() : "";
+}
+
+// Request JSON nests at most this deep (objects and arrays); deeper text is refused before it is
+// parsed, so nothing recurses over it (templates, dumps, destructors).
+constexpr int kMaxJsonDepth = 128;
+
+// The nesting depth of JSON text (counting brackets outside strings; stops counting beyond
+// kMaxJsonDepth + 1).
+int json_depth(std::string_view text);
+
+// Parses JSON text held in a string field (a tool call's arguments): nullopt when it is not JSON;
+// ApiError when it nests too deep.
+std::optional<ojson> parse_nested_json(const std::string& text, const std::string& param);
 
 // Sampling parameters: the model's defaults overridden by the request's fields (OpenAI names;
 // temperature_max: 2 for OpenAI, 1 for Anthropic).

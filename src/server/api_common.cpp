@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <random>
@@ -75,7 +76,80 @@ std::vector<std::string> string_or_list(const ojson& body, const std::string& ke
   return out;
 }
 
+std::string member(const ojson& object, const std::string& key, const std::string& path, const std::string& fallback) {
+  const ojson* v = get(object, key);
+  if (!v) return fallback;
+  if (!v->is_string()) throw ApiError(400, path, "'" + path + "' must be a string");
+  return v->get<std::string>();
+}
+
+std::string choice(const ojson& body, const std::string& key, std::initializer_list<const char*> allowed) {
+  const ojson* v = get(body, key);
+  if (!v) return "";
+  std::string list;
+  for (const char* a : allowed) {
+    if (v->is_string() && v->get<std::string>() == a) return a;
+    list += std::string(list.empty() ? "" : ", ") + a;
+  }
+  throw ApiError(400, key, "'" + key + "' must be one of " + list + "; got " + v->dump());
+}
+
+void string_map(const ojson& body, const std::string& key) {
+  const ojson* v = get(body, key);
+  if (!v) return;
+  if (!v->is_object()) throw ApiError(400, key, "'" + key + "' must be an object of strings");
+  for (const auto& [k, x] : v->items())
+    if (!x.is_string()) throw ApiError(400, key + "." + k, "'" + key + "." + k + "' must be a string");
+}
+
+void logit_bias(const ojson& body) {
+  const ojson* v = get(body, "logit_bias");
+  if (!v) return;
+  if (!v->is_object())
+    throw ApiError(400, "logit_bias", "'logit_bias' must be an object mapping token ids to numbers");
+  for (const auto& [k, x] : v->items()) {
+    const bool id = !k.empty() && k.size() <= 10 && k.find_first_not_of("0123456789") == std::string::npos;
+    if (!id || !x.is_number() || x.get<double>() < -100 || x.get<double>() > 100)
+      throw ApiError(400, "logit_bias", "'logit_bias' must map token ids to numbers between -100 and 100");
+  }
+  if (!v->empty()) throw ApiError(400, "logit_bias", "'logit_bias' is not supported");
+}
+
 }  // namespace field
+
+int json_depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > kMaxJsonDepth) return deepest;
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
+namespace {
+ApiError too_deep(const std::string& what, const std::string& param) {
+  return ApiError(400, param, what + " nests deeper than " + std::to_string(kMaxJsonDepth) +
+                                  " levels of objects and arrays, the most this server accepts");
+}
+}  // namespace
+
+std::optional<ojson> parse_nested_json(const std::string& text, const std::string& param) {
+  if (json_depth(text) > kMaxJsonDepth) throw too_deep("'" + param + "'", param);
+  ojson j = ojson::parse(text, nullptr, false);
+  if (j.is_discarded()) return std::nullopt;
+  return j;
+}
 
 SamplingParams request_sampling(const ServedModel& m, const ojson& body, double temperature_max) {
   SamplingParams p = m.defaults;
@@ -111,6 +185,7 @@ int resolve_max_tokens(const ServedModel& m, int64_t prompt_tokens, std::optiona
 }
 
 ojson parse_body(const std::string& body) {
+  if (json_depth(body) > kMaxJsonDepth) throw too_deep("the request body", "");
   ojson j = ojson::parse(body, nullptr, false);
   if (j.is_discarded()) throw ApiError(400, "", "the request body is not valid JSON");
   if (!j.is_object()) throw ApiError(400, "", "the request body must be a JSON object");

@@ -193,13 +193,16 @@ void Engine::sample_and_emit(Slot& s) {
 
 void Engine::finish(Slot& s, FinishReason reason, std::string error) {
   // The state holds exactly s.tokens (the last sampled token was never forwarded), whatever
-  // stopped the request, so it can always be kept for the next one.
+  // stopped the request, so it can always be kept for the next one -- unless the request failed:
+  // then a forward pass stopped part way and the state is dropped (the next request in this slot
+  // starts from the prefix cache or from nothing).
   try {
-    if (reason != FinishReason::failed && s.state->n_past == int64_t(s.tokens.size()))
-      cache_.store(s.tokens, *s.state);
+    if (reason == FinishReason::failed) s.state->truncate(0);
+    else if (s.state->n_past == int64_t(s.tokens.size())) cache_.store(s.tokens, *s.state);
   } catch (const std::exception&) {
     // Keeping the state is an optimisation; a failure here must not fail the request.
   }
+  s.tokens.clear();
   std::shared_ptr<Job> job = std::move(s.job);
   s.sampler.reset();
   {
@@ -207,6 +210,10 @@ void Engine::finish(Slot& s, FinishReason reason, std::string error) {
     std::lock_guard lock(mu_);
     ++stats_.requests_finished;
     if (reason == FinishReason::cancelled) ++stats_.requests_cancelled;
+    if (reason == FinishReason::failed) {
+      ++stats_.requests_failed;
+      stats_.last_error = error;
+    }
     stats_.cache = cache_.stats();
     stats_.active = int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& x) { return bool(x.job); }));
   }

@@ -86,6 +86,8 @@ struct EngineOptions {
 
 struct EngineStats {
   int64_t requests_started = 0, requests_finished = 0, requests_cancelled = 0;
+  int64_t requests_failed = 0;  // failed on the server's side (an expert read, the backend)
+  std::string last_error;       // of the last failed request
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   int active = 0, queued = 0;

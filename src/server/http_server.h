@@ -15,6 +15,14 @@ struct ServeOptions {
   int port = 8080;              // 0: any free port (see HttpServer::port)
   std::string api_key;          // non-empty: /v1/* requires "Authorization: Bearer KEY" or "x-api-key"
   size_t max_body_bytes = 16u << 20;
+  // Slow or abusive clients (see server/transport.h): deadlines for a request's whole head and
+  // whole body, for an idle kept-alive connection and for a stalled write; connection limits.
+  double header_timeout_s = 10;
+  double body_timeout_s = 60;
+  double idle_timeout_s = 5;
+  double write_timeout_s = 60;
+  int max_connections = 512;
+  int max_connections_per_client = 64;
 };
 
 class HttpServer {

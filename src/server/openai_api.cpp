@@ -25,6 +25,11 @@ void guarded(ServerContext& ctx, const std::string& endpoint, const httplib::Req
   } catch (const ApiError& e) {
     res.status = e.status;
     res.set_content(error_body(e.what(), "invalid_request_error", e.param, nullptr).dump(), "application/json");
+  } catch (const nlohmann::json::exception&) {
+    // A field read without its own check met a value of another type: still the client's error.
+    res.status = 400;
+    res.set_content(error_body("a field of the request has the wrong type", "invalid_request_error", "", nullptr).dump(),
+                    "application/json");
   } catch (const QueueFull& e) {
     res.status = 503;
     res.set_header("Retry-After", "1");
@@ -42,7 +47,7 @@ std::string text_of_content(const ojson& content, const std::string& where) {
   if (content.is_array()) {
     std::string text;
     for (const auto& part : content) {
-      if (!part.is_object() || part.value("type", "") != "text" || !part.contains("text") || !part["text"].is_string())
+      if (string_member(part, "type") != "text" || !part.contains("text") || !part["text"].is_string())
         throw ApiError(400, where, "'" + where + "': only text content parts are supported");
       text += part["text"].get<std::string>();
     }
@@ -54,8 +59,8 @@ std::string text_of_content(const ojson& content, const std::string& where) {
 ojson parse_arguments(const ojson& args, const std::string& where) {
   if (args.is_object()) return args;
   if (args.is_string()) {
-    ojson parsed = ojson::parse(args.get<std::string>(), nullptr, false);
-    if (!parsed.is_discarded() && parsed.is_object()) return parsed;
+    std::optional<ojson> parsed = parse_nested_json(args.get<std::string>(), where);
+    if (parsed && parsed->is_object()) return *parsed;
   }
   throw ApiError(400, where, "'" + where + "' must be a JSON object (or a string holding one)");
 }
@@ -112,7 +117,7 @@ ojson request_tools(const ojson& body) {
   if (!tools.is_array()) throw ApiError(400, "tools", "'tools' must be a list");
   for (size_t i = 0; i < tools.size(); ++i) {
     const ojson& t = tools[i];
-    if (!t.is_object() || t.value("type", "") != "function" || !t.contains("function") ||
+    if (string_member(t, "type") != "function" || !t.contains("function") ||
         !t["function"].is_object() || !t["function"].contains("name") || !t["function"]["name"].is_string())
       throw ApiError(400, "tools[" + std::to_string(i) + "]",
                      "'tools[" + std::to_string(i) + "]' must be {\"type\": \"function\", \"function\": {\"name\", …}}");
@@ -158,13 +163,22 @@ Common common_fields(const ServedModel& m, const ojson& body) {
   if (field::boolean(body, "logprobs", false)) throw ApiError(400, "logprobs", "'logprobs' is not supported");
   if (body.contains("response_format") && !body["response_format"].is_null()) {
     const ojson& rf = body["response_format"];
-    const std::string type = rf.is_object() ? rf.value("type", "") : "";
+    const std::string type = string_member(rf, "type");
     if (type == "json_object" || type == "json_schema") c.options.json_object = true;
     else if (type != "text")
       throw ApiError(400, "response_format", "'response_format.type' must be text, json_object or json_schema");
   }
   const std::string model = field::string(body, "model", m.id);
   (void)model;  // one model is served; any name addresses it
+  // Fields that change nothing here, checked so that a wrong type is an error, not ignored.
+  field::logit_bias(body);
+  if (field::integer(body, "top_logprobs", 0, 0, 20) > 0)
+    throw ApiError(400, "top_logprobs", "'top_logprobs' is not supported");
+  field::string(body, "user", "");
+  field::string(body, "service_tier", "");
+  field::boolean(body, "parallel_tool_calls", true);
+  field::boolean(body, "store", false);
+  field::string_map(body, "metadata");
   return c;
 }
 
@@ -248,7 +262,8 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
       throw ApiError(400, "chat_template_kwargs", "'chat_template_kwargs' must be an object");
     kwargs = body["chat_template_kwargs"];
   }
-  if (body.contains("reasoning_effort")) kwargs["reasoning_effort"] = field::string(body, "reasoning_effort", "medium");
+  const std::string effort = field::choice(body, "reasoning_effort", {"none", "minimal", "low", "medium", "high"});
+  if (!effort.empty()) kwargs["reasoning_effort"] = effort;
 
   const std::string prompt = render_chat(m, messages, tools, kwargs);
   c.options.prompt = m.encode_chat(prompt);
