@@ -115,7 +115,7 @@ void add_demo(CLI::App& app) {
     std::string dir;
     int n_predict = 120;
     std::string prompt = "def fibonacci(n):\n";
-    std::string chat = "Return the greatest common divisor of a and b.";
+    std::string chat = "Close the file.";
     double budget_fraction = 0.3;
     bool synthetic = false;
     uint64_t seed = 1;
