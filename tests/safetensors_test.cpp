@@ -333,7 +333,7 @@ TEST_F(SafetensorsTest, WeightSetIndexShardOutsideTheDirectoryIsRefused) {
   fs::create_directories(path("model"));
   write_safetensors(path("outside.safetensors"), {{"t", DType::F32, {1}, x}});
   const std::string model = path("model");
-  for (const std::string shard : {"../outside.safetensors", path("outside.safetensors"), "sub/../../outside.safetensors"}) {
+  for (const std::string& shard : std::vector<std::string>{"../outside.safetensors", path("outside.safetensors"), "sub/../../outside.safetensors"}) {
     std::ofstream(model + "/model.safetensors.index.json") << R"({"weight_map": {"t": ")" + shard + R"("}})";
     expect_contains(error_of([&] { WeightSet::open_dir(model); }),
                     {"model.safetensors.index.json", "'t'", shard, "outside"});
