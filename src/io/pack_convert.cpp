@@ -467,6 +467,8 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   if (fs::exists(out)) fail(out, ": already exists (remove it first)");
   const Checkpoint checkpoint = open_checkpoint(src);
   const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
+  if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
+  if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
   Converter converter(checkpoint, sorted, options);
 
   const json& text_config = checkpoint.text_config();

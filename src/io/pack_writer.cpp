@@ -6,6 +6,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -17,6 +18,21 @@ namespace moestream {
 namespace fs = std::filesystem;
 using json = nlohmann::json;
 using pack_format::align_up;
+
+namespace {
+
+// The checksums of the resident weights (written by the caller before finish()): each tensor's
+// bytes, and the header that says where they are and what they hold.
+void add_weight_checksums(json& manifest, const std::string& path) {
+  manifest["weights_header_xxh64"] = pack_format::hex64(pack_format::safetensors_header_checksum(path));
+  json sums = json::object();
+  const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(path);
+  for (const auto& [name, t] : file->tensors())
+    sums[name] = pack_format::hex64(XXH64(t.data, t.nbytes, 0));
+  manifest["weights_xxh64"] = sums;
+}
+
+}  // namespace
 
 
 PackWriter::PackWriter(const std::string& out, const std::string& model_type,
@@ -106,6 +122,8 @@ void PackWriter::finish(int n_layers) {
                    {"model_type", model_type_},    {"weights", "weights.safetensors"},
                    {"expert_files", files_},       {"n_experts", n_experts_},
                    {"layers", layers}};
+  add_weight_checksums(manifest, tmp_ + "/weights.safetensors");
+  manifest["manifest_xxh64"] = pack_format::hex64(pack_format::manifest_checksum(manifest));
   const std::string path = tmp_ + "/" + kPackManifestName;
   std::ofstream mf(path);
   mf << manifest.dump(1) << "\n";
