@@ -227,7 +227,7 @@ class Converter {
   }
 
   // Non-expert tensors: as they are, or (--quant-all) linear weights and the embedding quantized.
-  // The tensors written point into `owned`, which must outlive the write.
+  // The tensors added may point into this converter's buffers, kept until release_resident().
   void add_resident(const TensorView& source, std::vector<TensorToWrite>& out) {
     if (c_.fp8_scales.count(&source) && fp8_resident_native_) {
       add_native_fp8_resident(source, out);
@@ -472,8 +472,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   Converter converter(checkpoint, sorted, options);
 
   const json& text_config = checkpoint.text_config();
-  const int n_layers = std::max(sorted.experts.empty() ? 0 : sorted.experts.rbegin()->first + 1,
-                                text_config.value("num_hidden_layers", 0));
+  const int n_layers = std::max(sorted.experts.rbegin()->first + 1, text_config.value("num_hidden_layers", 0));
   const std::string model_type = text_config.value("model_type", checkpoint.config.value("model_type", ""));
   PackWriter writer(out, model_type, fs::absolute(src).string());
   Progress progress(options.progress, sorted.total_bytes);
