@@ -160,7 +160,7 @@ TEST(PackIntegrity, EveryManifestFieldIsChecked) {
       {"expert file outside", [](json& m) { m["expert_files"][0] = "../layer-0.bin"; }, {"expert_files", "../layer-0.bin"}},
       {"absolute expert file", [](json& m) { m["expert_files"][0] = "/etc/passwd"; }, {"expert_files", "/etc/passwd"}},
       {"weights outside", [](json& m) { m["weights"] = "experts/../../weights.safetensors"; }, {"weights", ".."}},
-      {"weights checksum missing", [](json& m) { m["weights_xxh64"].erase("model.norm.weight"); }, {"model.norm.weight"}},
+      {"weights checksum missing", [](json& m) { m["weights_xxh3"].erase("model.norm.weight"); }, {"model.norm.weight"}},
   };
   for (const Edit& edit : edits) {
     json m = good;
@@ -194,7 +194,7 @@ TEST(PackIntegrity, PackWithoutChecksumsIsAcceptedWithAWarningAndFailsVerify) {
   const std::string dir = fresh_pack("old");
   json m = read_manifest(dir);
   m.erase("manifest_xxh64");
-  m.erase("weights_xxh64");
+  m.erase("weights_xxh3");
   m.erase("weights_header_xxh64");
   m["version"] = 1;
   write_manifest(dir, m, false);

@@ -62,7 +62,7 @@ struct PackManifest {
   std::vector<std::vector<PackedExpert>> layers;  // [layer][expert]; empty for layers without experts
   int n_experts = 0;                        // routed experts per MoE layer
   int version = 0;                          // pack format: 2, or 1 (no checksums but the experts')
-  std::map<std::string, uint64_t> weight_checksums;  // xxh64 of each resident tensor's bytes
+  std::map<std::string, uint64_t> weight_checksums;  // xxh3-64 of each resident tensor's bytes
 
   // Validates every field, the manifest's checksum and weights_file's header checksum; Error
   // names the file and the field. A format 1 pack is read with a warning on stderr (unless
@@ -70,7 +70,8 @@ struct PackManifest {
   static PackManifest load(const std::string& dir, bool warn_unchecked = true);
   // weights_file, every tensor checked against its checksum (Error naming the tensor).
   WeightSet open_weights() const;
-  void check_weight(const TensorView& t) const;  // Error unless t's bytes match their checksum
+  // One line per tensor of `weights` whose bytes do not match their checksum.
+  std::vector<std::string> weight_problems(const WeightSet& weights) const;
   bool has_checksums() const { return version >= 2; }
   uint64_t total_expert_bytes() const;
   uint64_t max_expert_size() const;

@@ -6,12 +6,15 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cctype>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
+#include <numeric>
 #include <set>
+#include <thread>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
@@ -52,6 +55,23 @@ uint64_t safetensors_header_checksum(const std::string& path) {
     for (int i = 7; i >= 0; --i) n = (n << 8) | f->data()[i];
   if (f->size() < 8 || n > f->size() - 8) fail(path, ": not a safetensors file (header length beyond the file)");
   return XXH64(f->data(), 8 + n, 0);
+}
+
+std::vector<uint64_t> tensor_checksums(const std::vector<const TensorView*>& tensors) {
+  std::vector<uint64_t> sums(tensors.size());
+  std::vector<size_t> order(tensors.size());
+  std::iota(order.begin(), order.end(), size_t(0));
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return tensors[a]->nbytes > tensors[b]->nbytes; });
+  std::atomic<size_t> next{0};
+  const auto work = [&] {
+    for (size_t i; (i = next++) < order.size();) sums[order[i]] = XXH3_64bits(tensors[order[i]]->data, tensors[order[i]]->nbytes);
+  };
+  const size_t n_threads = std::min<size_t>(std::max(1u, std::thread::hardware_concurrency()), tensors.size());
+  std::vector<std::thread> threads;
+  for (size_t t = 1; t < n_threads; ++t) threads.emplace_back(work);
+  work();
+  for (auto& t : threads) t.join();
+  return sums;
 }
 
 }  // namespace pack_format
@@ -256,18 +276,18 @@ void read_weight_checksums(const json& j, PackManifest& m, const std::string& pa
   const uint64_t header = parse_hex64(string_field(j, "weights_header_xxh64", path), path + ": weights_header_xxh64");
   if (pack_format::safetensors_header_checksum(weights) != header)
     fail(weights, ": header checksum mismatch (the file is damaged; re-pack the model)");
-  const json& sums = field(j, "weights_xxh64", path);
-  if (!sums.is_object()) fail(path, ": field 'weights_xxh64' must be an object");
+  const json& sums = field(j, "weights_xxh3", path);
+  if (!sums.is_object()) fail(path, ": field 'weights_xxh3' must be an object");
   for (const auto& [name, sum] : sums.items()) {
-    if (!sum.is_string()) fail(path, ": weights_xxh64 of tensor '", name, "' must be a string");
-    m.weight_checksums[name] = parse_hex64(sum.get<std::string>(), path + ": weights_xxh64 of tensor '" + name + "'");
+    if (!sum.is_string()) fail(path, ": weights_xxh3 of tensor '", name, "' must be a string");
+    m.weight_checksums[name] = parse_hex64(sum.get<std::string>(), path + ": weights_xxh3 of tensor '" + name + "'");
   }
   const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(weights);
   for (const auto& [name, view] : file->tensors())
     if (!m.weight_checksums.count(name))
-      fail(path, ": weights_xxh64 has no checksum for tensor '", name, "' of ", m.weights_file);
+      fail(path, ": weights_xxh3 has no checksum for tensor '", name, "' of ", m.weights_file);
   for (const auto& [name, sum] : m.weight_checksums)
-    if (!file->tensors().count(name)) fail(path, ": weights_xxh64 names tensor '", name, "', which ", m.weights_file, " lacks");
+    if (!file->tensors().count(name)) fail(path, ": weights_xxh3 names tensor '", name, "', which ", m.weights_file, " lacks");
 }
 
 }  // namespace
@@ -368,17 +388,26 @@ PackManifest PackManifest::load(const std::string& dir, bool warn_unchecked) {
   return m;
 }
 
-void PackManifest::check_weight(const TensorView& t) const {
-  auto it = weight_checksums.find(t.name);
-  if (it == weight_checksums.end()) fail(dir, "/", weights_file, ": tensor '", t.name, "' has no checksum in ", kPackManifestName);
-  if (XXH64(t.data, t.nbytes, 0) != it->second)
-    fail(dir, "/", weights_file, ": tensor '", t.name, "': checksum mismatch (the file is damaged; re-pack the model)");
+std::vector<std::string> PackManifest::weight_problems(const WeightSet& weights) const {
+  std::vector<const TensorView*> tensors;
+  for (const std::string& name : weights.names()) tensors.push_back(&weights.get(name));
+  const std::vector<uint64_t> sums = pack_format::tensor_checksums(tensors);
+  std::vector<std::string> problems;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const std::string where = dir + "/" + weights_file + ": tensor '" + tensors[i]->name + "'";
+    auto it = weight_checksums.find(tensors[i]->name);
+    if (it == weight_checksums.end())
+      problems.push_back(where + " has no checksum in " + kPackManifestName);
+    else if (it->second != sums[i])
+      problems.push_back(where + ": checksum mismatch (the file is damaged; re-pack the model)");
+  }
+  return problems;
 }
 
 WeightSet PackManifest::open_weights() const {
   WeightSet weights = WeightSet::open_files({dir + "/" + weights_file});
   if (has_checksums())
-    for (const std::string& name : weights.names()) check_weight(weights.get(name));
+    if (const std::vector<std::string> problems = weight_problems(weights); !problems.empty()) fail(problems[0]);
   return weights;
 }
 

@@ -4,7 +4,10 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 #include <nlohmann/json.hpp>
+
+#include "core/tensor.h"
 
 namespace moestream::pack_format {
 
@@ -23,5 +26,8 @@ uint64_t parse_hex64(const std::string& s, const std::string& where);
 uint64_t manifest_checksum(const nlohmann::json& manifest);
 // xxh64 of a safetensors file's length field and header (dtypes, shapes and offsets).
 uint64_t safetensors_header_checksum(const std::string& path);
+// The "weights_xxh3" of each tensor: xxh3-64 of its bytes. Loading a model hashes every resident
+// byte, so the tensors are hashed in parallel and with xxh3, about twice as fast as xxh64.
+std::vector<uint64_t> tensor_checksums(const std::vector<const TensorView*>& tensors);
 
 }  // namespace moestream::pack_format

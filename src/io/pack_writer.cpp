@@ -25,11 +25,13 @@ namespace {
 // bytes, and the header that says where they are and what they hold.
 void add_weight_checksums(json& manifest, const std::string& path) {
   manifest["weights_header_xxh64"] = pack_format::hex64(pack_format::safetensors_header_checksum(path));
-  json sums = json::object();
   const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(path);
-  for (const auto& [name, t] : file->tensors())
-    sums[name] = pack_format::hex64(XXH64(t.data, t.nbytes, 0));
-  manifest["weights_xxh64"] = sums;
+  std::vector<const TensorView*> tensors;
+  for (const auto& [name, t] : file->tensors()) tensors.push_back(&t);
+  const std::vector<uint64_t> sums = pack_format::tensor_checksums(tensors);
+  json by_name = json::object();
+  for (size_t i = 0; i < tensors.size(); ++i) by_name[tensors[i]->name] = pack_format::hex64(sums[i]);
+  manifest["weights_xxh3"] = by_name;
 }
 
 }  // namespace
