@@ -327,5 +327,18 @@ TEST_F(SafetensorsTest, WeightSetGetMissingSuggestsNames) {
   EXPECT_EQ(msg.find("did you mean"), std::string::npos) << msg;
 }
 
+TEST_F(SafetensorsTest, WeightSetIndexShardOutsideTheDirectoryIsRefused) {
+  // The shard exists next to the directory, so only the path check can refuse it.
+  float x[1] = {1};
+  fs::create_directories(path("model"));
+  write_safetensors(path("outside.safetensors"), {{"t", DType::F32, {1}, x}});
+  const std::string model = path("model");
+  for (const std::string& shard : std::vector<std::string>{"../outside.safetensors", path("outside.safetensors"), "sub/../../outside.safetensors"}) {
+    std::ofstream(model + "/model.safetensors.index.json") << R"({"weight_map": {"t": ")" + shard + R"("}})";
+    expect_contains(error_of([&] { WeightSet::open_dir(model); }),
+                    {"model.safetensors.index.json", "'t'", shard, "outside"});
+  }
+}
+
 }  // namespace
 }  // namespace moestream

@@ -18,6 +18,7 @@ void add_tokenize(CLI::App& app);  // tokenize and detokenize
 void add_demo(CLI::App& app);
 void add_pack(CLI::App& app);
 void add_synth(CLI::App& app);
+void add_verify(CLI::App& app);  // check a pack against its checksums
 void add_bench(CLI::App& app);
 void add_perplexity(CLI::App& app);
 void add_template(CLI::App& app);  // render a conversation with the chat template

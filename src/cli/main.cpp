@@ -16,6 +16,7 @@ int main(int argc, char** argv) {
   moestream::cli::add_demo(app);
   moestream::cli::add_pack(app);
   moestream::cli::add_synth(app);
+  moestream::cli::add_verify(app);
   moestream::cli::add_bench(app);
   moestream::cli::add_perplexity(app);
   moestream::cli::add_template(app);

@@ -2,25 +2,28 @@
 // that is memory-mapped, and the routed experts of each layer in one file per layer, each expert's
 // tensors contiguous and 4 KiB aligned so that one read fetches one expert. A JSON manifest gives
 // every expert's offset, size, storage format and xxh64 checksum, so experts of different
-// precision can live side by side.
+// precision can live side by side, and the checksums of every resident tensor and of itself.
 #pragma once
 
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "backend/backend.h"
 #include "core/dtype.h"
+#include "io/safetensors.h"
 
 namespace moestream {
 
 constexpr uint64_t kPackAlignment = 4096;
 constexpr const char* kPackManifestName = "moestream-pack.json";
 // Bumped whenever write_pack lays out the same source differently, so that packs cached from an
-// older layout are not reused (2: FP8 weights stay FP8 instead of becoming bf16).
-constexpr int kPackerRevision = 2;
+// older layout are not reused (2: FP8 weights stay FP8 instead of becoming bf16; 3: checksums of
+// the resident tensors and the manifest, pack format 2).
+constexpr int kPackerRevision = 3;
 
 // One tensor inside an expert's block, e.g. role "gate" (later "gate.scales", ...).
 struct PackedTensor {
@@ -58,14 +61,34 @@ struct PackManifest {
   std::vector<std::string> expert_files;    // relative to dir
   std::vector<std::vector<PackedExpert>> layers;  // [layer][expert]; empty for layers without experts
   int n_experts = 0;                        // routed experts per MoE layer
+  int version = 0;                          // pack format: 2, or 1 (no checksums but the experts')
+  std::map<std::string, uint64_t> weight_checksums;  // xxh3-64 of each resident tensor's bytes
 
-  static PackManifest load(const std::string& dir);  // validates; Error names the field
+  // Validates every field, the manifest's checksum and weights_file's header checksum; Error
+  // names the file and the field. A format 1 pack is read with a warning on stderr (unless
+  // warn_unchecked is false).
+  static PackManifest load(const std::string& dir, bool warn_unchecked = true);
+  // weights_file, every tensor checked against its checksum (Error naming the tensor).
+  WeightSet open_weights() const;
+  // One line per tensor of `weights` whose bytes do not match their checksum.
+  std::vector<std::string> weight_problems(const WeightSet& weights) const;
+  bool has_checksums() const { return version >= 2; }
   uint64_t total_expert_bytes() const;
   uint64_t max_expert_size() const;
   const PackedExpert& expert(int layer, int expert) const;  // Error when out of range
 };
 
 bool is_pack_dir(const std::string& dir);
+
+// What verify_pack found: one line per problem (naming the file and the tensor or expert), and
+// how much it checked.
+struct PackCheck {
+  std::vector<std::string> problems;
+  int64_t tensors = 0, experts = 0;
+  uint64_t tensor_bytes = 0, expert_bytes = 0;
+};
+// Checks a whole pack: the manifest, every resident tensor and every expert against their checksums.
+PackCheck verify_pack(const std::string& dir);
 
 // How a checkpoint's expert tensor is laid out, when not as the pack stores it ([out, in] weights).
 enum class ExpertLayout {

@@ -236,6 +236,13 @@ void read_json_file(const std::string& path, json& out) {
 
 }  // namespace
 
+bool is_path_inside(const std::string& relative) {
+  if (relative.empty() || relative[0] == '/' || relative.find('\0') != std::string::npos) return false;
+  for (const auto& part : fs::path(relative))
+    if (part == "..") return false;
+  return true;
+}
+
 WeightSet WeightSet::open_dir(const std::string& dir) {
   std::error_code ec;
   if (!fs::is_directory(dir, ec)) fail(dir, ": not a directory (expected a checkpoint directory)");
@@ -262,6 +269,8 @@ WeightSet WeightSet::open_dir(const std::string& dir) {
       const std::string shard_name = shard.get<std::string>();
       auto it = shards.find(shard_name);
       if (it == shards.end()) {
+        if (!is_path_inside(shard_name))
+          fail(ipath, ": shard '", shard_name, "' (named for tensor '", tensor, "') is outside ", dir);
         const fs::path shard_path = root / shard_name;
         if (!fs::is_regular_file(shard_path, ec))
           fail(ipath, ": shard '", shard_name, "' (named for tensor '", tensor,

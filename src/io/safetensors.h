@@ -67,6 +67,10 @@ class WeightSet {
   std::map<std::string, const TensorView*> index_;
 };
 
+// Whether a relative path names something inside its directory: not empty, not absolute, and no
+// '..' component (a checkpoint's index or a pack's manifest must not reach outside the model).
+bool is_path_inside(const std::string& relative);
+
 // One tensor to write: bytes must hold numel(shape) * dtype_size(dtype).
 struct TensorToWrite {
   std::string name;

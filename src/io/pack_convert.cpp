@@ -1,0 +1,499 @@
+// write_pack: a Hugging Face checkpoint converted into a pack, one tensor at a time. The
+// checkpoint's tensors are sorted into routed experts and resident tensors; each resident tensor
+// is converted and written to weights.safetensors, then each expert, role by role, becomes one
+// block of its layer's expert file (PackWriter).
+#include <unistd.h>
+
+#include <algorithm>
+#include <tuple>
+
+#include <chrono>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <set>
+#include <tuple>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "core/quant.h"
+#include "io/pack.h"
+#include "io/pack_tensors.h"
+#include "io/safetensors.h"
+
+namespace moestream {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using namespace packer;
+
+namespace {
+
+// A progress line on stderr (only when it is a terminal): done/total bytes, rate and ETA.
+class Progress {
+ public:
+  Progress(bool enabled, uint64_t total) : on_(enabled && isatty(2)), total_(total) {}
+  void add(uint64_t bytes) {
+    done_ += bytes;
+    if (!on_) return;
+    const auto now = std::chrono::steady_clock::now();
+    if (now - last_ < std::chrono::milliseconds(200) && done_ < total_) return;
+    last_ = now;
+    const double s = std::chrono::duration<double>(now - start_).count();
+    const double rate = s > 0 ? done_ / s : 0;
+    const double eta = rate > 0 ? (total_ - done_) / rate : 0;
+    const int width = 30, filled = total_ ? int(width * double(done_) / double(total_)) : width;
+    std::fprintf(stderr, "\rpacking [%.*s%*s] %5.1f%% %.2f/%.2f GB %6.1f MB/s ETA %4.0fs", filled,
+                 "##############################", width - filled, "",
+                 total_ ? 100.0 * double(done_) / double(total_) : 100.0, done_ / 1e9, total_ / 1e9,
+                 rate / 1e6, eta);
+    if (done_ >= total_) std::fprintf(stderr, "\n");
+  }
+
+ private:
+  bool on_;
+  uint64_t total_, done_ = 0;
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_{};
+};
+
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+std::string format_name(DType t) {
+  switch (t) {
+    case DType::BF16: return "bf16";
+    case DType::F16: return "f16";
+    case DType::F32: return "f32";
+    default: fail("expert tensors of dtype ", dtype_name(t), " cannot be packed yet");
+  }
+}
+
+// config.json's "quantization" (MLX: a default {bits, group_size} and per-module overrides) or
+// "quantization_config" (also its quant_method: "mxfp4" for gpt-oss, "fp8" for DeepSeek-V3 /
+// Kimi-K2 with weight_block_size).
+struct CheckpointQuantization {
+  std::string method;
+  std::vector<int64_t> fp8_block;  // fp8: [rows, cols] of a block sharing one scale_inv
+  int bits = 0, group_size = 0;
+  std::map<std::string, std::pair<int, int>> modules;
+  std::pair<int, int> for_module(const std::string& module) const {
+    auto it = modules.find(module);
+    return it != modules.end() ? it->second : std::pair{bits, group_size};
+  }
+};
+
+CheckpointQuantization read_quantization(const json& config) {
+  CheckpointQuantization q;
+  const json* j = config.contains("quantization") ? &config["quantization"]
+                  : config.contains("quantization_config") ? &config["quantization_config"] : nullptr;
+  if (!j || !j->is_object()) return q;
+  if (j->contains("quant_method") && (*j)["quant_method"].is_string()) q.method = (*j)["quant_method"];
+  if (q.method == "fp8") {
+    if (j->value("fmt", "e4m3") != "e4m3")
+      fail("config.json: quantization_config.fmt '", j->value("fmt", ""), "' is not supported (e4m3)");
+    const json& bs = j->contains("weight_block_size") ? (*j)["weight_block_size"] : json();
+    if (!bs.is_array() || bs.size() != 2 || !bs[0].is_number_integer() || !bs[1].is_number_integer() ||
+        bs[0].get<int64_t>() <= 0 || bs[1].get<int64_t>() <= 0)
+      fail("config.json: quantization_config.weight_block_size must be two positive integers for fp8");
+    q.fp8_block = {bs[0].get<int64_t>(), bs[1].get<int64_t>()};
+  }
+  q.bits = j->value("bits", 0);
+  q.group_size = j->value("group_size", 0);
+  for (const auto& [key, value] : j->items())
+    if (value.is_object() && value.contains("bits"))
+      q.modules[key] = {value.value("bits", q.bits), value.value("group_size", q.group_size)};
+  return q;
+}
+
+// The checkpoint being packed: its tensors, config.json and quantization.
+struct Checkpoint {
+  std::string dir;
+  WeightSet weights;
+  json config;
+  CheckpointQuantization quant;
+  // FP8 weights and their scale_inv tensors (quant_method "fp8"). They stay FP8 (codes and row
+  // scales, QuantScheme::Fp8) unless --quant asks for another format: bf16 dequantizes them to
+  // bf16, q<N> requantizes the experts (and with --quant-all the rest) from their exact float32
+  // values. The scale_inv tensors themselves are not packed.
+  std::map<const TensorView*, const TensorView*> fp8_scales;
+
+  const json& text_config() const { return config.contains("text_config") ? config["text_config"] : config; }
+  bool is_fp8_scale(const std::string& name) const {
+    if (!ends_with(name, "_scale_inv")) return false;
+    const std::string base = name.substr(0, name.size() - 10);
+    return weights.has(base) && fp8_scales.count(&weights.get(base)) > 0;
+  }
+};
+
+Checkpoint open_checkpoint(const std::string& src) {
+  Checkpoint c{src, WeightSet::open_dir(src), {}, {}, {}};
+  std::ifstream cfg(src + "/config.json");
+  if (!cfg) fail(src, "/config.json: not found");
+  c.config = json::parse(cfg, nullptr, false);
+  if (!c.config.is_object()) fail(src, "/config.json: invalid JSON");
+  c.quant = read_quantization(c.config);
+  for (const auto& name : c.weights.names()) {
+    const TensorView& t = c.weights.get(name);
+    if (t.dtype != DType::F8_E4M3 && t.dtype != DType::F8_E5M2) continue;
+    if (c.quant.method != "fp8" || t.dtype != DType::F8_E4M3)
+      fail("tensor ", name, ": ", dtype_name(t.dtype), " weights are supported as block-scaled E4M3 with quantization_config "
+           "{quant_method: fp8, fmt: e4m3}; config.json has quant_method '", c.quant.method, "'");
+    if (!c.weights.has(name + "_scale_inv")) fail("tensor ", name, ": FP8 weight without ", name, "_scale_inv");
+    c.fp8_scales[&t] = &c.weights.get(name + "_scale_inv");
+  }
+  return c;
+}
+
+using ExpertParts = std::map<std::string, ExpertSource>;  // role -> tensor
+
+// The checkpoint's tensors sorted into routed experts and resident tensors.
+struct SortedTensors {
+  std::map<int, std::map<int, ExpertParts>> experts;  // [layer][expert]
+  std::map<std::string, std::string> modules;         // "layer/role" -> checkpoint module (for its format)
+  std::vector<const TensorView*> resident;
+  uint64_t total_bytes = 0;
+  int n_experts = 0;
+};
+
+SortedTensors sort_tensors(const Checkpoint& c, const ExpertTensorParser& parse, const PackOptions& options) {
+  SortedTensors s;
+  for (const auto& name : c.weights.names()) {
+    if (options.skip && options.skip(name)) continue;
+    if (c.is_fp8_scale(name)) continue;
+    const TensorView& t = c.weights.get(name);
+    s.total_bytes += t.nbytes;
+    auto ref = parse(name);
+    if (!ref) {
+      s.resident.push_back(&t);
+      continue;
+    }
+    const std::string module = name.substr(0, name.rfind('.'));
+    if (ref->role.find('.') == std::string::npos) s.modules[std::to_string(ref->layer) + "/" + ref->role] = module;
+    if (!ref->stacked) {
+      auto& slot = s.experts[ref->layer][ref->expert][ref->role];
+      if (slot.tensor) fail(c.dir, ": tensors ", slot.tensor->name, " and ", name, " are the same expert part");
+      slot = ExpertSource{&t, -1, ref->layout};
+      continue;
+    }
+    // Stacked biases [E, out]; weights [E, out, in], MXFP4 blocks [E, out, in / 32, 16].
+    const bool bias = is_bias_role(ref->role);
+    if (bias ? t.shape.size() != 2 : t.shape.size() < 3 || t.shape.size() > 4)
+      fail("tensor ", name, ": stacked experts need ", bias ? "2" : "3 or 4", " dimensions, found ", shape_str(t.shape));
+    if (c.fp8_scales.count(&t)) fail("tensor ", name, ": stacked FP8 experts are not supported");
+    for (int64_t e = 0; e < t.shape[0]; ++e) s.experts[ref->layer][int(e)][ref->role] = ExpertSource{&t, e, ref->layout};
+  }
+  // Every MoE layer has the same experts, each with its three weights.
+  for (const auto& [layer, list] : s.experts) s.n_experts = std::max(s.n_experts, list.rbegin()->first + 1);
+  for (const auto& [layer, list] : s.experts) {
+    if (int(list.size()) != s.n_experts || list.begin()->first != 0)
+      fail(c.dir, ": layer ", layer, " has ", list.size(), " experts, other layers have ", s.n_experts);
+    for (const auto& [e, parts] : list)
+      for (const std::string role : {"gate", "up", "down"})
+        if (!parts.count(role) && !(role != "down" && parts.count("gate_up")))
+          fail(c.dir, ": layer ", layer, " expert ", e, " has no ", role, " weight");
+  }
+  return s;
+}
+
+// One expert's block as it is written: its tensors, the bytes of those converted, and the
+// formats of its weights.
+struct ExpertBlock {
+  std::deque<std::vector<char>> bytes;  // deque: parts point into it as it grows
+  std::deque<TensorView> views;
+  std::vector<PackWriter::Part> parts;
+  std::set<std::string> formats;
+  std::string format() const { return formats.size() == 1 ? *formats.begin() : "mixed"; }
+};
+
+// Converts tensors as --quant asks: keep (as they are, FP8 included), bf16, or q<N> (affine).
+class Converter {
+ public:
+  Converter(const Checkpoint& c, const SortedTensors& sorted, const PackOptions& options)
+      : c_(c), sorted_(sorted), options_(options), keep_(options.quant == "keep"), to_bf16_(options.quant == "bf16"),
+        fp8_experts_native_(keep_), fp8_resident_native_(!to_bf16_ && !(options.quant_all && !keep_)),
+        fp8_values_(to_bf16_ ? DType::BF16 : DType::F32) {
+    if (!keep_ && !to_bf16_) target_ = target_format(options);
+  }
+
+  // --quant and --group-size as a format (bits 0 for keep and bf16).
+  static QuantFormat target_format(const PackOptions& options) {
+    if (options.quant == "keep" || options.quant == "bf16") return {};
+    const QuantFormat f = parse_quant_format(options.quant + "g" + std::to_string(options.group_size));
+    check_quant_format(f, "--quant");
+    return f;
+  }
+
+  // Non-expert tensors: as they are, or (--quant-all) linear weights and the embedding quantized.
+  // The tensors added may point into this converter's buffers, kept until release_resident().
+  void add_resident(const TensorView& source, std::vector<TensorToWrite>& out) {
+    if (c_.fp8_scales.count(&source) && fp8_resident_native_) {
+      add_native_fp8_resident(source, out);
+      return;
+    }
+    const TensorView* t = dequantized(&source, owned_, owned_views_);
+    if (!quantizes(*t)) {
+      out.push_back({t->name, t->dtype, t->shape, t->data});
+      return;
+    }
+    const std::string module = t->name.substr(0, t->name.size() - 7);
+    // Routers stay at 8 bits, as mlx-community ships them: routing decisions are sensitive.
+    QuantFormat f = target_;
+    if (ends_with(t->name, ".mlp.gate.weight")) {
+      f.bits = 8;
+      quant_overrides_[module] = {{"bits", 8}, {"group_size", f.group_size}};
+    }
+    const std::vector<float> values = to_f32(ExpertSource{t, -1}, nullptr, nullptr, {});
+    const int64_t rows = t->shape[0], cols = t->shape[1];
+    auto [words, scales, biases] = quantize(values, rows, cols, f, owned_, t->name);
+    out.push_back({t->name, DType::U32, {rows, cols * f.bits / 32}, words->data()});
+    out.push_back({module + ".scales", DType::BF16, {rows, cols / f.group_size}, scales->data()});
+    out.push_back({module + ".biases", DType::BF16, {rows, cols / f.group_size}, biases->data()});
+  }
+  void release_resident() { owned_.clear(); }
+
+  // One expert: its weights role by role (gate, up, down), then its biases.
+  ExpertBlock expert(int layer, const ExpertParts& source_parts, Progress& progress) const {
+    ExpertBlock b;
+    ExpertParts sources = source_parts;
+    if (!fp8_experts_native_)
+      for (auto& [role, part] : sources) part.tensor = dequantized(part.tensor, b.bytes, b.views);
+    const ExpertParts parts = to_pack_layout(sources, b.bytes, b.views);
+    for (const std::string role : {"gate", "up", "down"}) add_weight(b, layer, role, parts, progress);
+    for (const std::string role : {"gate_bias", "up_bias", "down_bias"})
+      if (parts.count(role)) {
+        const ExpertSource& bias = parts.at(role);
+        b.parts.push_back({role, DType::F32, bias.tensor->shape, bias.data(), bias.nbytes()});
+      }
+    return b;
+  }
+
+  // config.json's "quantization" for --quant-all (routers at 8 bits); null otherwise.
+  json resident_quantization() const {
+    if (!options_.quant_all || keep_ || to_bf16_) return nullptr;
+    json q = {{"bits", target_.bits}, {"group_size", target_.group_size}};
+    q.update(quant_overrides_);
+    return q;
+  }
+  // Once no FP8 weights are left in the pack, its config no longer says fp8.
+  bool fp8_gone() const { return c_.quant.method == "fp8" && !fp8_resident_native_ && !fp8_experts_native_; }
+
+ private:
+  // Whether --quant-all quantizes this resident tensor: float matrices named .weight whose
+  // columns are whole groups.
+  bool quantizes(const TensorView& t) const {
+    const bool is_float = t.dtype == DType::BF16 || t.dtype == DType::F16 || t.dtype == DType::F32;
+    return options_.quant_all && !keep_ && !to_bf16_ && is_float && t.shape.size() == 2 && ends_with(t.name, ".weight") &&
+           t.shape[1] % target_.group_size == 0;
+  }
+
+  // An FP8 weight as it is, with its row scales as <module>.scales.
+  void add_native_fp8_resident(const TensorView& source, std::vector<TensorToWrite>& out) {
+    const std::string& name = source.name;
+    if (name.size() < 8 || !ends_with(name, ".weight")) fail("tensor ", name, ": an FP8 tensor that is not a .weight");
+    const std::vector<char>& sc = native_fp8_scales(source, owned_);
+    const int64_t rows = source.shape[0];
+    out.push_back({name, DType::F8_E4M3, source.shape, source.data});
+    out.push_back({name.substr(0, name.size() - 7) + ".scales", DType::F32, {rows, int64_t(sc.size() / 4) / rows}, sc.data()});
+  }
+
+  // One weight role of an expert with its scales and biases, converted as --quant asks.
+  void add_weight(ExpertBlock& b, int layer, const std::string& role, const ExpertParts& parts, Progress& progress) const {
+    const ExpertSource& w = parts.at(role);
+    const ExpertSource* sc = parts.count(role + ".scales") ? &parts.at(role + ".scales") : nullptr;
+    const ExpertSource* bi = parts.count(role + ".biases") ? &parts.at(role + ".biases") : nullptr;
+    if (w.tensor->dtype == DType::F8_E4M3) {  // kept native (fp8_experts_native_)
+      add_native_fp8_weight(b, role, w);
+      progress.add(w.nbytes());
+      return;
+    }
+    const QuantFormat fmt = source_format(layer, role, w, sc, bi);
+    const std::vector<int64_t> shape = w.shape();
+    if (shape.size() != 2) fail("tensor ", w.tensor->name, ": expected a matrix, found ", shape_str(shape));
+    if (keep_)
+      keep_weight(b, role, w, sc, bi, fmt);
+    else if (to_bf16_)
+      bf16_weight(b, role, w, sc, bi, fmt);
+    else
+      requantize_weight(b, role, w, sc, bi, fmt);
+    progress.add(w.nbytes() + (sc ? sc->nbytes() : 0) + (bi ? bi->nbytes() : 0));
+  }
+
+  // The checkpoint's format of an expert weight; bits 0: plain.
+  QuantFormat source_format(int layer, const std::string& role, const ExpertSource& w, const ExpertSource* sc,
+                            const ExpertSource* bi) const {
+    if (w.tensor->dtype == DType::U32) {
+      if (!sc || !bi) fail("tensor ", w.tensor->name, ": quantized weight without scales and biases");
+      const auto [bits, group] = c_.quant.for_module(sorted_.modules.at(std::to_string(layer) + "/" + role));
+      if (bits == 0) fail(c_.dir, "/config.json: no \"quantization\" entry for ", w.tensor->name);
+      if (sc->shape()[1] * group != w.shape()[1] * 32 / bits)
+        fail("tensor ", w.tensor->name, ": shape ", shape_str(w.shape()), " does not fit ", bits,
+             "-bit groups of ", group, " with scales ", shape_str(sc->shape()));
+      return QuantFormat{bits, group, sc->tensor->dtype};
+    }
+    if (w.tensor->dtype == DType::U8) {
+      check_mxfp4_source(w, sc, bi, c_.quant.method);
+      return kMxfp4Format;
+    }
+    return {};
+  }
+
+  void add_native_fp8_weight(ExpertBlock& b, const std::string& role, const ExpertSource& w) const {
+    const std::vector<char>& scales = native_fp8_scales(*w.tensor, b.bytes);
+    const QuantFormat f = fp8_format(int(c_.quant.fp8_block[1]));
+    const std::vector<int64_t> shape = w.shape();
+    b.parts.push_back({role, DType::F8_E4M3, shape, w.data(), w.nbytes(), f.bits, f.group_size, f.scheme});
+    b.parts.push_back({role + ".scales", DType::F32, {shape[0], quant_groups_per_row(f, shape[1])}, scales.data(),
+                       scales.size()});
+    b.formats.insert(quant_format_name(f));
+  }
+
+  static void keep_weight(ExpertBlock& b, const std::string& role, const ExpertSource& w, const ExpertSource* sc,
+                          const ExpertSource* bi, const QuantFormat& fmt) {
+    const auto add_raw = [&](const std::string& r, const ExpertSource& x, const QuantFormat& f) {
+      b.parts.push_back({r, x.tensor->dtype, x.shape(), x.data(), x.nbytes(), f.bits, f.group_size, f.scheme});
+    };
+    add_raw(role, w, fmt);
+    if (fmt.bits) {
+      add_raw(role + ".scales", *sc, {});
+      if (bi) add_raw(role + ".biases", *bi, {});
+      b.formats.insert(quant_format_name(QuantFormat{fmt.bits, fmt.group_size, DType::BF16, fmt.scheme}));
+    } else {
+      b.formats.insert(format_name(w.tensor->dtype));
+    }
+  }
+
+  static void bf16_weight(ExpertBlock& b, const std::string& role, const ExpertSource& w, const ExpertSource* sc,
+                          const ExpertSource* bi, const QuantFormat& fmt) {
+    const auto [rows, cols] = logical_shape(w, fmt);
+    std::vector<float> v = to_f32(w, sc, bi, fmt);
+    auto& out = b.bytes.emplace_back(v.size() * 2);
+    auto* dst = reinterpret_cast<uint16_t*>(out.data());
+    for (size_t i = 0; i < v.size(); ++i) dst[i] = f32_to_bf16(v[i]);
+    b.parts.push_back({role, DType::BF16, {rows, cols}, out.data(), out.size()});
+    b.formats.insert("bf16");
+  }
+
+  void requantize_weight(ExpertBlock& b, const std::string& role, const ExpertSource& w, const ExpertSource* sc,
+                         const ExpertSource* bi, const QuantFormat& fmt) const {
+    const auto [rows, cols] = logical_shape(w, fmt);
+    if (cols % target_.group_size)
+      fail("tensor ", w.tensor->name, ": ", cols, " columns are not a multiple of --group-size ", target_.group_size);
+    std::vector<float> v = to_f32(w, sc, bi, fmt);
+    auto [words, scales, biases] = quantize(v, rows, cols, target_, b.bytes, w.tensor->name);
+    b.parts.push_back({role, DType::U32, {rows, cols * target_.bits / 32}, words->data(), words->size(), target_.bits,
+                       target_.group_size});
+    b.parts.push_back({role + ".scales", DType::BF16, {rows, cols / target_.group_size}, scales->data(), scales->size()});
+    b.parts.push_back({role + ".biases", DType::BF16, {rows, cols / target_.group_size}, biases->data(), biases->size()});
+    b.formats.insert(quant_format_name(target_));
+  }
+
+  // [out, in] of a weight in the checkpoint's format `fmt`.
+  static std::pair<int64_t, int64_t> logical_shape(const ExpertSource& w, const QuantFormat& fmt) {
+    const std::vector<int64_t> shape = w.shape();
+    return {shape[0], fmt.bits ? shape[1] * int64_t(dtype_size(w.tensor->dtype)) * 8 / fmt.bits : shape[1]};
+  }
+
+  // values [rows, cols] as affine codes, scales and biases (bf16), kept in `bytes`.
+  std::tuple<std::vector<char>*, std::vector<char>*, std::vector<char>*> quantize(
+      const std::vector<float>& values, int64_t rows, int64_t cols, const QuantFormat& f,
+      std::deque<std::vector<char>>& bytes, const std::string& name) const {
+    auto& words = bytes.emplace_back(size_t(rows * cols * f.bits / 32) * 4);
+    auto& scales = bytes.emplace_back(size_t(rows * cols / f.group_size) * 2);
+    auto& biases = bytes.emplace_back(size_t(rows * cols / f.group_size) * 2);
+    quantize_affine(values.data(), rows, cols, f, reinterpret_cast<uint32_t*>(words.data()),
+                    reinterpret_cast<uint16_t*>(scales.data()), reinterpret_cast<uint16_t*>(biases.data()),
+                    QuantizeOptions{options_.clip_search}, name);
+    return {&words, &scales, &biases};
+  }
+
+  // The values of an FP8 tensor (fp8_values_), kept in `bytes` / `views` (t itself when not FP8).
+  const TensorView* dequantized(const TensorView* t, std::deque<std::vector<char>>& bytes,
+                                std::deque<TensorView>& views) const {
+    auto it = c_.fp8_scales.find(t);
+    if (it == c_.fp8_scales.end()) return t;
+    const std::vector<char>& b = bytes.emplace_back(dequantize_fp8(*t, *it->second, c_.quant.fp8_block, fp8_values_));
+    return &views.emplace_back(TensorView{t->name, fp8_values_, t->shape, b.data(), b.size()});
+  }
+
+  // A native FP8 weight's row scales (fp8_row_scales), as bytes kept in `bytes`.
+  std::vector<char>& native_fp8_scales(const TensorView& t, std::deque<std::vector<char>>& bytes) const {
+    check_fp8_native(t, c_.quant.fp8_block);
+    const std::vector<float> sc = fp8_row_scales(t, *c_.fp8_scales.at(&t), c_.quant.fp8_block);
+    return bytes.emplace_back(reinterpret_cast<const char*>(sc.data()), reinterpret_cast<const char*>(sc.data() + sc.size()));
+  }
+
+  const Checkpoint& c_;
+  const SortedTensors& sorted_;
+  const PackOptions& options_;
+  const bool keep_, to_bf16_, fp8_experts_native_, fp8_resident_native_;
+  const DType fp8_values_;
+  QuantFormat target_;
+  std::deque<std::vector<char>> owned_;  // converted resident tensors, until they are written
+  std::deque<TensorView> owned_views_;
+  json quant_overrides_ = json::object();
+};
+
+// Configs, tokenizer and template files travel with the pack.
+void copy_side_files(const std::string& src, const std::string& dir) {
+  for (const auto& entry : fs::directory_iterator(src)) {
+    const std::string name = entry.path().filename().string();
+    const std::string ext = entry.path().extension().string();
+    if (!entry.is_regular_file() || name == "model.safetensors.index.json") continue;
+    if (ext == ".json" || ext == ".jinja" || ext == ".txt" || ext == ".model" || ext == ".tiktoken")
+      fs::copy_file(entry.path(), dir + "/" + name);
+  }
+}
+
+// The pack's config.json records the formats of --quant-all's quantized resident weights, and
+// drops quantization_config once no FP8 weight is left.
+void rewrite_config(json config, const Converter& converter, const std::string& dir) {
+  const json resident = converter.resident_quantization();
+  if (resident.is_null() && !converter.fp8_gone()) return;
+  if (converter.fp8_gone()) config.erase("quantization_config");
+  if (!resident.is_null()) config["quantization"] = resident;
+  std::ofstream cfg(dir + "/config.json");
+  cfg << config.dump(2) << "\n";
+  if (!cfg) fail(dir, "/config.json: write failed");
+}
+
+}  // namespace
+
+void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
+                const PackOptions& options) {
+  Converter::target_format(options);  // a bad --quant fails before anything is read
+  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
+  const Checkpoint checkpoint = open_checkpoint(src);
+  const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
+  if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
+  if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
+  Converter converter(checkpoint, sorted, options);
+
+  const json& text_config = checkpoint.text_config();
+  const int n_layers = std::max(sorted.experts.rbegin()->first + 1, text_config.value("num_hidden_layers", 0));
+  const std::string model_type = text_config.value("model_type", checkpoint.config.value("model_type", ""));
+  PackWriter writer(out, model_type, fs::absolute(src).string());
+  Progress progress(options.progress, sorted.total_bytes);
+
+  std::vector<TensorToWrite> resident;
+  for (const TensorView* t : sorted.resident) {
+    progress.add(t->nbytes);
+    converter.add_resident(*t, resident);
+  }
+  write_safetensors(writer.tmp_dir() + "/weights.safetensors", resident, {{"format", "pt"}});
+  converter.release_resident();
+
+  for (const auto& [layer, list] : sorted.experts)
+    for (const auto& [e, parts] : list) {
+      const ExpertBlock block = converter.expert(layer, parts, progress);
+      writer.add_expert(layer, block.format(), block.parts);
+    }
+
+  copy_side_files(src, writer.tmp_dir());
+  rewrite_config(checkpoint.config, converter, writer.tmp_dir());
+  writer.finish(n_layers);
+}
+
+}  // namespace moestream

@@ -1,0 +1,138 @@
+// PackWriter: a pack written into a temporary directory, expert by expert, and renamed into place.
+#include <fcntl.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+#include "io/pack.h"
+#include "io/pack_format.h"
+
+namespace moestream {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+using pack_format::align_up;
+
+namespace {
+
+// The checksums of the resident weights (written by the caller before finish()): each tensor's
+// bytes, and the header that says where they are and what they hold.
+void add_weight_checksums(json& manifest, const std::string& path) {
+  manifest["weights_header_xxh64"] = pack_format::hex64(pack_format::safetensors_header_checksum(path));
+  const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(path);
+  std::vector<const TensorView*> tensors;
+  for (const auto& [name, t] : file->tensors()) tensors.push_back(&t);
+  const std::vector<uint64_t> sums = pack_format::tensor_checksums(tensors);
+  json by_name = json::object();
+  for (size_t i = 0; i < tensors.size(); ++i) by_name[tensors[i]->name] = pack_format::hex64(sums[i]);
+  manifest["weights_xxh3"] = by_name;
+}
+
+}  // namespace
+
+
+PackWriter::PackWriter(const std::string& out, const std::string& model_type,
+                       const std::string& source)
+    : out_(out), tmp_(out + ".tmp-" + std::to_string(getpid())), model_type_(model_type),
+      source_(source) {
+  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
+  fs::remove_all(tmp_);
+  fs::create_directories(tmp_ + "/experts");
+}
+
+PackWriter::~PackWriter() {
+  if (fd_ >= 0) ::close(fd_);
+  if (!finished_) {
+    std::error_code ec;
+    fs::remove_all(tmp_, ec);
+  }
+}
+
+void PackWriter::close_layer() {
+  if (fd_ < 0) return;
+  if (::close(fd_) != 0) fail(tmp_, "/", files_.back(), ": close failed: ", std::strerror(errno));
+  fd_ = -1;
+}
+
+void PackWriter::add_expert(int layer, const std::string& format, const std::vector<Part>& parts) {
+  if (layer < layer_) fail("pack writer: layer ", layer, " after layer ", layer_);
+  if (layer != layer_) {
+    close_layer();
+    if (layer_ >= 0 && int(layers_json_[size_t(layer_)].size()) != n_experts_ && n_experts_ > 0)
+      fail("pack writer: layer ", layer_, " has ", layers_json_[size_t(layer_)].size(), " experts, expected ", n_experts_);
+    if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
+    layer_ = layer;
+    layers_json_.resize(size_t(layer) + 1);
+    files_.push_back("experts/layer-" + std::to_string(layer) + ".bin");
+    const std::string path = tmp_ + "/" + files_.back();
+    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    MS_CHECK_SYS(fd_ >= 0, "open", path);
+    pos_ = 0;
+  }
+  json tensors = json::array();
+  block_.clear();
+  for (const Part& p : parts) {
+    const uint64_t at = align_up(block_.size(), pack_format::kTensorAlignment);
+    block_.resize(at);
+    const char* bytes = static_cast<const char*>(p.data);
+    block_.insert(block_.end(), bytes, bytes + p.nbytes);
+    json entry = {{"role", p.role}, {"dtype", dtype_name(p.dtype)}, {"shape", p.shape},
+                  {"offset", at}, {"nbytes", p.nbytes}};
+    if (p.bits) {
+      entry["bits"] = p.bits;
+      entry["group_size"] = p.group_size;
+      if (p.scheme == QuantScheme::Mxfp4) entry["scheme"] = "mxfp4";
+      if (p.scheme == QuantScheme::Fp8) entry["scheme"] = "fp8";
+    }
+    tensors.push_back(entry);
+  }
+  block_.resize(align_up(block_.size(), kPackAlignment));
+  const uint64_t sum = XXH64(block_.data(), block_.size(), 0);
+  for (size_t done = 0; done < block_.size();) {
+    ssize_t n = ::write(fd_, block_.data() + done, block_.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    MS_CHECK_SYS(n > 0, "write", tmp_ + "/" + files_.back());
+    done += size_t(n);
+  }
+  json entry = {{"file", files_.size() - 1}, {"offset", pos_}, {"size", block_.size()},
+                {"xxh64", pack_format::hex64(sum)}, {"format", format}, {"tensors", tensors}};
+  layers_json_[size_t(layer)].push_back(entry.dump());
+  pos_ += block_.size();
+}
+
+void PackWriter::finish(int n_layers) {
+  close_layer();
+  if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
+  if (int(layers_json_.size()) > n_layers) fail("pack writer: experts for layer ", layers_json_.size() - 1, " of ", n_layers);
+  layers_json_.resize(size_t(n_layers));
+  json layers = json::array();
+  for (const auto& list : layers_json_) {
+    if (!list.empty() && int(list.size()) != n_experts_)
+      fail("pack writer: a layer has ", list.size(), " experts, expected ", n_experts_);
+    json arr = json::array();
+    for (const auto& e : list) arr.push_back(json::parse(e));
+    layers.push_back(arr);
+  }
+  json manifest = {{"format", "moestream-pack"},   {"version", pack_format::kVersion},
+                   {"created_by", "moestream"},    {"source", source_},
+                   {"model_type", model_type_},    {"weights", "weights.safetensors"},
+                   {"expert_files", files_},       {"n_experts", n_experts_},
+                   {"layers", layers}};
+  add_weight_checksums(manifest, tmp_ + "/weights.safetensors");
+  manifest["manifest_xxh64"] = pack_format::hex64(pack_format::manifest_checksum(manifest));
+  const std::string path = tmp_ + "/" + kPackManifestName;
+  std::ofstream mf(path);
+  mf << manifest.dump(1) << "\n";
+  mf.close();
+  if (!mf) fail(path, ": write failed");
+  fs::rename(tmp_, out_);
+  finished_ = true;
+}
+
+}  // namespace moestream
