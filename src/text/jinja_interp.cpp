@@ -5,6 +5,8 @@
 
 #include <cmath>
 
+#include "text/limits.h"
+
 namespace moestream::jinja {
 
 namespace {
@@ -17,16 +19,33 @@ namespace {
 }
 
 int64_t py_floordiv(int64_t a, int64_t b) {
+  if (b == -1) return checked_int("-", 0, a);  // INT64_MIN / -1 traps
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
 }
 
 int64_t py_mod(int64_t a, int64_t b) {
+  if (b == -1) return 0;
   int64_t r = a % b;
   if (r != 0 && ((r < 0) != (b < 0))) r += b;
   return r;
 }
+
+// One level of evaluator recursion (an expression, a statement), bounded for the whole render.
+struct RenderDepth {
+  int& d;
+  explicit RenderDepth(int& depth) : d(depth) {
+    if (++d > text_limits::kMaxRenderDepth) {
+      --d;
+      throw_error("RecursionError", "maximum recursion depth exceeded (" +
+                                        std::to_string(text_limits::kMaxRenderDepth) + " nested evaluations)");
+    }
+  }
+  ~RenderDepth() { --d; }
+  RenderDepth(const RenderDepth&) = delete;
+  RenderDepth& operator=(const RenderDepth&) = delete;
+};
 
 std::string object_type_repr(const Value& v) {
   if (v.is_none()) return "None";
@@ -34,6 +53,41 @@ std::string object_type_repr(const Value& v) {
 }
 
 }  // namespace
+
+int64_t checked_int(const char* op, int64_t a, int64_t b) {
+  int64_t r = 0;
+  bool over = false;
+  switch (op[0]) {
+    case '+': over = __builtin_add_overflow(a, b, &r); break;
+    case '-': over = __builtin_sub_overflow(a, b, &r); break;
+    case '*':
+      if (op[1] != '*') {
+        over = __builtin_mul_overflow(a, b, &r);
+        break;
+      }
+      // a ** b (b >= 0) by squaring: 64 steps at most. A square is only taken when a higher bit
+      // of b needs it, so it overflows only when the result does.
+      r = 1;
+      for (int64_t base = a, e = b; e > 0 && !over;) {
+        if (e & 1) over = __builtin_mul_overflow(r, base, &r);
+        e >>= 1;
+        if (e > 0 && !over) over = __builtin_mul_overflow(base, base, &base);
+      }
+      break;
+  }
+  if (over)
+    throw_error("OverflowError", std::to_string(a) + " " + op + " " + std::to_string(b) +
+                                     " does not fit in a 64-bit integer (moestream's templates use int64)");
+  return r;
+}
+
+int64_t float_to_int(double x) {
+  if (std::isnan(x)) throw_error("ValueError", "cannot convert float NaN to integer");
+  double t = std::trunc(x);
+  if (!(t >= -9223372036854775808.0 && t < 9223372036854775808.0))
+    throw_error("OverflowError", "float " + float_repr(x) + " does not fit in a 64-bit integer");
+  return int64_t(t);
+}
 
 // ---- object protocol ----
 
@@ -45,9 +99,13 @@ Value Interp::getattr(const Value& obj, std::string_view name) {
     return Value::undefined("access to attribute '" + std::string(name) + "' of '" + type_name(obj) +
                             "' object is unsafe.");
   } else if (has_method(obj, name)) {
-    std::string n(name);
-    Value self = obj;
-    return Value::function(n, [self, n](Interp& in, Args& a) { return call_method(in, self, n, a); });
+    // The object lives in `bound`, not in the closure, so that ~Value frees chains of them.
+    auto f = std::make_shared<Function>();
+    f->name = std::string(name);
+    f->bound.push_back(obj);
+    const Function* self = f.get();  // the closure is owned by *self
+    f->fn = [self](Interp& in, Args& a) { return call_method(in, self->bound[0], self->name, a); };
+    return Value(std::shared_ptr<const Function>(std::move(f)));
   } else if (obj.is_dict()) {
     if (const Value* v = obj.dict().find(name)) return *v;
   }
@@ -165,12 +223,22 @@ void Interp::assign(const Target& t, Value v, const FrameP& frame) {
 }
 
 Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& out) {
+  RenderDepth depth(render_depth_);
   switch (s.kind) {
-    case Stmt::Text: out += s.text; return Flow::Normal;
+    case Stmt::Text:
+      check_string_size(out.size() + s.text.size());
+      out += s.text;
+      return Flow::Normal;
     case Stmt::Output: {
       Value v = eval(*s.expr, frame);
-      if (v.is_string()) out += v.str();
-      else if (!v.is_undefined()) out += to_str(v);
+      if (v.is_string()) {
+        check_string_size(out.size() + v.str().size());
+        out += v.str();
+      } else if (!v.is_undefined()) {
+        std::string text = to_str(v);
+        check_string_size(out.size() + text.size());
+        out += text;
+      }
       return Flow::Normal;
     }
     case Stmt::If: {
@@ -288,11 +356,14 @@ Value Interp::make_macro(std::shared_ptr<const MacroDef> m, const FrameP& frame)
 }
 
 Value Interp::call_macro(const MacroDef& m, const FrameP& def_frame, Args& args) {
-  if (++depth_ > 200) throw_error("RecursionError", "maximum recursion depth exceeded in macro '" + m.name + "'");
+  if (macro_depth_ >= text_limits::kMaxMacroDepth)
+    throw_error("RecursionError", "maximum recursion depth exceeded in macro '" + m.name + "' (" +
+                                      std::to_string(text_limits::kMaxMacroDepth) + " nested calls)");
+  ++macro_depth_;
   struct Depth {
     int& d;
     ~Depth() { --d; }
-  } guard{depth_};
+  } guard{macro_depth_};
   auto f = std::make_shared<Frame>(def_frame);
   std::vector<bool> set(m.params.size(), false);
   List varargs;
@@ -376,7 +447,11 @@ static void require_defined(const Value& v) {
 }
 
 Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
-  if (op == "~") return Value(to_str(a) + to_str(b));
+  if (op == "~") {
+    std::string x = to_str(a), y = to_str(b);
+    check_string_size(x.size() + y.size());
+    return Value(x + y);
+  }
   require_defined(a);
   require_defined(b);
   auto unsupported = [&]() -> Value {
@@ -391,11 +466,7 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
       return Value(a.as_double() / b.as_double());
     }
     if (op == "**") {
-      if (!fl && b.as_int() >= 0) {
-        int64_t r = 1, base = a.as_int();
-        for (int64_t k = 0; k < b.as_int(); ++k) r *= base;
-        return Value(r);
-      }
+      if (!fl && b.as_int() >= 0) return Value(checked_int("**", a.as_int(), b.as_int()));
       return Value(std::pow(a.as_double(), b.as_double()));
     }
     if (fl) {
@@ -417,9 +488,9 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
     }
     int64_t x = a.as_int(), y = b.as_int();
     switch (c) {
-      case '+': return Value(x + y);
-      case '-': return Value(x - y);
-      case '*': return Value(x * y);
+      case '+':
+      case '-':
+      case '*': return Value(checked_int(op.c_str(), x, y));
       case '%':
         if (y == 0) throw_error("ZeroDivisionError", "integer modulo by zero");
         return Value(py_mod(x, y));
@@ -429,8 +500,12 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
     }
   }
   if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value(a.str() + b.str());
+    if (a.is_string() && b.is_string()) {
+      check_string_size(a.str().size() + b.str().size());
+      return Value(a.str() + b.str());
+    }
     if (a.is_list() && b.is_list()) {
+      check_list_size(a.list().size() + b.list().size());
       List l = a.list();
       l.insert(l.end(), b.list().begin(), b.list().end());
       return Value(std::move(l));
@@ -445,13 +520,25 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
     const Value* seq = a.is_number() ? &b : &a;
     const Value* cnt = a.is_number() ? &a : &b;
     if (cnt->is_number() && !cnt->is_float() && (seq->is_string() || seq->is_list())) {
-      int64_t n = cnt->as_int();
+      const int64_t n = std::max<int64_t>(0, cnt->as_int());
+      const size_t unit = seq->is_string() ? seq->str().size() : seq->list().size();
+      if (unit > 0 && uint64_t(n) > (seq->is_string() ? text_limits::kMaxStringBytes : text_limits::kMaxListItems) / unit) {
+        if (seq->is_string()) throw_error("MemoryError", "repeating a string of " + std::to_string(unit) + " bytes " +
+                                                          std::to_string(n) + " times is over the limit of " +
+                                                          std::to_string(text_limits::kMaxStringBytes) + " bytes");
+        throw_error("MemoryError", "repeating a list of " + std::to_string(unit) + " items " + std::to_string(n) +
+                                       " times is over the limit of " + std::to_string(text_limits::kMaxListItems) +
+                                       " items");
+      }
+      if (unit == 0) return seq->is_string() ? Value(std::string()) : Value(List{});
       if (seq->is_string()) {
         std::string r;
+        r.reserve(unit * size_t(n));
         for (int64_t k = 0; k < n; ++k) r += seq->str();
         return Value(std::move(r));
       }
       List r;
+      r.reserve(unit * size_t(n));
       for (int64_t k = 0; k < n; ++k) r.insert(r.end(), seq->list().begin(), seq->list().end());
       return Value(std::move(r));
     }
@@ -477,7 +564,7 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
       const Value& v = vals[k++];
       if (t == 's') r += to_str(v);
       else if (t == 'r') r += to_repr(v);
-      else if ((t == 'd' || t == 'i') && v.is_number()) r += std::to_string(v.is_float() ? int64_t(v.real()) : v.as_int());
+      else if ((t == 'd' || t == 'i') && v.is_number()) r += std::to_string(v.is_float() ? float_to_int(v.real()) : v.as_int());
       else throw_error("TypeError", "unsupported format character");
     }
     return Value(std::move(r));
@@ -513,14 +600,17 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
   if (!has_stop) e = st < 0 ? -1 : n;
   else if (e < 0) e = std::max<int64_t>(e + n, st < 0 ? -1 : 0);
   else if (e >= n) e = st < 0 ? n - 1 : n;
+  // The indices b, b + st, ... before e; a step past the end of int64 is past e too.
+  auto next = [&](int64_t& i) { return !__builtin_add_overflow(i, st, &i) && (st > 0 ? i < e : i > e); };
+  bool any = st > 0 ? b < e : b > e;
   if (obj.is_list()) {
     List r;
-    for (int64_t i = b; st > 0 ? i < e : i > e; i += st) r.push_back(obj.list()[size_t(i)]);
+    for (int64_t i = b; any; any = next(i)) r.push_back(obj.list()[size_t(i)]);
     return Value(std::move(r));
   }
   std::string r;
   if (ascii && st == 1) return Value(b < e ? obj.str().substr(size_t(b), size_t(e - b)) : std::string());
-  for (int64_t i = b; st > 0 ? i < e : i > e; i += st) {
+  for (int64_t i = b; any; any = next(i)) {
     if (ascii) r += obj.str()[size_t(i)];
     else r += cps[size_t(i)];
   }
@@ -529,6 +619,7 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
 
 Value Interp::eval(const Expr& e, const FrameP& frame) {
   try {
+    RenderDepth depth(render_depth_);
     switch (e.kind) {
       case Expr::Literal: return e.value;
       case Expr::Name: return lookup(e.name, frame);
@@ -565,7 +656,7 @@ Value Interp::eval(const Expr& e, const FrameP& frame) {
         Value v = eval(*e.a, frame);
         require_defined(v);
         if (v.is_float()) return Value(e.kind == Expr::Neg ? -v.real() : v.real());
-        if (v.is_number()) return Value(e.kind == Expr::Neg ? -v.as_int() : v.as_int());
+        if (v.is_number()) return Value(e.kind == Expr::Neg ? checked_int("-", 0, v.as_int()) : v.as_int());
         throw_error("TypeError", std::string("bad operand type for unary ") + (e.kind == Expr::Neg ? "-" : "+") +
                                      ": '" + type_name(v) + "'");
       }
