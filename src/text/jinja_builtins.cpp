@@ -5,6 +5,7 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <charconv>
 #include <cmath>
 #include <cstdint>
@@ -472,11 +473,15 @@ Value f_int(Interp&, const Value& v, Args& a) {
     std::string s = py_strip(v.str(), nullptr, true, true), t;
     for (char c : s)
       if (c != '_') t += c;
-    int base = int(need_int(p[1], "base"));
+    int64_t base = need_int(p[1], "base");
     char* end = nullptr;
-    if (!t.empty()) {
-      long long r = std::strtoll(t.c_str(), &end, base);
-      if (end == t.c_str() + t.size()) return Value(int64_t(r));
+    if (!t.empty() && (base == 0 || (base >= 2 && base <= 36))) {  // else Python's int() raises
+      errno = 0;
+      long long r = std::strtoll(t.c_str(), &end, int(base));
+      if (end == t.c_str() + t.size()) {
+        if (errno == ERANGE) throw_error("OverflowError", "int('" + s + "') does not fit in a 64-bit integer");
+        return Value(int64_t(r));
+      }
     }
     double d;
     if (parse_py_float(v.str(), d) && std::isfinite(d)) return Value(float_to_int(d));
