@@ -57,7 +57,8 @@ void expect_error(F f, std::initializer_list<std::string> parts) {
   } catch (const Error& e) {
     std::string what = e.what();
     EXPECT_EQ(what.find('\n'), std::string::npos) << "not one line: " << what;
-    for (const auto& p : parts) EXPECT_NE(what.find(p), std::string::npos) << "'" << what << "' lacks '" << p << "'";
+    for (const auto& p : parts)
+      EXPECT_NE(what.find(p), std::string::npos) << "'" << what << "' lacks '" << p << "'";
   }
 }
 
@@ -68,19 +69,23 @@ std::string render(const std::string& src, const std::string& vars = "{}") {
 // ---- 1. JSON given to templates ----
 
 TEST(TextLimitsJson, DeepChatTemplateKwargsToolsAndMessagesAreErrors) {
-  auto tpl = ChatTemplate::from_source("{{ messages | length }}{{ tools | tojson }}{{ x }}", nullptr);
+  auto tpl =
+      ChatTemplate::from_source("{{ messages | length }}{{ tools | tojson }}{{ x }}", nullptr);
   for (bool objects : {false, true}) {
     ordered_json deep = deep_json(30000, objects);
     ordered_json kwargs = ordered_json::object();
     kwargs["x"] = deep;
     ordered_json msgs = ordered_json::array({{{"role", "user"}, {"content", "hi"}}});
-    expect_error([&] { tpl.render(msgs, nullptr, true, kwargs); },
-                 {"chat_template_kwargs", "nested more than", std::to_string(text_limits::kMaxJsonDepth)});
-    ordered_json tools = ordered_json::array({{{"type", "function"}, {"function", {{"parameters", deep}}}}});
+    expect_error(
+        [&] { tpl.render(msgs, nullptr, true, kwargs); },
+        {"chat_template_kwargs", "nested more than", std::to_string(text_limits::kMaxJsonDepth)});
+    ordered_json tools =
+        ordered_json::array({{{"type", "function"}, {"function", {{"parameters", deep}}}}});
     expect_error([&] { tpl.render(msgs, tools, true, ordered_json::object()); },
                  {"tools", "nested more than"});
     ordered_json call_msgs = ordered_json::array(
-        {{{"role", "assistant"}, {"tool_calls", ordered_json::array({{{"function", {{"arguments", deep}}}}})}}});
+        {{{"role", "assistant"},
+          {"tool_calls", ordered_json::array({{{"function", {{"arguments", deep}}}}})}}});
     expect_error([&] { tpl.render(call_msgs, nullptr, true, ordered_json::object()); },
                  {"messages", "nested more than"});
   }
@@ -90,7 +95,8 @@ TEST(TextLimitsJson, DepthAtTheLimitRenders) {
   auto tpl = ChatTemplate::from_source("{{ x | tojson }}", nullptr);
   // The limit counts containers: kMaxJsonDepth - 1 inside the kwargs object itself.
   ordered_json kwargs = {{"x", deep_json(text_limits::kMaxJsonDepth - 1, false)}};
-  std::string want = repeat("[", text_limits::kMaxJsonDepth - 1) + "1" + repeat("]", text_limits::kMaxJsonDepth - 1);
+  std::string want = repeat("[", text_limits::kMaxJsonDepth - 1) + "1" +
+                     repeat("]", text_limits::kMaxJsonDepth - 1);
   EXPECT_EQ(tpl.render(ordered_json::array(), nullptr, false, kwargs), want);
   kwargs = {{"x", deep_json(text_limits::kMaxJsonDepth, false)}};
   EXPECT_THROW(tpl.render(ordered_json::array(), nullptr, false, kwargs), Error);
@@ -100,7 +106,8 @@ TEST(TextLimitsJson, DepthAtTheLimitRenders) {
 
 TEST(TextLimitsJson, DeepTemplateVariablesAreErrors) {
   ordered_json vars = {{"x", deep_json(kDeep, false)}};
-  expect_error([&] { jinja::Template::parse("{{ x }}", "t").render(vars); }, {"t", "'x'", "nested more than"});
+  expect_error([&] { jinja::Template::parse("{{ x }}", "t").render(vars); },
+               {"t", "'x'", "nested more than"});
 }
 
 // Values built by the template itself, one level per loop iteration.
@@ -108,23 +115,27 @@ TEST(TextLimitsJson, DeepValuesBuiltByTheTemplateAreErrorsWhenUsed) {
   const std::string build =
       "{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}"
       "{% for i in range(100000) %}{% set ns.x = [ns.x] %}{% endfor %}";
-  for (const char* use : {"{{ ns.x }}", "{{ ns.x | tojson }}", "{{ ns.x == ns.x }}", "{{ ns.x < ns.x }}",
-                          "{{ ns.x | string }}", "{{ [ns.x, ns.x] | unique | length }}", "{{ ns.x in [ns.x] }}"}) {
+  for (const char* use :
+       {"{{ ns.x }}", "{{ ns.x | tojson }}", "{{ ns.x == ns.x }}", "{{ ns.x < ns.x }}",
+        "{{ ns.x | string }}", "{{ [ns.x, ns.x] | unique | length }}", "{{ ns.x in [ns.x] }}"}) {
     expect_error([&] { render(build + use); }, {"nested more than"});
   }
   // Unused, it is only freed (which must not recurse either).
   EXPECT_EQ(render(build + "ok"), "ok");
   // Through dict.get (a method value holds its dict) and namespace attributes.
-  EXPECT_EQ(render("{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% for j in range(3) %}"
-                   "{% set ns.x = {'k': ns.x}.get %}{% endfor %}{% endfor %}ok"),
-            "ok");
-  EXPECT_EQ(render("{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% for j in range(3) %}"
-                   "{% set ns.x = namespace(y=ns.x) %}{% endfor %}{% endfor %}ok"),
-            "ok");
+  EXPECT_EQ(
+      render("{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% for j in range(3) %}"
+             "{% set ns.x = {'k': ns.x}.get %}{% endfor %}{% endfor %}ok"),
+      "ok");
+  EXPECT_EQ(
+      render("{% set ns = namespace(x=1) %}{% for i in range(100000) %}{% for j in range(3) %}"
+             "{% set ns.x = namespace(y=ns.x) %}{% endfor %}{% endfor %}ok"),
+      "ok");
 }
 
 TEST(TextLimitsJson, SelfReferenceIsAnErrorNotACrash) {
-  expect_error([&] { render("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}"); }, {"nested more than"});
+  expect_error([&] { render("{% set ns = namespace() %}{% set ns.me = ns %}{{ ns }}"); },
+               {"nested more than"});
 }
 
 // ---- 3. Template sources ----
@@ -173,18 +184,31 @@ TEST(TextLimitsJinja, RecursiveMacrosStopWithAnError) {
   // Unbounded self-recursion, with and without an expression in the way, and through caller().
   expect_error([&] { render("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}"); },
                {"RecursionError", "'f'"});
-  expect_error([&] { render("{% macro f(n) %}{% if 1 %}{{ [[[f(n + 1)]]] | first | first }}{% endif %}{% endmacro %}{{ f(0) }}"); },
-               {"RecursionError"});
-  expect_error([&] {
-    render("{% macro f() %}{% call f() %}x{% endcall %}{{ caller() }}{% endmacro %}{% call f() %}y{% endcall %}");
-  },
-               {"RecursionError"});
+  expect_error(
+      [&] {
+        render(
+            "{% macro f(n) %}{% if 1 %}{{ [[[f(n + 1)]]] | first | first }}{% endif %}{% endmacro "
+            "%}{{ f(0) }}");
+      },
+      {"RecursionError"});
+  expect_error(
+      [&] {
+        render(
+            "{% macro f() %}{% call f() %}x{% endcall %}{{ caller() }}{% endmacro %}{% call f() "
+            "%}y{% endcall %}");
+      },
+      {"RecursionError"});
   // A macro nested inside deep expressions at every level of recursion.
   const std::string deep_expr = "f(n - 1)" + repeat(" ~ ''", 900);  // evaluated 900 levels down
-  expect_error([&] { render("{% macro f(n) %}{{ " + deep_expr + " if n > 0 else 0 }}{% endmacro %}{{ f(1000) }}"); },
-               {"RecursionError", "nested evaluations"});
+  expect_error(
+      [&] {
+        render("{% macro f(n) %}{{ " + deep_expr +
+               " if n > 0 else 0 }}{% endmacro %}{{ f(1000) }}");
+      },
+      {"RecursionError", "nested evaluations"});
   // Bounded recursion is fine.
-  EXPECT_EQ(render("{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ f(50) | length }}"),
+  EXPECT_EQ(render("{% macro f(n) %}{% if n > 0 %}{{ n }}{{ f(n - 1) }}{% endif %}{% endmacro %}{{ "
+                   "f(50) | length }}"),
             "91");
 }
 
@@ -193,29 +217,40 @@ TEST(TextLimitsJinja, RecursiveMacrosStopWithAnError) {
 TEST(TextLimitsJinja, BadIntegerLiteralsAreSyntaxErrors) {
   expect_error([] { render("{{ 0x }}"); }, {"TemplateSyntaxError"});
   expect_error([] { render("{{ 0b }}"); }, {"TemplateSyntaxError"});
-  expect_error([] { render("{{ 0xFFFFFFFFFFFFFFFFFFFF }}"); }, {"TemplateSyntaxError", "too large"});
+  expect_error([] { render("{{ '\\ud800' }}"); }, {"TemplateSyntaxError", "surrogate"});
+  expect_error([] { render("{{ 0xFFFFFFFFFFFFFFFFFFFF }}"); },
+               {"TemplateSyntaxError", "too large"});
   expect_error([] { render("{{ 99999999999999999999 }}"); }, {"TemplateSyntaxError", "too large"});
-  expect_error([] { render("{{ x.99999999999999999999 }}"); }, {"TemplateSyntaxError", "too large"});
+  expect_error([] { render("{{ x.99999999999999999999 }}"); },
+               {"TemplateSyntaxError", "too large"});
   expect_error([] { render("{{ '\\U00110000' }}"); }, {"TemplateSyntaxError"});
-  EXPECT_EQ(render("{{ 9223372036854775807 }}|{{ 0x7fffffffffffffff }}|{{ 0b101 }}|{{ 0o17 }}|{{ 1_000 }}"),
-            "9223372036854775807|9223372036854775807|5|15|1000");
+  EXPECT_EQ(
+      render(
+          "{{ 9223372036854775807 }}|{{ 0x7fffffffffffffff }}|{{ 0b101 }}|{{ 0o17 }}|{{ 1_000 }}"),
+      "9223372036854775807|9223372036854775807|5|15|1000");
   EXPECT_EQ(render("{{ 1e400 }}|{{ -1e400 }}"), "inf|-inf");
 }
 
 TEST(TextLimitsJinja, IntegerOverflowIsAnError) {
   for (const char* src :
-       {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}", "{{ 4611686018427387904 * 2 }}",
-        "{{ 3 * 3074457345618258603 }}", "{{ 2 ** 63 }}", "{{ 10 ** 19 }}", "{{ (-9223372036854775807 - 1) // -1 }}",
+       {"{{ 9223372036854775807 + 1 }}", "{{ -9223372036854775807 - 2 }}",
+        "{{ 4611686018427387904 * 2 }}", "{{ 3 * 3074457345618258603 }}", "{{ 2 ** 63 }}",
+        "{{ 10 ** 19 }}", "{{ (-9223372036854775807 - 1) // -1 }}",
         "{{ -(-9223372036854775807 - 1) }}", "{{ (-9223372036854775807 - 1) | abs }}",
-        "{{ [9223372036854775807, 1] | sum }}", "{{ 1e300 | int }}", "{{ '99999999999999999999' | int }}", "{{ '%d' % 1e300 }}"}) {
+        "{{ [9223372036854775807, 1] | sum }}", "{{ 1e300 | int }}",
+        "{{ '99999999999999999999' | int }}", "{{ '%d' % 1e300 }}"}) {
     SCOPED_TRACE(src);
     expect_error([&] { render(src); }, {"OverflowError"});
   }
   // Python's answers where they fit.
-  EXPECT_EQ(render("{{ 2 ** 62 }}|{{ (-2) ** 63 }}|{{ 1 ** 9223372036854775807 }}|{{ (-1) ** 9223372036854775807 }}|"
-                   "{{ 0 ** 9223372036854775807 }}|{{ 2 ** -1 }}|{{ (-9223372036854775807 - 1) % -1 }}|"
-                   "{{ (-9223372036854775807 - 1) // 1 }}|{{ '-9223372036854775808' | int }}|{{ '12' | int(base=99) }}"),
-            "4611686018427387904|-9223372036854775808|1|-1|0|0.5|0|-9223372036854775808|-9223372036854775808|12");
+  EXPECT_EQ(
+      render("{{ 2 ** 62 }}|{{ (-2) ** 63 }}|{{ 1 ** 9223372036854775807 }}|{{ (-1) ** "
+             "9223372036854775807 }}|"
+             "{{ 0 ** 9223372036854775807 }}|{{ 2 ** -1 }}|{{ (-9223372036854775807 - 1) % -1 }}|"
+             "{{ (-9223372036854775807 - 1) // 1 }}|{{ '-9223372036854775808' | int }}|{{ '12' | "
+             "int(base=99) }}"),
+      "4611686018427387904|-9223372036854775808|1|-1|0|0.5|0|-9223372036854775808|-"
+      "9223372036854775808|12");
 }
 
 TEST(TextLimitsJinja, ExponentDoesNotLoop) {
@@ -226,12 +261,13 @@ TEST(TextLimitsJinja, ExponentDoesNotLoop) {
 }
 
 TEST(TextLimitsJinja, HugeSizesFromUserNumbersAreErrors) {
-  for (const char* src : {"{{ 'x' * 1000000000000 }}", "{{ 1000000000000 * 'ab' }}", "{{ [1] * 1000000000000 }}",
-                          "{{ 'x' | center(1000000000000) }}", "{{ 'x'.center(1000000000000) }}",
-                          "{{ 'x'.ljust(1000000000000) }}", "{{ 'x'.rjust(1000000000000) }}",
-                          "{{ 'x'.zfill(1000000000000) }}", "{{ 'x' | indent(1000000000000) }}",
-                          "{{ [1] | tojson(indent=1000000000000) }}", "{{ [1] | batch(1000000000000, 0) }}",
-                          "{{ range(1000000000000) | length }}"}) {
+  for (const char* src :
+       {"{{ 'x' * 1000000000000 }}", "{{ 1000000000000 * 'ab' }}", "{{ [1] * 1000000000000 }}",
+        "{{ 'x' | center(1000000000000) }}", "{{ 'x'.center(1000000000000) }}",
+        "{{ 'x'.ljust(1000000000000) }}", "{{ 'x'.rjust(1000000000000) }}",
+        "{{ 'x'.zfill(1000000000000) }}", "{{ 'x' | indent(1000000000000) }}",
+        "{{ [1] | tojson(indent=1000000000000) }}", "{{ [1] | batch(1000000000000, 0) }}",
+        "{{ range(1000000000000) | length }}"}) {
     SCOPED_TRACE(src);
     try {
       render(src);
@@ -242,34 +278,52 @@ TEST(TextLimitsJinja, HugeSizesFromUserNumbersAreErrors) {
     }
   }
   // Doubling a string in a loop stops at the size limit instead of exhausting memory.
-  expect_error([] { render("{% set ns = namespace(s='x') %}{% for i in range(80) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"); },
-               {"MemoryError"});
-  expect_error([] { render("{% set ns = namespace(s=['x']) %}{% for i in range(80) %}{% set ns.s = ns.s + ns.s %}{% endfor %}"); },
-               {"MemoryError"});
+  expect_error(
+      [] {
+        render(
+            "{% set ns = namespace(s='x') %}{% for i in range(80) %}{% set ns.s = ns.s ~ ns.s %}{% "
+            "endfor %}");
+      },
+      {"MemoryError"});
+  expect_error(
+      [] {
+        render(
+            "{% set ns = namespace(s=['x']) %}{% for i in range(80) %}{% set ns.s = ns.s + ns.s "
+            "%}{% endfor %}");
+      },
+      {"MemoryError"});
 }
 
 TEST(TextLimitsJinja, HugeArgumentsWithCheapAnswersGetThem) {
   EXPECT_EQ(render("{{ 'abc' | truncate(99999999999999999) }}"), "abc");
   EXPECT_EQ(render("{{ 'abc' | truncate(9223372036854775807) }}"), "abc");
-  EXPECT_EQ(render("{{ 'abc' | truncate(9223372036854775807, leeway=9223372036854775807) }}"), "abc");
+  EXPECT_EQ(render("{{ 'abc' | truncate(9223372036854775807, leeway=9223372036854775807) }}"),
+            "abc");
   EXPECT_EQ(render("{{ 'abc' * -9223372036854775807 }}|{{ 'ab'.center(-5) }}"), "|ab");
-  EXPECT_EQ(render("{{ [1, 2, 3][0::9223372036854775807] }}|{{ [1, 2, 3][::-9223372036854775807] }}|"
-                   "{{ 'abc'[1::9223372036854775807] }}|{{ [1, 2, 3][-9223372036854775807:9223372036854775807] }}"),
-            "[1]|[3]|b|[1, 2, 3]");
-  EXPECT_EQ(render("{{ [{'0': 1}] | map(attribute='99999999999999999999') | list }}"), "[Undefined]");
-  expect_error([] { render("{{ '{99999999999999999999}'.format(1) }}"); }, {"ValueError", "Too many decimal digits"});
+  EXPECT_EQ(
+      render("{{ [1, 2, 3][0::9223372036854775807] }}|{{ [1, 2, 3][::-9223372036854775807] }}|"
+             "{{ 'abc'[1::9223372036854775807] }}|{{ [1, 2, "
+             "3][-9223372036854775807:9223372036854775807] }}"),
+      "[1]|[3]|b|[1, 2, 3]");
+  EXPECT_EQ(render("{{ [{'0': 1}] | map(attribute='99999999999999999999') | list }}"),
+            "[Undefined]");
+  expect_error([] { render("{{ '{99999999999999999999}'.format(1) }}"); },
+               {"ValueError", "Too many decimal digits"});
 }
 
 // ---- 2. tokenizer.json ----
 
 class TempDir {
  public:
-  TempDir() : path_(fs::temp_directory_path() / ("moestream_limits_" + std::to_string(::getpid()))) {
+  TempDir()
+      : path_(fs::temp_directory_path() / ("moestream_limits_" + std::to_string(::getpid()))) {
     fs::create_directories(path_);
   }
   ~TempDir() { fs::remove_all(path_); }
   std::string str() const { return path_.string(); }
-  void write(const std::string& name, const std::string& text) const { std::ofstream(path_ / name) << text; }
+  void write(const std::string& name, const std::string& text) const {
+    std::ofstream(path_ / name) << text;
+  }
 
  private:
   fs::path path_;
@@ -277,7 +331,8 @@ class TempDir {
 
 std::string toy_tokenizer_with(const std::string& field, const std::string& value) {
   return "{\"version\": \"1.0\", \"added_tokens\": [], \"" + field + "\": " + value +
-         ", \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \" \": 1, \" b\": 2, \"b\": 3}, \"merges\": []," +
+         ", \"model\": {\"type\": \"BPE\", \"vocab\": {\"a\": 0, \" \": 1, \" b\": 2, \"b\": 3}, "
+         "\"merges\": []," +
          " \"ignore_merges\": true}}";
 }
 
@@ -298,11 +353,14 @@ TEST(TextLimitsTokenizer, DeeplyNestedComponentsAreErrorsNamingFileAndField) {
   // Nested plain arrays anywhere in the file.
   TempDir dir;
   dir.write("tokenizer.json", toy_tokenizer_with("extra", repeat("[", kDeep) + repeat("]", kDeep)));
-  expect_error([&] { Tokenizer::load(dir.str()); }, {"tokenizer.json", "extra", "nested more than"});
+  expect_error([&] { Tokenizer::load(dir.str()); },
+               {"tokenizer.json", "extra", "nested more than"});
 }
 
 TEST(TextLimitsTokenizer, ShallowSequencesStillLoad) {
-  std::string seq = "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Sequence\", \"pretokenizers\": []}]}";
+  std::string seq =
+      "{\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Sequence\", \"pretokenizers\": "
+      "[]}]}";
   TempDir dir;
   dir.write("tokenizer.json", toy_tokenizer_with("pre_tokenizer", seq));
   auto tok = Tokenizer::load(dir.str());
@@ -317,7 +375,10 @@ TEST(TextLimitsTokenizer, ShallowSequencesStillLoad) {
 TEST(TextLimitsTokenizer, QwenPatternSplitsLongWhitespaceLikeShortWhitespace) {
   const std::string qwen =
       R"((?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+)";
-  json pre = {{"type", "Split"}, {"pattern", {{"Regex", qwen}}}, {"behavior", "Isolated"}, {"invert", false}};
+  json pre = {{"type", "Split"},
+              {"pattern", {{"Regex", qwen}}},
+              {"behavior", "Isolated"},
+              {"invert", false}};
   TempDir dir;
   dir.write("tokenizer.json", toy_tokenizer_with("pre_tokenizer", pre.dump()));
   auto tok = Tokenizer::load(dir.str());
@@ -399,7 +460,9 @@ TEST(TextLimitsSampler, LogitCheckIsCheap) {
   const int reps = 200;
   auto start = std::chrono::steady_clock::now();
   for (int r = 0; r < reps; ++r) check_logits(l);
-  double us = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() / reps;
+  double us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start).count() /
+      reps;
   std::cout << "[ info ] check_logits over 151936 logits: " << us << " us\n";
   EXPECT_LT(us, 1000.0);
 }

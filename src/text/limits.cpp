@@ -27,7 +27,11 @@ void check_depth(const Json& root, std::string_view what) {
 
 }  // namespace
 
-void check_json_depth(const nlohmann::ordered_json& j, std::string_view what) { check_depth(j, what); }
-void check_json_depth(const nlohmann::json& j, std::string_view what) { check_depth(j, what); }
+void check_json_depth(const nlohmann::ordered_json& j, std::string_view what) {
+  check_depth(j, what);
+}
+void check_json_depth(const nlohmann::json& j, std::string_view what) {
+  check_depth(j, what);
+}
 
 }  // namespace moestream

@@ -39,8 +39,8 @@ void check_logits(std::span<const float> logits) {
   if (broken) {
     for (size_t i = 0; i < logits.size(); ++i)
       if (!(logits[i] < kInf))
-        fail("logits contain ", std::isnan(logits[i]) ? "NaN" : "Inf", " at token id ", i, " (of ", logits.size(),
-             "): the model produced invalid numbers");
+        fail("logits contain ", std::isnan(logits[i]) ? "NaN" : "Inf", " at token id ", i, " (of ",
+             logits.size(), "): the model produced invalid numbers");
   }
   if (all_masked) fail("all logits are -inf (of ", logits.size(), "): no token can be sampled");
 }

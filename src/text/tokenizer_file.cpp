@@ -131,7 +131,9 @@ class Reader {
   bool open(json container) {
     // Building the DOM does not recurse, but reading it does (Sequence inside Sequence, and
     // copying or printing JSON), so deep nesting stops here.
-    if (stack_.size() == 1) field_ = stack_.back()->is_object() ? key_ : "[" + std::to_string(stack_.back()->size()) + "]";
+    if (stack_.size() == 1)
+      field_ =
+          stack_.back()->is_object() ? key_ : "[" + std::to_string(stack_.back()->size()) + "]";
     if (int(stack_.size()) >= text_limits::kMaxTokenizerJsonDepth)
       return fail_with("field '" + field_ + "' is nested more than " +
                        std::to_string(text_limits::kMaxTokenizerJsonDepth) + " levels deep");
