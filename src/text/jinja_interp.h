@@ -67,6 +67,11 @@ class Interp {
 
 // Python's int arithmetic on int64: OverflowError instead of wrapping ("+", "-", "*", "**", ...).
 int64_t checked_int(const char* op, int64_t a, int64_t b);
+// Raises UndefinedError (SecurityError for the sandbox's unsafe methods) naming v.
+[[noreturn]] void undefined_error(const Value& v);
+void require_defined(const Value& v);  // undefined_error(v) when v is Undefined
+// "dict object", "None": the object in jinja2's messages.
+std::string object_type_repr(const Value& v);
 // int(x) of a float: ValueError for NaN, OverflowError outside int64.
 int64_t float_to_int(double x);
 
