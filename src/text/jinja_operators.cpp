@@ -2,6 +2,7 @@
 // modulo of negatives, OverflowError where Python's big ints would not fit), string and list
 // concatenation and repetition within text_limits, printf-style %, and slicing.
 #include <cmath>
+#include <cstdint>
 
 #include "text/jinja_interp.h"
 #include "text/limits.h"
@@ -11,7 +12,11 @@ namespace moestream::jinja {
 namespace {
 
 int64_t py_floordiv(int64_t a, int64_t b) {
-  if (b == -1) return checked_int("-", 0, a);  // INT64_MIN / -1 traps
+  if (b == -1) {  // INT64_MIN / -1 traps
+    if (a == INT64_MIN)
+      throw_error("OverflowError", std::to_string(a) + " // -1 does not fit in a 64-bit integer");
+    return -a;
+  }
   int64_t q = a / b;
   if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
   return q;
