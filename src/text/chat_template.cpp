@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "text/limits.h"
 
 namespace moestream {
 
@@ -130,6 +131,10 @@ std::string ChatTemplate::render(const ordered_json& messages, const ordered_jso
   if (!messages.is_array()) throw Error("chat template: messages must be a JSON array");
   if (!tools.is_null() && !tools.is_array()) throw Error("chat template: tools must be null or a JSON array");
   if (!kwargs.is_null() && !kwargs.is_object()) throw Error("chat template: kwargs must be a JSON object");
+  // Before the copies below: copying JSON recurses, as does turning it into template values.
+  check_json_depth(messages, "messages");
+  check_json_depth(tools, "tools");
+  check_json_depth(kwargs, "chat_template_kwargs");
   ordered_json vars = special_tokens;
   vars["messages"] = messages;
   vars["tools"] = tools;

@@ -1,8 +1,12 @@
 // Template: parse once, render many times (from any thread).
 #include "text/jinja.h"
 
+#include <new>
+#include <stdexcept>
+
 #include "text/jinja_ast.h"
 #include "text/jinja_interp.h"
+#include "text/limits.h"
 
 namespace moestream::jinja {
 
@@ -38,7 +42,10 @@ std::string Template::render(const nlohmann::ordered_json& variables, const Rend
   if (!variables.is_object()) throw Error(program_->name + ": template variables must be a JSON object");
   auto context = std::make_shared<Frame>(globals());
   context->vars.reserve(variables.size());
-  for (auto it = variables.begin(); it != variables.end(); ++it) context->set(it.key(), from_json(it.value()));
+  for (auto it = variables.begin(); it != variables.end(); ++it) {
+    check_json_depth(it.value(), program_->name + ": template variable '" + it.key() + "'");
+    context->set(it.key(), from_json(it.value()));
+  }
   auto root = std::make_shared<Frame>(context);
   Interp interp(options.now ? *options.now : std::time(nullptr));
   std::string out;
@@ -46,6 +53,10 @@ std::string Template::render(const nlohmann::ordered_json& variables, const Rend
     interp.render(program_->body, root, out);
   } catch (const RenderError& e) {
     rethrow(e, program_->name);
+  } catch (const std::length_error&) {  // the limits should catch these first
+    rethrow(RenderError{"MemoryError", "a value grew too large", 0}, program_->name);
+  } catch (const std::bad_alloc&) {
+    rethrow(RenderError{"MemoryError", "out of memory", 0}, program_->name);
   }
   return out;
 }

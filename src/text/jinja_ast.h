@@ -53,6 +53,7 @@ struct Expr {
   std::vector<std::string> ops;
   CallArgs args;
   bool negated = false;  // Test: is not
+  int height = 1;        // of the tree below (bounded by the parser: evaluating it recurses)
   Expr(Kind k, int l) : kind(k), line(l) {}
 };
 

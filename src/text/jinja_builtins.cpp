@@ -5,12 +5,16 @@
 #include <utf8proc.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <charconv>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <ctime>
 #include <unordered_map>
 
 #include "text/jinja_interp.h"
+#include "text/limits.h"
 
 namespace moestream::jinja {
 
@@ -33,6 +37,13 @@ int64_t need_int(const Value& v, const char* what) {
   if (v.is_int() || v.is_bool()) return v.as_int();
   if (v.is_undefined()) throw_error("UndefinedError", v.undefined_hint());
   throw_error("TypeError", std::string(what) + ": '" + type_name(v) + "' object cannot be interpreted as an integer");
+}
+
+// n spaces (none for n <= 0), within the string size limit.
+std::string spaces(int64_t n) {
+  if (n <= 0) return {};
+  check_string_size(uint64_t(n) > SIZE_MAX / 2 ? SIZE_MAX : size_t(n));
+  return std::string(size_t(n), ' ');
 }
 
 bool is_ascii(std::string_view s) {
@@ -260,7 +271,12 @@ Value get_path(Interp& in, const Value& v, const std::string& path) {
     size_t dot = path.find('.', pos);
     std::string part = path.substr(pos, dot == std::string::npos ? std::string::npos : dot - pos);
     bool digits = !part.empty() && std::all_of(part.begin(), part.end(), [](char c) { return c >= '0' && c <= '9'; });
-    cur = digits ? in.getitem(cur, Value(int64_t(std::stoll(part)))) : in.getitem(cur, Value(part));
+    int64_t index = 0;
+    // jinja2 makes a digit part an int; one past int64 finds nothing there either.
+    if (digits && std::from_chars(part.data(), part.data() + part.size(), index).ec != std::errc())
+      cur = Value::undefined(std::string(type_name(cur)) + " object has no element " + part);
+    else
+      cur = digits ? in.getitem(cur, Value(index)) : in.getitem(cur, Value(part));
     if (dot == std::string::npos) break;
     pos = dot + 1;
   }
@@ -276,7 +292,7 @@ Value sort_key(const Value& v, bool case_sensitive) {
 
 Value f_abs(Interp&, const Value& v, Args&) {
   if (v.is_float()) return Value(std::fabs(v.real()));
-  if (v.is_number()) return Value(int64_t(std::llabs(v.as_int())));
+  if (v.is_number()) return Value(v.as_int() < 0 ? checked_int("-", 0, v.as_int()) : v.as_int());
   throw_error("TypeError", std::string("bad operand type for abs(): '") + type_name(v) + "'");
 }
 
@@ -296,8 +312,10 @@ Value f_batch(Interp&, const Value& v, Args& a) {
     if (int64_t(cur.size()) == n) out.push_back(Value(std::move(cur))), cur = {};
   }
   if (!cur.empty()) {
-    if (!p[1].is_none())
+    if (!p[1].is_none()) {
+      check_list_size(size_t(n));
       while (int64_t(cur.size()) < n) cur.push_back(p[1]);
+    }
     out.push_back(Value(std::move(cur)));
   }
   return list_value(std::move(out));
@@ -312,6 +330,7 @@ Value f_center(Interp&, const Value& v, Args& a) {
   int64_t w = need_int(p[0], "width"), n = int64_t(cp_count(s));
   if (w <= n) return Value(s);
   int64_t marg = w - n, left = marg / 2 + (marg & w & 1);
+  check_string_size(s.size() + size_t(marg));
   return Value(std::string(size_t(left), ' ') + s + std::string(size_t(marg - left), ' '));
 }
 
@@ -403,7 +422,7 @@ Value f_format(Interp&, const Value& v, Args& a) {
     const Value& x = vals[k++];
     if (t == 's') r += to_str(x);
     else if (t == 'r') r += to_repr(x);
-    else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? int64_t(x.real()) : x.as_int());
+    else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? float_to_int(x.real()) : x.as_int());
     else throw_error("TypeError", "unsupported format character");
   }
   if (k < vals.size()) throw_error("TypeError", "not all arguments converted during string formatting");
@@ -413,7 +432,7 @@ Value f_format(Interp&, const Value& v, Args& a) {
 Value f_indent(Interp&, const Value& v, Args& a) {
   static const Value k4{int64_t(4)};
   auto p = a.bind("indent", {{"width", &k4}, {"first", &kFalse}, {"blank", &kFalse}});
-  std::string ind = p[0].is_string() ? p[0].str() : std::string(size_t(std::max<int64_t>(0, need_int(p[0], "width"))), ' ');
+  std::string ind = p[0].is_string() ? p[0].str() : spaces(need_int(p[0], "width"));
   std::string s = to_str(v) + "\n";
   // str.splitlines() on "\n" (other separators are rare in templates)
   std::vector<std::string> lines;
@@ -426,11 +445,18 @@ Value f_indent(Interp&, const Value& v, Args& a) {
   }
   std::string rv;
   if (truthy(p[2])) {
-    for (size_t i = 0; i < lines.size(); ++i) rv += (i ? "\n" + ind : "") + lines[i];
+    for (size_t i = 0; i < lines.size(); ++i) {
+      check_string_size(rv.size() + ind.size() + lines[i].size() + 1);
+      rv += (i ? "\n" + ind : "") + lines[i];
+    }
   } else {
     rv = lines.empty() ? "" : lines[0];
-    for (size_t i = 1; i < lines.size(); ++i) rv += "\n" + (lines[i].empty() ? lines[i] : ind + lines[i]);
+    for (size_t i = 1; i < lines.size(); ++i) {
+      check_string_size(rv.size() + ind.size() + lines[i].size() + 1);
+      rv += "\n" + (lines[i].empty() ? lines[i] : ind + lines[i]);
+    }
   }
+  check_string_size(rv.size() + ind.size());
   if (truthy(p[1])) rv = ind + rv;
   return Value(rv);
 }
@@ -440,21 +466,25 @@ Value f_int(Interp&, const Value& v, Args& a) {
   auto p = a.bind("int", {{"default", &kZero}, {"base", &k10}});
   if (v.is_float()) {
     if (std::isnan(v.real()) || std::isinf(v.real())) return p[0];
-    return Value(int64_t(std::trunc(v.real())));
+    return Value(float_to_int(v.real()));
   }
   if (v.is_number()) return Value(v.as_int());
   if (v.is_string()) {
     std::string s = py_strip(v.str(), nullptr, true, true), t;
     for (char c : s)
       if (c != '_') t += c;
-    int base = int(need_int(p[1], "base"));
+    int64_t base = need_int(p[1], "base");
     char* end = nullptr;
-    if (!t.empty()) {
-      long long r = std::strtoll(t.c_str(), &end, base);
-      if (end == t.c_str() + t.size()) return Value(int64_t(r));
+    if (!t.empty() && (base == 0 || (base >= 2 && base <= 36))) {  // else Python's int() raises
+      errno = 0;
+      long long r = std::strtoll(t.c_str(), &end, int(base));
+      if (end == t.c_str() + t.size()) {
+        if (errno == ERANGE) throw_error("OverflowError", "int('" + s + "') does not fit in a 64-bit integer");
+        return Value(int64_t(r));
+      }
     }
     double d;
-    if (parse_py_float(v.str(), d) && std::isfinite(d)) return Value(int64_t(std::trunc(d)));
+    if (parse_py_float(v.str(), d) && std::isfinite(d)) return Value(float_to_int(d));
   }
   return p[0];
 }
@@ -629,8 +659,9 @@ Value f_sum(Interp& in, const Value& v, Args& a) {
     Value y = p[0].is_none() ? x : get_path(in, x, to_str(p[0]));
     if (acc.is_number() && y.is_number()) {
       if (acc.is_float() || y.is_float()) acc = Value(acc.as_double() + y.as_double());
-      else acc = Value(acc.as_int() + y.as_int());
+      else acc = Value(checked_int("+", acc.as_int(), y.as_int()));
     } else if (acc.is_list() && y.is_list()) {
+      check_list_size(acc.list().size() + y.list().size());
       List l = acc.list();
       l.insert(l.end(), y.list().begin(), y.list().end());
       acc = Value(std::move(l));
@@ -676,7 +707,7 @@ Value f_tojson(Interp&, const Value& v, Args& a) {
   o.sort_keys = truthy(p[3]);
   if (!p[1].is_none()) {
     o.has_indent = true;
-    o.indent = p[1].is_string() ? p[1].str() : std::string(size_t(std::max<int64_t>(0, need_int(p[1], "indent"))), ' ');
+    o.indent = p[1].is_string() ? p[1].str() : spaces(need_int(p[1], "indent"));
     o.item_sep = ",";
   }
   if (!p[2].is_none()) {
@@ -699,8 +730,13 @@ Value f_truncate(Interp&, const Value& v, Args& a) {
   auto p = a.bind("truncate", {{"length", &k255}, {"killwords", &kFalse}, {"end", &kDots}, {"leeway", &k5}});
   std::string s = to_str(v), end = to_str(p[2]);
   int64_t length = need_int(p[0], "length"), leeway = need_int(p[3], "leeway");
+  // jinja2's own checks, which also keep `keep` below the length of s.
+  if (length < int64_t(cp_count(end)))
+    throw_error("AssertionError", "expected length >= " + std::to_string(cp_count(end)) + ", got " + std::to_string(length));
+  if (leeway < 0) throw_error("AssertionError", "expected leeway >= 0, got " + std::to_string(leeway));
   auto cps = cp_split(s);
-  if (int64_t(cps.size()) <= length + leeway) return Value(s);
+  int64_t limit = 0;
+  if (__builtin_add_overflow(length, leeway, &limit) || int64_t(cps.size()) <= limit) return Value(s);
   int64_t keep = std::max<int64_t>(0, length - int64_t(cp_count(end)));
   std::string head;
   for (int64_t i = 0; i < keep; ++i) head += cps[size_t(i)];
@@ -929,6 +965,9 @@ Value m_str(Interp& in, const std::string& s, std::string_view name, Args& a) {
     std::string fill = need_str(p[1], "fillchar");
     if (w <= n) return Value(s);
     int64_t pad = w - n, left = name == "ljust" ? 0 : name == "rjust" ? pad : pad / 2 + (pad & w & 1);
+    if (fill.empty() || cp_count(fill) != 1) throw_error("TypeError", "The fill character must be exactly one character long");
+    if (uint64_t(pad) > text_limits::kMaxStringBytes / fill.size()) check_string_size(SIZE_MAX);
+    check_string_size(s.size() + size_t(pad) * fill.size());
     std::string out;
     for (int64_t k = 0; k < left; ++k) out += fill;
     out += s;
@@ -939,6 +978,7 @@ Value m_str(Interp& in, const std::string& s, std::string_view name, Args& a) {
     auto p = a.bind(name, {{"width", nullptr}});
     int64_t w = need_int(p[0], "width"), n = int64_t(cp_count(s));
     if (w <= n) return Value(s);
+    check_string_size(s.size() + size_t(w - n));
     std::string out = s;
     size_t at = (!s.empty() && (s[0] == '+' || s[0] == '-')) ? 1 : 0;
     out.insert(at, std::string(size_t(w - n), '0'));
@@ -973,7 +1013,9 @@ Value m_str(Interp& in, const std::string& s, std::string_view name, Args& a) {
           if (auto_idx >= a.pos.size()) throw_error("IndexError", "Replacement index out of range");
           v = a.pos[auto_idx++];
         } else if (std::all_of(key.begin(), key.end(), [](char d) { return d >= '0' && d <= '9'; })) {
-          size_t k = std::stoul(key);
+          size_t k = 0;
+          if (std::from_chars(key.data(), key.data() + key.size(), k).ec != std::errc())
+            throw_error("ValueError", "Too many decimal digits in format string");
           if (k >= a.pos.size()) throw_error("IndexError", "Replacement index out of range");
           v = a.pos[k];
         } else {
@@ -1124,9 +1166,10 @@ FrameP make_globals() {
            if (a.pos.size() == 3) step = need_int(a.pos[2], "range");
            if (step == 0) throw_error("ValueError", "range() arg 3 must not be zero");
            List out;
-           for (int64_t i = start; step > 0 ? i < stop : i > stop; i += step) {
+           for (int64_t i = start; step > 0 ? i < stop : i > stop;) {
              if (out.size() >= 100000) throw_error("OverflowError", "Range too big. The sandbox blocks ranges larger than MAX_RANGE (100000).");
              out.push_back(Value(i));
+             if (__builtin_add_overflow(i, step, &i)) break;  // past int64 is past stop
            }
            return Value(std::move(out));
          }));

@@ -5,35 +5,40 @@
 
 #include <cmath>
 
+#include "text/limits.h"
+
 namespace moestream::jinja {
 
-namespace {
-
-[[noreturn]] void undefined_error(const Value& v) {
+void undefined_error(const Value& v) {
   std::string hint = v.undefined_hint();
   // The sandbox's Undefined for list.append, dict.update, ... raises SecurityError.
   std::string type = hint.rfind("access to attribute ", 0) == 0 ? "SecurityError" : "UndefinedError";
   throw_error(std::move(type), std::move(hint));
 }
 
-int64_t py_floordiv(int64_t a, int64_t b) {
-  int64_t q = a / b;
-  if ((a % b != 0) && ((a < 0) != (b < 0))) --q;
-  return q;
-}
+namespace {
 
-int64_t py_mod(int64_t a, int64_t b) {
-  int64_t r = a % b;
-  if (r != 0 && ((r < 0) != (b < 0))) r += b;
-  return r;
-}
+// One level of evaluator recursion (an expression, a statement), bounded for the whole render.
+struct RenderDepth {
+  int& d;
+  explicit RenderDepth(int& depth) : d(depth) {
+    if (++d > text_limits::kMaxRenderDepth) {
+      --d;
+      throw_error("RecursionError", "maximum recursion depth exceeded (" +
+                                        std::to_string(text_limits::kMaxRenderDepth) + " nested evaluations)");
+    }
+  }
+  ~RenderDepth() { --d; }
+  RenderDepth(const RenderDepth&) = delete;
+  RenderDepth& operator=(const RenderDepth&) = delete;
+};
+
+}  // namespace
 
 std::string object_type_repr(const Value& v) {
   if (v.is_none()) return "None";
   return std::string(type_name(v)) + " object";
 }
-
-}  // namespace
 
 // ---- object protocol ----
 
@@ -45,9 +50,13 @@ Value Interp::getattr(const Value& obj, std::string_view name) {
     return Value::undefined("access to attribute '" + std::string(name) + "' of '" + type_name(obj) +
                             "' object is unsafe.");
   } else if (has_method(obj, name)) {
-    std::string n(name);
-    Value self = obj;
-    return Value::function(n, [self, n](Interp& in, Args& a) { return call_method(in, self, n, a); });
+    // The object lives in `bound`, not in the closure, so that ~Value frees chains of them.
+    auto f = std::make_shared<Function>();
+    f->name = std::string(name);
+    f->bound.push_back(obj);
+    const Function* self = f.get();  // the closure is owned by *self
+    f->fn = [self](Interp& in, Args& a) { return call_method(in, self->bound[0], self->name, a); };
+    return Value(std::shared_ptr<const Function>(std::move(f)));
   } else if (obj.is_dict()) {
     if (const Value* v = obj.dict().find(name)) return *v;
   }
@@ -165,12 +174,22 @@ void Interp::assign(const Target& t, Value v, const FrameP& frame) {
 }
 
 Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& out) {
+  RenderDepth depth(render_depth_);
   switch (s.kind) {
-    case Stmt::Text: out += s.text; return Flow::Normal;
+    case Stmt::Text:
+      check_string_size(out.size() + s.text.size());
+      out += s.text;
+      return Flow::Normal;
     case Stmt::Output: {
       Value v = eval(*s.expr, frame);
-      if (v.is_string()) out += v.str();
-      else if (!v.is_undefined()) out += to_str(v);
+      if (v.is_string()) {
+        check_string_size(out.size() + v.str().size());
+        out += v.str();
+      } else if (!v.is_undefined()) {
+        std::string text = to_str(v);
+        check_string_size(out.size() + text.size());
+        out += text;
+      }
       return Flow::Normal;
     }
     case Stmt::If: {
@@ -288,11 +307,14 @@ Value Interp::make_macro(std::shared_ptr<const MacroDef> m, const FrameP& frame)
 }
 
 Value Interp::call_macro(const MacroDef& m, const FrameP& def_frame, Args& args) {
-  if (++depth_ > 200) throw_error("RecursionError", "maximum recursion depth exceeded in macro '" + m.name + "'");
+  if (macro_depth_ >= text_limits::kMaxMacroDepth)
+    throw_error("RecursionError", "maximum recursion depth exceeded in macro '" + m.name + "' (" +
+                                      std::to_string(text_limits::kMaxMacroDepth) + " nested calls)");
+  ++macro_depth_;
   struct Depth {
     int& d;
     ~Depth() { --d; }
-  } guard{depth_};
+  } guard{macro_depth_};
   auto f = std::make_shared<Frame>(def_frame);
   std::vector<bool> set(m.params.size(), false);
   List varargs;
@@ -371,164 +393,9 @@ bool Interp::apply_test(std::string_view name, const Value& v, Args& args) {
   return t(*this, v, args);
 }
 
-static void require_defined(const Value& v) {
-  if (v.is_undefined()) undefined_error(v);
-}
-
-Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
-  if (op == "~") return Value(to_str(a) + to_str(b));
-  require_defined(a);
-  require_defined(b);
-  auto unsupported = [&]() -> Value {
-    throw_error("TypeError", "unsupported operand type(s) for " + op + ": '" + type_name(a) + "' and '" +
-                                 type_name(b) + "'");
-  };
-  char c = op[0];
-  if (a.is_number() && b.is_number()) {
-    bool fl = a.is_float() || b.is_float();
-    if (op == "/") {
-      if (b.as_double() == 0) throw_error("ZeroDivisionError", "division by zero");
-      return Value(a.as_double() / b.as_double());
-    }
-    if (op == "**") {
-      if (!fl && b.as_int() >= 0) {
-        int64_t r = 1, base = a.as_int();
-        for (int64_t k = 0; k < b.as_int(); ++k) r *= base;
-        return Value(r);
-      }
-      return Value(std::pow(a.as_double(), b.as_double()));
-    }
-    if (fl) {
-      double x = a.as_double(), y = b.as_double();
-      switch (c) {
-        case '+': return Value(x + y);
-        case '-': return Value(x - y);
-        case '*': return Value(x * y);
-        case '%': {
-          if (y == 0) throw_error("ZeroDivisionError", "float modulo");
-          double r = std::fmod(x, y);
-          if (r != 0 && ((r < 0) != (y < 0))) r += y;
-          return Value(r);
-        }
-        default:  // "//"
-          if (y == 0) throw_error("ZeroDivisionError", "float floor division by zero");
-          return Value(std::floor(x / y));
-      }
-    }
-    int64_t x = a.as_int(), y = b.as_int();
-    switch (c) {
-      case '+': return Value(x + y);
-      case '-': return Value(x - y);
-      case '*': return Value(x * y);
-      case '%':
-        if (y == 0) throw_error("ZeroDivisionError", "integer modulo by zero");
-        return Value(py_mod(x, y));
-      default:
-        if (y == 0) throw_error("ZeroDivisionError", "integer division or modulo by zero");
-        return Value(py_floordiv(x, y));
-    }
-  }
-  if (op == "+") {
-    if (a.is_string() && b.is_string()) return Value(a.str() + b.str());
-    if (a.is_list() && b.is_list()) {
-      List l = a.list();
-      l.insert(l.end(), b.list().begin(), b.list().end());
-      return Value(std::move(l));
-    }
-    if (a.is_string())
-      throw_error("TypeError", std::string("can only concatenate str (not \"") + type_name(b) + "\") to str");
-    if (a.is_list())
-      throw_error("TypeError", std::string("can only concatenate list (not \"") + type_name(b) + "\") to list");
-    return unsupported();
-  }
-  if (op == "*") {
-    const Value* seq = a.is_number() ? &b : &a;
-    const Value* cnt = a.is_number() ? &a : &b;
-    if (cnt->is_number() && !cnt->is_float() && (seq->is_string() || seq->is_list())) {
-      int64_t n = cnt->as_int();
-      if (seq->is_string()) {
-        std::string r;
-        for (int64_t k = 0; k < n; ++k) r += seq->str();
-        return Value(std::move(r));
-      }
-      List r;
-      for (int64_t k = 0; k < n; ++k) r.insert(r.end(), seq->list().begin(), seq->list().end());
-      return Value(std::move(r));
-    }
-    return unsupported();
-  }
-  if (op == "%" && a.is_string()) {
-    // printf-style formatting: %s, %r, %d, %i, %%.
-    std::vector<Value> vals = b.is_list() ? b.list() : std::vector<Value>{b};
-    std::string r;
-    const std::string& f = a.str();
-    size_t k = 0;
-    for (size_t i = 0; i < f.size(); ++i) {
-      if (f[i] != '%' || i + 1 >= f.size()) {
-        r += f[i];
-        continue;
-      }
-      char t = f[++i];
-      if (t == '%') {
-        r += '%';
-        continue;
-      }
-      if (k >= vals.size()) throw_error("TypeError", "not enough arguments for format string");
-      const Value& v = vals[k++];
-      if (t == 's') r += to_str(v);
-      else if (t == 'r') r += to_repr(v);
-      else if ((t == 'd' || t == 'i') && v.is_number()) r += std::to_string(v.is_float() ? int64_t(v.real()) : v.as_int());
-      else throw_error("TypeError", "unsupported format character");
-    }
-    return Value(std::move(r));
-  }
-  return unsupported();
-}
-
-Value Interp::slice(const Value& obj, const Value& start, const Value& stop, const Value& step) {
-  if (obj.is_undefined()) undefined_error(obj);
-  if (!obj.is_list() && !obj.is_string()) return Value::undefined(object_type_repr(obj) + " has no element slice");
-  auto idx = [](const Value& v, bool& given) -> int64_t {
-    given = !(v.is_none() || v.is_undefined());
-    if (!given) return 0;
-    if (!v.is_int() && !v.is_bool()) throw_error("TypeError", "slice indices must be integers or None");
-    return v.as_int();
-  };
-  bool has_start, has_stop, has_step;
-  int64_t st = idx(step, has_step);
-  if (!has_step) st = 1;
-  if (st == 0) throw_error("ValueError", "slice step cannot be zero");
-  int64_t b = idx(start, has_start), e = idx(stop, has_stop);
-  std::vector<std::string_view> cps;
-  bool ascii = true;
-  if (obj.is_string()) {
-    for (unsigned char ch : obj.str()) ascii = ascii && ch < 0x80;
-    if (!ascii) cps = cp_split(obj.str());
-  }
-  int64_t n = obj.is_list() ? int64_t(obj.list().size()) : ascii ? int64_t(obj.str().size()) : int64_t(cps.size());
-  // Python's PySlice_AdjustIndices.
-  if (!has_start) b = st < 0 ? n - 1 : 0;
-  else if (b < 0) b = std::max<int64_t>(b + n, st < 0 ? -1 : 0);
-  else if (b >= n) b = st < 0 ? n - 1 : n;
-  if (!has_stop) e = st < 0 ? -1 : n;
-  else if (e < 0) e = std::max<int64_t>(e + n, st < 0 ? -1 : 0);
-  else if (e >= n) e = st < 0 ? n - 1 : n;
-  if (obj.is_list()) {
-    List r;
-    for (int64_t i = b; st > 0 ? i < e : i > e; i += st) r.push_back(obj.list()[size_t(i)]);
-    return Value(std::move(r));
-  }
-  std::string r;
-  if (ascii && st == 1) return Value(b < e ? obj.str().substr(size_t(b), size_t(e - b)) : std::string());
-  for (int64_t i = b; st > 0 ? i < e : i > e; i += st) {
-    if (ascii) r += obj.str()[size_t(i)];
-    else r += cps[size_t(i)];
-  }
-  return Value(std::move(r));
-}
-
 Value Interp::eval(const Expr& e, const FrameP& frame) {
   try {
+    RenderDepth depth(render_depth_);
     switch (e.kind) {
       case Expr::Literal: return e.value;
       case Expr::Name: return lookup(e.name, frame);
@@ -565,7 +432,7 @@ Value Interp::eval(const Expr& e, const FrameP& frame) {
         Value v = eval(*e.a, frame);
         require_defined(v);
         if (v.is_float()) return Value(e.kind == Expr::Neg ? -v.real() : v.real());
-        if (v.is_number()) return Value(e.kind == Expr::Neg ? -v.as_int() : v.as_int());
+        if (v.is_number()) return Value(e.kind == Expr::Neg ? checked_int("-", 0, v.as_int()) : v.as_int());
         throw_error("TypeError", std::string("bad operand type for unary ") + (e.kind == Expr::Neg ? "-" : "+") +
                                      ": '" + type_name(v) + "'");
       }

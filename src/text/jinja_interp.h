@@ -61,8 +61,20 @@ class Interp {
   Value binary(const std::string& op, const Value& a, const Value& b);
   Value slice(const Value& obj, const Value& start, const Value& stop, const Value& step);
   std::time_t now_;
-  int depth_ = 0;
+  int macro_depth_ = 0;   // macro calls in progress
+  int render_depth_ = 0;  // eval and exec_stmt frames in progress
 };
+
+// Python's int arithmetic on int64: OverflowError instead of wrapping ("+", "-", "*", "**", ...).
+int64_t checked_int(const char* op, int64_t a, int64_t b);
+// Raises UndefinedError (SecurityError for the sandbox's unsafe methods) naming v.
+[[noreturn]] void undefined_error(const Value& v);
+void require_defined(const Value& v);  // undefined_error(v) when v is Undefined
+// "dict object", "None": the object in jinja2's messages.
+std::string object_type_repr(const Value& v);
+// int(x) of a float: ValueError for NaN, OverflowError outside int64.
+int64_t float_to_int(double x);
+
 
 // Builtins (jinja_builtins.cpp).
 using FilterFn = Value (*)(Interp&, const Value&, Args&);

@@ -6,6 +6,8 @@
 //    ("{%+" keeps them); never before "{{".
 #include "text/jinja_lexer.h"
 
+#include <cctype>
+#include <cstdint>
 #include <cstring>
 
 #include "text/jinja_value.h"
@@ -61,6 +63,8 @@ std::string decode_string(std::string_view body, int line) {
         v = v * 16 + char32_t(d);
       }
       i += n;
+      if (v > 0x10FFFF) syntax_error(line, "illegal Unicode character in string literal");
+      if (v >= 0xD800 && v <= 0xDFFF) syntax_error(line, "lone surrogate in string literal (not valid UTF-8)");
       append_cp(out, v);
     };
     switch (e) {
@@ -310,10 +314,21 @@ class Lexer {
       i += 2;
       size_t b = i;
       while (i < s_.size() && (std::isxdigit(static_cast<unsigned char>(s_[i])) || s_[i] == '_')) ++i;
-      std::string d;
-      for (size_t k = b; k < i; ++k)
-        if (s_[k] != '_') d += s_[k];
-      emit(Token::Integer, std::to_string(std::stoll(d, nullptr, base)));
+      // Python: at least one digit, each below the base; jinja2 has arbitrary-size ints, we int64.
+      uint64_t v = 0;
+      bool any = false;
+      for (size_t k = b; k < i; ++k) {
+        if (s_[k] == '_') continue;
+        int d = std::isdigit(static_cast<unsigned char>(s_[k])) ? s_[k] - '0' : std::tolower(s_[k]) - 'a' + 10;
+        if (d >= base) syntax_error(line_, "invalid digit '" + std::string(1, s_[k]) + "' in integer literal");
+        if (v > (uint64_t(INT64_MAX) - uint64_t(d)) / uint64_t(base))
+          syntax_error(line_, "integer literal " + std::string(s_.substr(pos_, i - pos_)) +
+                                  " is too large (the limit is 9223372036854775807)");
+        v = v * uint64_t(base) + uint64_t(d);
+        any = true;
+      }
+      if (!any) syntax_error(line_, "invalid integer literal '" + std::string(s_.substr(pos_, i - pos_)) + "'");
+      emit(Token::Integer, std::to_string(v));
       pos_ = i;
       return;
     }

@@ -1,10 +1,13 @@
 // Parser of Jinja templates: tokens -> syntax tree, with jinja2's grammar and operator precedence
 // (lowest first): inline if, or, and, not, comparisons (chained; in / not in), + -, ~, * / // %,
 // **, unary - +, then postfix .attr [sub] (call), then | filter and "is" test.
+#include <algorithm>
+#include <charconv>
 #include <cstdlib>
 
 #include "text/jinja_ast.h"
 #include "text/jinja_lexer.h"
+#include "text/limits.h"
 
 namespace moestream::jinja {
 
@@ -23,6 +26,39 @@ class Parser {
  private:
   std::vector<Token> t_;
   size_t i_ = 0;
+  int nesting_ = 0;
+
+  // One level of the parser's recursion (a bracket, a unary operator, a block): bounded, as the
+  // parser, the evaluator and the tree's destructor all recurse that deep.
+  struct Nest {
+    Parser& p;
+    explicit Nest(Parser& parser) : p(parser) {
+      if (++p.nesting_ > text_limits::kMaxTemplateNesting)
+        p.fail("the template is nested more than " + std::to_string(text_limits::kMaxTemplateNesting) +
+               " levels deep");
+    }
+    ~Nest() { --p.nesting_; }
+    Nest(const Nest&) = delete;
+    Nest& operator=(const Nest&) = delete;
+  };
+
+  // Seals a node whose children are in place: its height, bounded (a long chain such as a.b.c...
+  // or 1 + 1 + ... is built by loops, not recursion, but is as deep to evaluate).
+  ExprP done(ExprP e) {
+    int h = 0;
+    auto see = [&](const ExprP& c) {
+      if (c) h = std::max(h, c->height);
+    };
+    see(e->a), see(e->b), see(e->c), see(e->d);
+    for (const auto& x : e->items) see(x);
+    for (const auto& x : e->args.pos) see(x);
+    for (const auto& kv : e->args.kw) see(kv.second);
+    see(e->args.star), see(e->args.starstar);
+    e->height = h + 1;
+    if (e->height > text_limits::kMaxExpressionDepth)
+      fail("expression nested more than " + std::to_string(text_limits::kMaxExpressionDepth) + " levels deep");
+    return e;
+  }
 
   const Token& cur() const { return t_[i_]; }
   const Token& peek(size_t k = 1) const { return t_[std::min(i_ + k, t_.size() - 1)]; }
@@ -101,6 +137,7 @@ class Parser {
   }
 
   StmtP parse_statement() {
+    Nest nest(*this);
     int ln = line();
     std::string kw = t_[i_++].text;
     if (kw == "if") return parse_if(ln);
@@ -133,6 +170,7 @@ class Parser {
     std::string end;
     s->body = parse_body({"elif", "else", "endif"}, &end);
     if (end == "elif") {
+      Nest nest(*this);  // an elif is an if inside the else
       s->orelse.push_back(parse_if(line()));
     } else if (end == "else") {
       expect_block_end();
@@ -274,6 +312,17 @@ class Parser {
 
   ExprP make(Expr::Kind k, int ln) { return std::make_unique<Expr>(k, ln); }
 
+  // The current Integer token (decimal digits; the lexer has checked it fits int64), consumed.
+  Value integer_literal() {
+    const std::string& text = cur().text;
+    int64_t v = 0;
+    auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+    if (ec != std::errc() || end != text.data() + text.size())
+      fail("integer literal " + text + " is too large (the limit is 9223372036854775807)");
+    ++i_;
+    return Value(v);
+  }
+
   ExprP parse_tuple(bool with_condexpr, bool stop_at_if = false) {
     int ln = line();
     auto one = [&] { return with_condexpr ? parse_expression() : parse_or(); };
@@ -287,12 +336,13 @@ class Parser {
         break;
       t->items.push_back(one());
     }
-    return t;
+    return done(std::move(t));
   }
 
   ExprP parse_expression() { return parse_condexpr(); }
 
   ExprP parse_condexpr() {
+    Nest nest(*this);
     int ln = line();
     ExprP e = parse_or();
     while (accept_name("if")) {
@@ -300,7 +350,7 @@ class Parser {
       c->b = parse_or();
       if (accept_name("else")) c->c = parse_condexpr();
       c->a = std::move(e);
-      e = std::move(c);
+      e = done(std::move(c));
     }
     return e;
   }
@@ -312,7 +362,7 @@ class Parser {
       ++i_;
       n->a = std::move(e);
       n->b = parse_and();
-      e = std::move(n);
+      e = done(std::move(n));
     }
     return e;
   }
@@ -324,17 +374,18 @@ class Parser {
       ++i_;
       n->a = std::move(e);
       n->b = parse_not();
-      e = std::move(n);
+      e = done(std::move(n));
     }
     return e;
   }
 
   ExprP parse_not() {
     if (is_name("not")) {
+      Nest nest(*this);
       auto n = make(Expr::Not, line());
       ++i_;
       n->a = parse_not();
-      return n;
+      return done(std::move(n));
     }
     return parse_compare();
   }
@@ -365,7 +416,7 @@ class Parser {
       cmp->ops.push_back(op);
       cmp->items.push_back(parse_math1());
     }
-    return cmp ? std::move(cmp) : std::move(e);
+    return cmp ? done(std::move(cmp)) : std::move(e);
   }
 
   ExprP binary(ExprP a, const std::string& op, ExprP b, int ln) {
@@ -373,7 +424,7 @@ class Parser {
     n->name = op;
     n->a = std::move(a);
     n->b = std::move(b);
-    return n;
+    return done(std::move(n));
   }
 
   ExprP parse_math1() {
@@ -420,10 +471,12 @@ class Parser {
     int ln = line();
     ExprP e;
     if (is_op("-") || is_op("+")) {
+      Nest nest(*this);
       bool neg = cur().text == "-";
       ++i_;
       e = make(neg ? Expr::Neg : Expr::Pos, ln);
       e->a = parse_unary(false);
+      e = done(std::move(e));
     } else {
       e = parse_primary();
     }
@@ -433,6 +486,7 @@ class Parser {
   }
 
   ExprP parse_primary() {
+    Nest nest(*this);
     const Token& tk = cur();
     int ln = tk.line;
     switch (tk.kind) {
@@ -459,9 +513,8 @@ class Parser {
         return e;
       }
       case Token::Integer: {
-        ++i_;
         auto e = make(Expr::Literal, ln);
-        e->value = Value(int64_t(std::strtoll(tk.text.c_str(), nullptr, 10)));
+        e->value = integer_literal();
         return e;
       }
       case Token::Float: {
@@ -482,7 +535,7 @@ class Parser {
             t->items.push_back(parse_expression());
           }
           expect_op(")");
-          return t;
+          return done(std::move(t));
         }
         if (accept_op("[")) {
           auto l = make(Expr::ListLit, ln);
@@ -491,7 +544,7 @@ class Parser {
             if (accept_op("]")) break;
             l->items.push_back(parse_expression());
           }
-          return l;
+          return done(std::move(l));
         }
         if (accept_op("{")) {
           auto d = make(Expr::DictLit, ln);
@@ -502,7 +555,7 @@ class Parser {
             expect_op(":");
             d->items.push_back(parse_expression());
           }
-          return d;
+          return done(std::move(d));
         }
         break;
       }
@@ -519,14 +572,14 @@ class Parser {
           auto n = make(Expr::GetItem, ln);
           n->a = std::move(e);
           n->b = make(Expr::Literal, ln);
-          n->b->value = Value(int64_t(std::strtoll(t_[i_++].text.c_str(), nullptr, 10)));
-          e = std::move(n);
+          n->b->value = integer_literal();
+          e = done(std::move(n));
           continue;
         }
         auto n = make(Expr::GetAttr, ln);
         n->a = std::move(e);
         n->name = expect_name();
-        e = std::move(n);
+        e = done(std::move(n));
       } else if (accept_op("[")) {
         e = parse_subscript(std::move(e), ln);
       } else if (is_op("(")) {
@@ -568,14 +621,14 @@ class Parser {
       e->a = std::move(obj);
       e->b = std::move(parts[0]);
       if (!e->b) fail("expected subscript expression");
-      return e;
+      return done(std::move(e));
     }
     auto e = make(Expr::Slice, ln);
     e->a = std::move(obj);
     e->b = std::move(parts[0]);
     e->c = std::move(parts[1]);
     e->d = std::move(parts[2]);
-    return e;
+    return done(std::move(e));
   }
 
   void parse_call_args(CallArgs& args) {
@@ -606,7 +659,7 @@ class Parser {
     auto e = make(Expr::Call, line());
     e->a = std::move(fn);
     parse_call_args(e->args);
-    return e;
+    return done(std::move(e));
   }
 
   // After '|': name[.name...][(args)]; the filtered value goes in a.
@@ -616,7 +669,7 @@ class Parser {
     while (accept_op(".")) f->name += "." + expect_name();
     if (is_op("(")) parse_call_args(f->args);
     f->a = std::move(value);
-    return f;
+    return done(std::move(f));
   }
 
   ExprP parse_filter_expr(ExprP e) {
@@ -638,7 +691,7 @@ class Parser {
           t->args.pos.push_back(parse_postfix(parse_primary()));
         }
         t->a = std::move(e);
-        e = std::move(t);
+        e = done(std::move(t));
       } else if (is_op("(")) {
         e = parse_call(std::move(e));
       } else {

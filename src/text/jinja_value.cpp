@@ -7,10 +7,83 @@
 #include <cstdio>
 
 #include "text/jinja_value.h"
+#include "text/limits.h"
 
 namespace moestream::jinja {
 
 void throw_error(std::string type, std::string message) { throw RenderError{std::move(type), std::move(message), 0}; }
+
+namespace {
+
+// Containers entered by the recursive walks below (print, compare, serialize, convert), per
+// thread: one counter whichever walk calls which (a dict lookup inside ==, ...).
+thread_local int value_depth = 0;
+
+struct Nested {
+  Nested() {
+    if (++value_depth > text_limits::kMaxValueDepth) {
+      --value_depth;
+      throw_error("RecursionError", "value is nested more than " + std::to_string(text_limits::kMaxValueDepth) +
+                                        " levels deep");
+    }
+  }
+  ~Nested() { --value_depth; }
+  Nested(const Nested&) = delete;
+  Nested& operator=(const Nested&) = delete;
+};
+
+// Moves the containers held by x's container into `out` when x is its last owner.
+void take_children(Value& x, std::vector<Value>& out) {
+  auto keep = [&](Value& c) {
+    if (c.v.index() >= 6) out.push_back(std::move(c));
+  };
+  // Every container is created non-const (make_shared<List>, <Dict>, ...) and only shared as
+  // const, so its last owner may empty it.
+  if (auto* l = std::get_if<std::shared_ptr<const List>>(&x.v)) {
+    if (*l && l->use_count() == 1)
+      for (Value& c : const_cast<List&>(**l)) keep(c);
+  } else if (auto* d = std::get_if<std::shared_ptr<const Dict>>(&x.v)) {
+    if (*d && d->use_count() == 1)
+      for (auto& [k, c] : const_cast<Dict&>(**d).items) keep(k), keep(c);
+  } else if (auto* n = std::get_if<std::shared_ptr<Namespace>>(&x.v)) {
+    if (*n && n->use_count() == 1)
+      for (auto& [k, c] : (*n)->attrs) keep(c);
+  } else if (auto* f = std::get_if<std::shared_ptr<const Function>>(&x.v)) {
+    if (*f && f->use_count() == 1)
+      for (Value& c : const_cast<Function&>(**f).bound) keep(c);
+  }
+}
+
+}  // namespace
+
+void Value::release() noexcept {
+  thread_local std::vector<Value>* pending = nullptr;
+  if (pending) {  // inside the loop below: just hand over
+    take_children(*this, *pending);
+    return;
+  }
+  std::vector<Value> queue;
+  pending = &queue;
+  take_children(*this, queue);
+  while (!queue.empty()) {
+    Value x = std::move(queue.back());
+    queue.pop_back();
+  }  // each x's destructor moves its own children into the queue
+  pending = nullptr;
+}
+
+void check_string_size(size_t bytes) {
+  if (bytes > text_limits::kMaxStringBytes)
+    throw_error("MemoryError", "string of " + std::to_string(bytes) + " bytes is over the limit of " +
+                                   std::to_string(text_limits::kMaxStringBytes) + " bytes");
+}
+
+void check_list_size(size_t items) {
+  if (items > text_limits::kMaxListItems)
+    throw_error("MemoryError", "list of " + std::to_string(items) + " items is over the limit of " +
+                                   std::to_string(text_limits::kMaxListItems) + " items");
+}
+
 
 std::string Value::undefined_hint() const {
   const auto& u = std::get<Undefined>(v);
@@ -101,6 +174,7 @@ bool equals(const Value& a, const Value& b) {
     case 1: return true;
     case 5: return a.str() == b.str();
     case 6: {
+      Nested nested;
       const List &x = a.list(), &y = b.list();
       if (x.size() != y.size()) return false;
       for (size_t i = 0; i < x.size(); ++i)
@@ -108,6 +182,7 @@ bool equals(const Value& a, const Value& b) {
       return true;
     }
     case 7: {
+      Nested nested;
       const Dict &x = a.dict(), &y = b.dict();
       if (x.items.size() != y.items.size()) return false;
       for (const auto& [k, val] : x.items) {
@@ -131,6 +206,7 @@ bool less(const Value& a, const Value& b) {
   }
   if (a.is_string() && b.is_string()) return a.str() < b.str();  // UTF-8 byte order == code point order
   if (a.is_list() && b.is_list()) {
+    Nested nested;
     const List &x = a.list(), &y = b.list();
     for (size_t i = 0; i < x.size() && i < y.size(); ++i) {
       if (equals(x[i], y[i])) continue;
@@ -305,6 +381,7 @@ static void repr_into(std::string& out, const Value& v) {
     case 0: out += "Undefined"; return;
     case 5: out += str_repr(v.str()); return;
     case 6: {
+      Nested nested;
       out += '[';
       bool first = true;
       for (const auto& x : v.list()) {
@@ -316,6 +393,7 @@ static void repr_into(std::string& out, const Value& v) {
       return;
     }
     case 7: {
+      Nested nested;
       out += '{';
       bool first = true;
       for (const auto& [k, x] : v.dict().items) {
@@ -329,6 +407,7 @@ static void repr_into(std::string& out, const Value& v) {
       return;
     }
     case 8: {
+      Nested nested;
       out += "<Namespace {";
       bool first = true;
       for (const auto& [k, x] : v.ns().attrs) {
@@ -403,6 +482,7 @@ static std::string json_key(const Value& k) {
 
 static void dump_into(std::string& out, const Value& v, const DumpOptions& o, int depth) {
   auto newline = [&](int d) {
+    check_string_size(out.size() + 1 + size_t(d) * o.indent.size());
     out += '\n';
     for (int i = 0; i < d; ++i) out += o.indent;
   };
@@ -419,6 +499,7 @@ static void dump_into(std::string& out, const Value& v, const DumpOptions& o, in
     }
     case 5: json_string(out, v.str(), o.ensure_ascii); return;
     case 6: {
+      Nested nested;
       const List& l = v.list();
       if (l.empty()) {
         out += "[]";
@@ -435,6 +516,7 @@ static void dump_into(std::string& out, const Value& v, const DumpOptions& o, in
       return;
     }
     case 7: {
+      Nested nested;
       const Dict& d = v.dict();
       if (d.items.empty()) {
         out += "{}";
@@ -482,12 +564,14 @@ Value from_json(const nlohmann::ordered_json& j) {
     case T::number_float: return Value(j.get<double>());
     case T::string: return Value(j.get<std::string>());
     case T::array: {
+      Nested nested;
       List l;
       l.reserve(j.size());
       for (const auto& x : j) l.push_back(from_json(x));
       return Value(std::move(l));
     }
     case T::object: {
+      Nested nested;
       auto d = std::make_shared<Dict>();
       d->items.reserve(j.size());
       for (auto it = j.begin(); it != j.end(); ++it) d->items.emplace_back(Value(it.key()), from_json(it.value()));

@@ -28,6 +28,9 @@ struct RenderError {
   int line = 0;
 };
 [[noreturn]] void throw_error(std::string type, std::string message);
+// Throw MemoryError when a string or list the template builds would pass text_limits.
+void check_string_size(size_t bytes);
+void check_list_size(size_t items);
 
 struct Undefined {
   std::shared_ptr<const std::string> hint;  // "'x' is undefined", "'dict object' has no attribute 'y'"
@@ -39,6 +42,7 @@ struct Namespace;
 struct Function {
   std::string name;
   std::function<Value(Interp&, Args&)> fn;
+  std::vector<Value> bound;  // values fn uses (a method's object), held here so ~Value can reach them
 };
 
 struct Value {
@@ -48,6 +52,15 @@ struct Value {
   Storage v;
 
   Value() = default;
+  Value(const Value&) = default;
+  Value(Value&&) noexcept = default;
+  Value& operator=(const Value&) = default;
+  Value& operator=(Value&&) noexcept = default;
+  // A template can chain values far deeper than the stack (ns.x = [ns.x] in a loop): the last
+  // owner of a container hands its containers to a loop instead of destroying them recursively.
+  ~Value() {
+    if (v.index() >= 6) release();
+  }
   Value(None) : v(None{}) {}
   Value(bool b) : v(b) {}
   Value(int64_t i) : v(i) {}
@@ -55,7 +68,7 @@ struct Value {
   Value(double d) : v(d) {}
   Value(std::string s) : v(std::make_shared<const std::string>(std::move(s))) {}
   Value(const char* s) : Value(std::string(s)) {}
-  Value(List l) : v(std::make_shared<const List>(std::move(l))) {}
+  Value(List l) : v(std::shared_ptr<const List>(std::make_shared<List>(std::move(l)))) {}
   Value(std::shared_ptr<const List> l) : v(std::move(l)) {}
   Value(std::shared_ptr<const Dict> d) : v(std::move(d)) {}
   Value(std::shared_ptr<Namespace> n) : v(std::move(n)) {}
@@ -93,6 +106,9 @@ struct Value {
   int64_t as_int() const { return is_bool() ? int64_t(boolean()) : integer(); }
   double as_double() const { return is_float() ? real() : double(as_int()); }
   std::string undefined_hint() const;
+
+ private:
+  void release() noexcept;
 };
 
 // A dict keeps insertion order (Python 3.7+ dicts, json.loads); keys are values (strings in JSON).

@@ -21,7 +21,8 @@ struct SamplingParams {
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
-  // context: the tokens so far (for the repetition penalty). logits may be modified.
+  // context: the tokens so far (for the repetition penalty). logits may be modified. Throws
+  // Error when a logit is NaN or +inf, or all are -inf (see check_logits).
   int32_t sample(std::span<float> logits, std::span<const int32_t> context);
   const SamplingParams& params() const { return params_; }
 
@@ -31,6 +32,10 @@ class Sampler {
   std::vector<std::pair<float, int32_t>> candidates_;  // reused between calls
   std::vector<char> seen_;
 };
+
+// Throws Error "logits contain NaN at token id 5 (of 151936): ..." when a logit is NaN or +inf,
+// and when there are none or all are -inf (masked). One pass over the vocabulary.
+void check_logits(std::span<const float> logits);
 
 // Throws Error naming the parameter when a value is out of range (temperature < 0, top_p not in
 // (0, 1], min_p not in [0, 1], repetition_penalty <= 0, top_k < 0).

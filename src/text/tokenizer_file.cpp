@@ -4,6 +4,7 @@
 #include <sstream>
 
 #include "core/error.h"
+#include "text/limits.h"
 
 namespace moestream::tok {
 
@@ -128,6 +129,14 @@ class Reader {
     return top.back();
   }
   bool open(json container) {
+    // Building the DOM does not recurse, but reading it does (Sequence inside Sequence, and
+    // copying or printing JSON), so deep nesting stops here.
+    if (stack_.size() == 1)
+      field_ =
+          stack_.back()->is_object() ? key_ : "[" + std::to_string(stack_.back()->size()) + "]";
+    if (int(stack_.size()) >= text_limits::kMaxTokenizerJsonDepth)
+      return fail_with("field '" + field_ + "' is nested more than " +
+                       std::to_string(text_limits::kMaxTokenizerJsonDepth) + " levels deep");
     bool is_model = stack_.size() == 1 && stack_.back()->is_object() && key_ == "model";
     stack_.push_back(&place(std::move(container)));
     if (is_model) model_is_open_ = true;
@@ -160,6 +169,7 @@ class Reader {
   TokenizerFile& out_;
   std::vector<json*> stack_;  // open containers; each lives inside its parent
   std::string key_;           // the last object key seen
+  std::string field_;         // the top-level field being read
   bool model_is_open_ = false;
   Mode mode_ = Mode::Dom;
   bool in_pair_ = false;  // inside one ["a", "b"] merge

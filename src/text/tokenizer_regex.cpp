@@ -3,7 +3,11 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 
+#include <algorithm>
+#include <cstdint>
+
 #include "core/error.h"
+#include "text/limits.h"
 #include "text/unicode.h"
 
 namespace moestream {
@@ -128,6 +132,9 @@ std::vector<std::pair<size_t, size_t>> Regex::find_all(std::string_view text) co
   uint32_t options = 0;  // the first call checks the UTF-8, later calls skip that
   size_t pos = 0;
   while (pos <= text.size()) {
+    uint64_t limit = text_limits::kRegexBaseMatchLimit +
+                     text_limits::kRegexMatchStepsPerByte * (text.size() - pos);
+    pcre2_set_match_limit(s.context, uint32_t(std::min<uint64_t>(limit, UINT32_MAX)));
     int rc = pcre2_match(as_code(code_), subject, text.size(), pos, options, s.data, s.context);
     if (rc == PCRE2_ERROR_NOMATCH) break;
     if (rc < 0) fail("regex match failed: ", error_text(rc));

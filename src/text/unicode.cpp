@@ -89,7 +89,7 @@ std::string to_valid_utf8(std::string_view text) {
 char32_t next_code_point(std::string_view text, size_t& pos) {
   auto c = static_cast<unsigned char>(text[pos]);
   size_t len = sequence_length(c);
-  if (len <= 1) {
+  if (len <= 1 || len > text.size() - pos) {  // a truncated sequence: one byte, never past the end
     ++pos;
     return c;
   }

@@ -24,7 +24,8 @@ size_t sequence_length(unsigned char lead);
 // returned unchanged.
 std::string to_valid_utf8(std::string_view text);
 
-// Decodes the code point starting at text[pos] (text must be valid UTF-8) and advances pos.
+// Decodes the code point starting at text[pos] and advances pos. Meant for valid UTF-8; a lead
+// byte whose sequence the text cuts off comes back alone, so pos never passes the end.
 char32_t next_code_point(std::string_view text, size_t& pos);
 void append_utf8(std::string& out, char32_t cp);
 

@@ -1,0 +1,64 @@
+// Bounds on what the text side accepts, in one place. Each input below comes from a user (request
+// JSON) or from model files, and each was once enough to crash or wedge the process: recursion
+// over nesting without a bound overflows the stack, and sizes taken from user numbers can ask for
+// terabytes. Real inputs stay far below every limit; the values say how far.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <nlohmann/json_fwd.hpp>
+#include <string_view>
+
+namespace moestream::text_limits {
+
+// Containers nested in JSON handed to a chat template (messages, tools, chat_template_kwargs,
+// tool-call arguments), counting the outermost. Real tool schemas nest 10-20 levels.
+inline constexpr int kMaxJsonDepth = 128;
+
+// Containers nested in a template value while printing, comparing or serializing it. Values from
+// JSON are at most kMaxJsonDepth deep; a template wraps them in a few more levels at most.
+inline constexpr int kMaxValueDepth = 512;
+
+// Nesting in a template source: brackets, unary operators, if/for/macro blocks, elif chains, and
+// the depth of an expression tree (a chain a.b.c or 1 + 2 + 3 is one level per link). Chat
+// templates nest under 10 levels and chain under 50; jinja2 itself (compiling to Python) fails
+// near 1000.
+inline constexpr int kMaxTemplateNesting = 256;
+inline constexpr int kMaxExpressionDepth = 1000;
+
+// Macro calls in progress (recursive macros); jinja2 hits Python's recursion limit near 300.
+inline constexpr int kMaxMacroDepth = 200;
+
+// Evaluator recursion in one render (expressions, blocks and macro calls together), so that a
+// recursive macro whose body is itself deep cannot multiply the two limits above. About 1 KiB of
+// stack a level: well inside the 8 MiB of a thread.
+inline constexpr int kMaxRenderDepth = 3000;
+
+// The largest string a template may build (by repetition, padding, concatenation or output) and
+// the most items in a list it builds by repetition or concatenation. A 1M-token conversation is
+// about 5 MB; templates build lists of a few items (a value is 24 bytes: 1M items is 24 MB).
+inline constexpr size_t kMaxStringBytes = size_t(64) << 20;
+inline constexpr size_t kMaxListItems = size_t(1) << 20;
+
+// PCRE2's match limit (backtracking steps per match attempt) for the tokenizer's split patterns:
+// PCRE2's default of 10M plus this many per byte of the text left to scan. The GPT-4 / Qwen
+// pattern backtracks once per character of a whitespace run (\s*[\r\n]+ gives back the whole
+// run before \s+(?!\S) takes it), so a fixed limit rejected long whitespace; a linear pattern
+// needs a few steps a byte, while a catastrophic one still stops.
+inline constexpr uint64_t kRegexBaseMatchLimit = 10'000'000;
+inline constexpr uint64_t kRegexMatchStepsPerByte = 16;
+
+// Containers nested in tokenizer.json. Real files nest 6 levels (post_processor.special_tokens).
+inline constexpr int kMaxTokenizerJsonDepth = 64;
+
+}  // namespace moestream::text_limits
+
+namespace moestream {
+
+// Throws Error "<what> is nested more than 128 levels deep" when `j` has more than kMaxJsonDepth
+// nested containers (an empty or scalar value is depth 0). Does not recurse. The server may call
+// it right after parsing a request, before copying the JSON (nlohmann's copy recurses).
+void check_json_depth(const nlohmann::ordered_json& j, std::string_view what);
+void check_json_depth(const nlohmann::json& j, std::string_view what);
+
+}  // namespace moestream
