@@ -78,7 +78,7 @@ void print_stats(Model& model, const std::vector<Part>& parts, double expert_mb)
 }
 
 void run_synthetic(const ModelOptions& base, int n_predict, const std::string& prompt) {
-  const std::string dir = default_cache_dir() + "/demo-small-v1";
+  const std::string dir = default_cache_dir() + "/demo-small-v2";
   if (!is_pack_dir(dir)) {
     std::fprintf(stderr, "synthesizing a random-weight Qwen3-MoE pack in %s ...\n", dir.c_str());
     fs::create_directories(default_cache_dir());
