@@ -99,6 +99,23 @@ inline std::string unique_temp_dir(const std::string& prefix) {
   return tmpl;
 }
 
+// A test with a fresh directory of its own (dir_), removed after the test.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = unique_temp_dir("moestream_test_"); }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  // Writes `bytes` to path(name); returns that path.
+  std::string write(const std::string& name, const std::string& bytes) const {
+    const std::string p = path(name);
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  }
+
+  std::string dir_;
+};
+
 // A fresh empty directory under the test temp dir.
 inline std::string temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
