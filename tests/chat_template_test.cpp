@@ -121,26 +121,11 @@ TEST(ChatTemplate, LoadsTemplateAndSpecialTokensFromTokenizerConfig) {
 
 TEST(ChatTemplate, LoadErrorsNameTheFile) {
   const std::string dir = test::temp_dir("chat-template-errors");
-  try {
-    ChatTemplate::load(dir);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("tokenizer_config.json"), std::string::npos) << e.what();
-  }
+  test::expect_contains(test::error_of([&] { ChatTemplate::load(dir); }), {"tokenizer_config.json"});
   write_file(dir + "/tokenizer_config.json", R"({"eos_token": "</s>"})");
-  try {
-    ChatTemplate::load(dir);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("chat_template"), std::string::npos) << e.what();
-  }
+  test::expect_contains(test::error_of([&] { ChatTemplate::load(dir); }), {"chat_template"});
   write_file(dir + "/tokenizer_config.json", R"({"chat_template": "{% if %}"})");
-  try {
-    ChatTemplate::load(dir);
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("tokenizer_config.json line 1"), std::string::npos) << e.what();
-  }
+  test::expect_contains(test::error_of([&] { ChatTemplate::load(dir); }), {"tokenizer_config.json line 1"});
   write_file(dir + "/tokenizer_config.json", "{not json");
   EXPECT_THROW(ChatTemplate::load(dir), Error);
 }
@@ -149,13 +134,8 @@ TEST(ChatTemplate, RaiseExceptionBecomesAnError) {
   ChatTemplate t = ChatTemplate::from_source(test::read_file(kTemplates + "/mixtral-8x7b-instruct-v0.1.jinja"),
                                              {{"bos_token", "<s>"}, {"eos_token", "</s>"}});
   ordered_json msgs = ordered_json::parse(R"([{"role": "user", "content": "a"}, {"role": "user", "content": "b"}])");
-  try {
-    t.render(msgs, nullptr, true, ordered_json::object());
-    FAIL() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("conversation roles must alternate user/assistant"), std::string::npos);
-    EXPECT_NE(std::string(e.what()).find(" line 11: "), std::string::npos) << e.what();
-  }
+  test::expect_contains(test::error_of([&] { t.render(msgs, nullptr, true, ordered_json::object()); }),
+                        {"conversation roles must alternate user/assistant", " line 11: "});
 }
 
 // The CLI prints exactly the rendering (no trailing newline) and fails with one line.

@@ -1,12 +1,12 @@
-// The MoE families beyond Qwen3-MoE against their transformers fixtures
-// (tools/make_family_fixtures.py, and tools/make_quantized_family_fixtures.py for checkpoints in
-// their published quantized layouts: gpt-oss MXFP4, DeepSeek-V3 FP8): logits, prefill then
-// decode, CLI greedy tokens, and streaming under a tiny expert budget.
+// What is particular to the MoE families beyond Qwen3-MoE: DeepSeek-V3's latent KV cache, expert
+// tensor names, the published quantized layouts (gpt-oss MXFP4, DeepSeek-V3 FP8, from
+// tools/make_quantized_family_fixtures.py) packed natively or requantized, and errors naming the
+// tensor or field. Their logits, greedy tokens, prefill-then-decode and streaming against
+// transformers are tests/parity_test.cpp's (each fixture's parity.json).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <deque>
 #include <filesystem>
@@ -26,16 +26,6 @@
 
 namespace moestream {
 namespace {
-
-// Fixtures under tests/fixtures/families/<fixture>_tiny and the model_type each holds.
-struct FamilyCase {
-  std::string fixture, model_type;
-};
-const std::vector<FamilyCase> kFamilies = {
-    {"mixtral", "mixtral"},         {"olmoe", "olmoe"},     {"glm4_moe", "glm4_moe"},
-    {"deepseek_v3", "deepseek_v3"}, {"gpt_oss", "gpt_oss"}, {"gpt_oss_mxfp4", "gpt_oss"},
-    {"deepseek_v3_fp8", "deepseek_v3"},
-};
 
 struct Reference : test::Reference {
   // FP8 fixtures: the same model with every dequantized weight rounded to bf16, which is what a
@@ -60,97 +50,12 @@ Reference load_reference(const std::string& dir) {
 using test::join;
 using test::relative_error;
 
-// Logits of every position: the first `split` tokens as one prefill, the rest one at a time.
-std::vector<float> run_split(Model& model, const std::vector<int32_t>& ids, size_t split) {
-  const size_t vocab = size_t(model.info().vocab_size);
-  std::vector<float> logits(ids.size() * vocab);
-  auto seq = model.new_sequence(int64_t(ids.size()));
-  model.forward(std::span(ids).first(split), *seq, std::span(logits).first(split * vocab));
-  for (size_t i = split; i < ids.size(); ++i)
-    model.forward(std::span(ids).subspan(i, 1), *seq, std::span(logits).subspan(i * vocab, vocab));
-  EXPECT_EQ(seq->n_past, int64_t(ids.size()));
-  return logits;
-}
-
 // Logits of every reference token through one prefill, with --precise.
 std::vector<float> precise_logits(const std::string& dir, const std::vector<int32_t>& tokens) {
   ModelOptions opt;
   opt.precise = true;
   opt.threads = 2;
-  auto model = load_model(dir, opt);
-  std::vector<float> logits(tokens.size() * size_t(model->info().vocab_size));
-  auto seq = model->new_sequence(int64_t(tokens.size()));
-  model->forward(tokens, *seq, logits);
-  return logits;
-}
-
-class FamilyFixture : public ::testing::TestWithParam<FamilyCase> {};
-
-TEST_P(FamilyFixture, LogitsMatchTransformers) {
-  const std::string dir = fixture_dir(GetParam().fixture);
-  Reference ref = load_reference(dir);
-  for (bool precise : {true, false}) {
-    ModelOptions opt;
-    opt.precise = precise;
-    opt.threads = 2;
-    auto model = load_model(dir, opt);
-    EXPECT_EQ(model->info().model_type, GetParam().model_type);
-    const int64_t vocab = model->info().vocab_size;
-    ASSERT_EQ(ref.logits.shape, (std::vector<int64_t>{int64_t(ref.logit_tokens.size()), vocab}));
-    std::vector<float> logits(ref.logit_tokens.size() * size_t(vocab));
-    auto seq = model->new_sequence(int64_t(ref.logit_tokens.size()));
-    model->forward(ref.logit_tokens, *seq, logits);
-    const double bound = precise ? 1e-3 : 3e-2;
-    const double err = relative_error(logits, ref.logits.data);
-    char measured[32];
-    std::snprintf(measured, sizeof measured, "%.2e", err);
-    RecordProperty(precise ? "precise_error" : "default_error", measured);
-    EXPECT_LE(err, bound) << GetParam().fixture << (precise ? " --precise" : " default");
-  }
-}
-
-TEST_P(FamilyFixture, PrefillThenDecodeEqualsWholeSequence) {
-  const std::string dir = fixture_dir(GetParam().fixture);
-  Reference ref = load_reference(dir);
-  ModelOptions opt;
-  opt.precise = true;
-  opt.threads = 2;
-  auto model = load_model(dir, opt);
-  const size_t n = ref.logit_tokens.size();
-  const std::vector<float> whole = run_split(*model, ref.logit_tokens, n);
-  const std::vector<float> stepped = run_split(*model, ref.logit_tokens, 13);
-  EXPECT_LE(relative_error(stepped, whole), 1e-5);
-}
-
-TEST_P(FamilyFixture, CliGreedyTokensMatchTransformers) {
-  const std::string dir = fixture_dir(GetParam().fixture);
-  Reference ref = load_reference(dir);
-  for (const char* mode : {"--precise", ""}) {
-    auto r = test::run_cli("run -m " + dir + " --tokens " + join(ref.prompt_tokens, ",") + " -n " +
-                           std::to_string(ref.greedy_tokens.size()) + " --temp 0 --ids " + mode);
-    ASSERT_EQ(r.exit_code, 0) << r.err;
-    EXPECT_EQ(r.out, join(ref.greedy_tokens, " ") + "\n") << mode;
-  }
-}
-
-TEST_P(FamilyFixture, StreamingUnderATinyBudgetIsBitIdentical) {
-  const std::string dir = fixture_dir(GetParam().fixture);
-  Reference ref = load_reference(dir);
-  ModelOptions opt;
-  opt.threads = 2;
-  auto unbounded = load_model(dir, opt);
-  const std::vector<float> reference = run_split(*unbounded, ref.logit_tokens, 20);
-  const ExpertStats base = unbounded->expert_stats();
-  const PackManifest pack = PackManifest::load(ensure_pack(dir, ""));
-  for (const char* policy : {"lru", "lcp"}) {
-    opt.experts.cache_mb = pack.max_expert_size() / 1e6 * 1.5;  // one expert slot
-    opt.experts.policy = policy;
-    auto bounded = load_model(dir, opt);
-    const std::vector<float> got = run_split(*bounded, ref.logit_tokens, 20);
-    ASSERT_EQ(got.size(), reference.size());
-    EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0) << policy;
-    EXPECT_GT(bounded->expert_stats().misses, base.misses) << "a bounded cache must re-read experts";
-  }
+  return test::prefill_logits(*load_model(dir, opt), tokens);
 }
 
 // The latent attention caches one row [c, k_rope] per position and layer, nothing per head.
@@ -214,9 +119,7 @@ TEST(GptOss, Mxfp4ExpertsArePackedNativelyOrRequantized) {
   Reference ref = load_reference(dir);
   const double err = relative_error(precise_logits(out, ref.logit_tokens), ref.logits.data);
   EXPECT_LE(err, 3e-2) << "MXFP4 requantized to q8";
-  char measured[32];
-  std::snprintf(measured, sizeof measured, "%.2e", err);
-  RecordProperty("q8_requantized_error", measured);
+  RecordProperty("q8_requantized_error", test::sci(err));
 }
 
 // FP8 weights stay FP8 in the pack: codes as they are, the block scales repeated for each row
@@ -288,12 +191,8 @@ void expect_load_error(const std::string& fixture, const std::string& name,
   ModelOptions opt;
   opt.threads = 1;
   opt.cache_dir = test::temp_dir("broken-cache-" + name);
-  try {
-    load_model(dir, opt);
-    ADD_FAILURE() << name << ": loaded";
-  } catch (const Error& e) {
-    for (const std::string& w : want) EXPECT_NE(std::string(e.what()).find(w), std::string::npos) << name << ": " << e.what();
-  }
+  SCOPED_TRACE(name);
+  test::expect_contains(test::error_of([&] { load_model(dir, opt); }), want);
 }
 
 TEST(QuantizedCheckpoints, ErrorsNameTheTensor) {
@@ -345,17 +244,10 @@ TEST(Families, ConfigErrorsNameTheField) {
     ModelOptions opt;
     opt.threads = 1;
     opt.cache_dir = test::temp_dir("config-cache-" + c.family);
-    try {
-      load_model(dir, opt);
-      ADD_FAILURE() << c.family << ": no error for " << c.field << " = " << c.value.dump();
-    } catch (const Error& e) {
-      EXPECT_NE(std::string(e.what()).find(c.field), std::string::npos) << c.family << ": " << e.what();
-    }
+    SCOPED_TRACE(c.family + ": " + c.field + " = " + c.value.dump());
+    test::expect_contains(test::error_of([&] { load_model(dir, opt); }), {c.field});
   }
 }
-
-INSTANTIATE_TEST_SUITE_P(Families, FamilyFixture, ::testing::ValuesIn(kFamilies),
-                         [](const auto& info) { return info.param.fixture; });
 
 }  // namespace
 }  // namespace moestream

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "models/decoder_config.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
@@ -18,39 +19,10 @@ namespace {
 namespace fs = std::filesystem;
 using nlohmann::json;
 
-class HfConfigTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "moestream_cfg_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
+class HfConfigTest : public test::TempDirTest {};
 
-  std::string write(const std::string& name, const std::string& text) {
-    std::string p = (fs::path(dir_) / name).string();
-    std::ofstream(p, std::ios::binary) << text;
-    return p;
-  }
-
-  std::string dir_;
-};
-
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moestream::Error";
-  return "";
-}
-
-void expect_contains(const std::string& msg, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts)
-    EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg << "\nmissing: " << part;
-}
+using test::error_of;
+using test::expect_contains;
 
 HfConfig cfg(const char* text) {
   return HfConfig(json::parse(text), "test/config.json");

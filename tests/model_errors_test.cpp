@@ -27,12 +27,7 @@ void edit_config(const std::string& dir, const std::function<void(nlohmann::json
 }
 
 std::string load_error(const std::string& dir) {
-  try {
-    load_model(dir, ModelOptions());
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "(no error)";
+  return test::error_of([&] { load_model(dir, ModelOptions()); });
 }
 
 TEST(ModelErrors, TruncatedSafetensors) {

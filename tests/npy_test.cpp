@@ -11,27 +11,16 @@
 #include <iterator>
 
 #include "core/error.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
 
 namespace fs = std::filesystem;
 
-class NpyTest : public ::testing::Test {
+class NpyTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "moestream_npy_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
-
-  std::string read_bytes(const std::string& p) {
-    std::ifstream in(p, std::ios::binary);
-    return std::string(std::istreambuf_iterator<char>(in), {});
-  }
+  std::string read_bytes(const std::string& p) { return test::read_file(p); }
 
   // A version 1.0 file with the given dict, padded to 64 bytes the way numpy pads it.
   std::string write_v1(const std::string& name, std::string dict, const std::string& data) {
@@ -47,24 +36,10 @@ class NpyTest : public ::testing::Test {
     return p;
   }
 
-  std::string dir_;
 };
 
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moestream::Error";
-  return "";
-}
-
-void expect_contains(const std::string& msg, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts)
-    EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg << "\nmissing: " << part;
-}
+using test::error_of;
+using test::expect_contains;
 
 template <class T>
 std::string raw(const std::vector<T>& v) {

@@ -10,23 +10,15 @@
 #include <initializer_list>
 
 #include "core/error.h"
+#include "test_util.h"
 
 namespace moestream {
 namespace {
 
 namespace fs = std::filesystem;
 
-class SafetensorsTest : public ::testing::Test {
+class SafetensorsTest : public test::TempDirTest {
  protected:
-  void SetUp() override {
-    std::string tmpl = (fs::temp_directory_path() / "moestream_st_XXXXXX").string();
-    ASSERT_NE(::mkdtemp(tmpl.data()), nullptr);
-    dir_ = tmpl;
-  }
-  void TearDown() override { fs::remove_all(dir_); }
-
-  std::string path(const std::string& name) const { return (fs::path(dir_) / name).string(); }
-
   // A file with the given header text (not checked) and data section.
   std::string write_raw(const std::string& name, const std::string& header,
                         const std::string& data = "", std::optional<uint64_t> len = {}) {
@@ -37,31 +29,11 @@ class SafetensorsTest : public ::testing::Test {
     out << header << data;
     return p;
   }
-  std::string write_text(const std::string& name, const std::string& text) {
-    std::string p = path(name);
-    std::ofstream(p, std::ios::binary) << text;
-    return p;
-  }
-
-  std::string dir_;
+  std::string write_text(const std::string& name, const std::string& text) { return write(name, text); }
 };
 
-// The message of the Error that f throws; a failure when it throws nothing.
-template <class F>
-std::string error_of(F&& f) {
-  try {
-    f();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  ADD_FAILURE() << "expected moestream::Error";
-  return "";
-}
-
-void expect_contains(const std::string& msg, std::initializer_list<std::string> parts) {
-  for (const auto& part : parts)
-    EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg << "\nmissing: " << part;
-}
+using test::error_of;
+using test::expect_contains;
 
 std::string bytes_of(const TensorView& t) {
   return std::string(static_cast<const char*>(t.data), t.nbytes);

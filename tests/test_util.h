@@ -1,4 +1,5 @@
-// Helpers shared by the tests: paths of the fixtures and running the moestream binary.
+// Helpers shared by the tests: paths and discovery of the fixtures, running the moestream binary,
+// errors and temp dirs.
 #pragma once
 
 #include <sys/wait.h>
@@ -15,31 +16,23 @@
 #include <string>
 #include <vector>
 
+#include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
 #include "backend/cpu/kernels.h"
+#include "core/error.h"
 #include "io/npy.h"
+#include "models/model.h"
 
 namespace moestream::test {
 
-inline std::string source_dir() { return MOESTREAM_SOURCE_DIR; }
-inline std::string fixture(const std::string& rel) { return source_dir() + "/tests/fixtures/" + rel; }
-
-inline std::string read_file(const std::string& path);
-
-// Fixture directories under tests/fixtures/models with reference logits, in a given layout
-// ("hub": Hugging Face safetensors, "mlx": mlx-community quantized).
-inline std::vector<std::string> model_fixtures(const std::string& layout = "hub") {
-  std::vector<std::string> dirs;
-  for (const auto& e : std::filesystem::directory_iterator(fixture("models"))) {
-    if (!std::filesystem::exists(e.path() / "ref_logits.npy")) continue;
-    const std::string ref = read_file((e.path() / "ref.json").string());
-    const bool mlx = ref.find("\"layout\": \"mlx\"") != std::string::npos;
-    if (mlx == (layout == "mlx")) dirs.push_back(e.path().string());
-  }
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
+// The checkout whose fixtures the tests read: $MOESTREAM_SOURCE_DIR when set (a binary built
+// elsewhere, as the GPU tests are), else the one this binary was built from.
+inline std::string source_dir() {
+  const char* env = std::getenv("MOESTREAM_SOURCE_DIR");
+  return env && *env ? env : MOESTREAM_SOURCE_DIR;
 }
+inline std::string fixture(const std::string& rel) { return source_dir() + "/tests/fixtures/" + rel; }
 
 inline std::string read_file(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -47,6 +40,81 @@ inline std::string read_file(const std::string& path) {
   ss << in.rdbuf();
   return ss.str();
 }
+
+// Every fixture directory with transformers reference logits (ref.json and ref_logits.npy, from
+// the tools/make_*fixtures.py scripts) under tests/fixtures/models and tests/fixtures/families,
+// sorted: what the parity suites (tests/parity_test.cpp, tests/gpu/fixtures_test.cpp) run on.
+inline std::vector<std::string> reference_fixtures() {
+  std::vector<std::string> dirs;
+  for (const char* group : {"models", "families"})
+    for (const auto& e : std::filesystem::directory_iterator(fixture(group)))
+      if (std::filesystem::exists(e.path() / "ref.json") && std::filesystem::exists(e.path() / "ref_logits.npy"))
+        dirs.push_back(e.path().string());
+  std::sort(dirs.begin(), dirs.end());
+  return dirs;
+}
+
+// The reference fixtures under tests/fixtures/models in a given layout ("hub": Hugging Face
+// safetensors, "mlx": mlx-community quantized).
+inline std::vector<std::string> model_fixtures(const std::string& layout = "hub") {
+  std::vector<std::string> dirs;
+  for (const std::string& dir : reference_fixtures()) {
+    if (std::filesystem::path(dir).parent_path().filename() != "models") continue;
+    const std::string ref = read_file(dir + "/ref.json");
+    const bool mlx = ref.find("\"layout\": \"mlx\"") != std::string::npos;
+    if (mlx == (layout == "mlx")) dirs.push_back(dir);
+  }
+  return dirs;
+}
+
+// The message of the moestream::Error that f throws; a test failure when it throws none.
+template <class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  ADD_FAILURE() << "expected moestream::Error";
+  return "";
+}
+
+// Each of `parts` occurs in `msg`.
+inline void expect_contains(const std::string& msg, const std::vector<std::string>& parts) {
+  for (const auto& part : parts)
+    EXPECT_NE(msg.find(part), std::string::npos) << "message: " << msg << "\nmissing: " << part;
+}
+
+// A number as "%.2e" writes it, for RecordProperty.
+inline std::string sci(double x) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2e", x);
+  return buf;
+}
+
+// A new directory of its own under the temp dir (mkdtemp), named <prefix>XXXXXX.
+inline std::string unique_temp_dir(const std::string& prefix) {
+  std::string tmpl = (std::filesystem::temp_directory_path() / (prefix + "XXXXXX")).string();
+  if (!::mkdtemp(tmpl.data())) ADD_FAILURE() << "mkdtemp " << tmpl << " failed";
+  return tmpl;
+}
+
+// A test with a fresh directory of its own (dir_), removed after the test.
+class TempDirTest : public ::testing::Test {
+ protected:
+  void SetUp() override { dir_ = unique_temp_dir("moestream_test_"); }
+  void TearDown() override { std::filesystem::remove_all(dir_); }
+
+  std::string path(const std::string& name) const { return dir_ + "/" + name; }
+  // Writes `bytes` to path(name); returns that path.
+  std::string write(const std::string& name, const std::string& bytes) const {
+    const std::string p = path(name);
+    std::ofstream(p, std::ios::binary) << bytes;
+    return p;
+  }
+
+  std::string dir_;
+};
 
 // A fresh empty directory under the test temp dir.
 inline std::string temp_dir(const std::string& name) {
@@ -108,6 +176,14 @@ inline Reference load_reference(const std::string& dir) {
   r.greedy_tokens = j["greedy_tokens"].get<std::vector<int32_t>>();
   r.logits = read_npy_f32(dir + "/ref_logits.npy");
   return r;
+}
+
+// The logits of every position of `ids` through one prefill.
+inline std::vector<float> prefill_logits(Model& model, const std::vector<int32_t>& ids) {
+  std::vector<float> logits(ids.size() * size_t(model.info().vocab_size));
+  auto seq = model.new_sequence(int64_t(ids.size()));
+  model.forward(ids, *seq, logits);
+  return logits;
 }
 
 // n normal samples (mean 0, standard deviation sigma) from a fixed seed.

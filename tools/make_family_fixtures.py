@@ -26,6 +26,7 @@ import torch
 import transformers
 
 import make_fixtures as base
+import parity_tolerances
 
 MAX_PARAMS = 3_000_000
 
@@ -140,6 +141,7 @@ def make_one(model_type, kwargs, out_root, seed):
                        logit_tokens=logit_tokens, prompt_tokens=prompt, greedy_tokens=gen,
                        greedy_min_top2_gap=min_gap, eos_token_ids=[unused[0]],
                        files=sorted(os.listdir(out_dir))), f, indent=1)
+    parity_tolerances.write(out_dir, model_type, len(logit_tokens))
     print(f"{name}: {n_params} params, logits {logits.shape}, greedy {gen[:6]}..., "
           f"min gap {min_gap:.4f}, reload diff {diff:.1e}")
 

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 import transformers
 from safetensors.torch import save_file
+import parity_tolerances
 
 N_LOGIT_TOKENS = 40
 N_PROMPT = 8
@@ -212,6 +213,8 @@ def make_one(spec, out_root, seed):
         files=sorted(os.listdir(out_dir)))
     with open(os.path.join(out_dir, "ref.json"), "w") as f:
         json.dump(ref, f, indent=1)
+    # Streaming on these is tests/expert_store_test.cpp's (every budget, policy and I/O mode).
+    parity_tolerances.write(out_dir, "qwen3_moe", len(logit_tokens), streaming=False)
     print(f"{name}: logits {logits.shape}, greedy {gen[:6]}..., min gap {min_gap:.4f}, "
           f"reload diff {diff:.2e}, files {ref['files']}")
 

@@ -65,6 +65,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_family_fixtures as fam  # noqa: E402  make_config (rope_parameters, eager attention)
 import make_fixtures as base  # noqa: E402  randomize_, greedy
 import make_quant_fixtures as quant  # noqa: E402  mlx_quantize, bf16 helpers
+import parity_tolerances  # noqa: E402  parity.json beside ref.json
 
 MAX_PARAMS = 1_000_000
 
@@ -515,6 +516,7 @@ def make_one(spec, out_root, seed):
                        greedy_tokens=gen, greedy_min_top2_gap=min_gap,
                        eos_token_ids=[unused[0]], files=sorted(os.listdir(out_dir))),
                   f, indent=1)
+    parity_tolerances.write(out_dir, text_config(config).model_type, len(logit_tokens))
     size = sum(os.path.getsize(os.path.join(out_dir, f)) for f in os.listdir(out_dir))
     return (f"{n_params} params, logits {logits.shape}, greedy {gen[:6]}..., "
             f"min gap {min_gap:.4f}, reload diff {diff:.1e}, {size / 1e3:.0f} kB, {extra}")

@@ -31,6 +31,7 @@ import transformers
 from safetensors.torch import save_file
 
 import make_fixtures as base
+import parity_tolerances
 
 PPL_CTX = 64
 PPL_CHUNKS = 3
@@ -177,6 +178,9 @@ def mlx_fixture(name, cfg, default_bits, default_group, overrides, out_root, see
                        logit_tokens=logit_tokens, prompt_tokens=prompt, greedy_tokens=gen,
                        greedy_min_top2_gap=min_gap, eos_token_ids=[unused[0]],
                        files=sorted(os.listdir(out_dir))), f, indent=1)
+    # int8 activations on the fixture whose routing margins allow them (no near-tie flips).
+    parity_tolerances.write(out_dir, "qwen3_moe", len(logit_tokens), streaming=False,
+                            int8_activations=name == "qwen3moe_mlx_q4_router8")
     print(f"{name}: logits {logits.shape}, greedy {gen[:6]}..., min gap {min_gap:.4f}, "
           f"{len(tensors)} tensors, quantization {quant_cfg}")
 

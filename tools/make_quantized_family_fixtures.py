@@ -64,6 +64,7 @@ from safetensors.torch import load_file, save_file
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_family_fixtures as fam  # noqa: E402
 import make_fixtures as base  # noqa: E402
+import parity_tolerances  # noqa: E402  parity.json beside ref.json
 
 # E2M1 code -> value; code bit 3 is the sign.
 FP4_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
@@ -373,6 +374,7 @@ def make_one(name, spec, out_root, seed):
         files=sorted(os.listdir(out_dir)) + ["ref.json"])
     with open(os.path.join(out_dir, "ref.json"), "w") as f:
         json.dump(ref, f, indent=1)
+    parity_tolerances.write(out_dir, spec["model_type"], len(logit_tokens))
     size = sum(os.path.getsize(os.path.join(out_dir, p)) for p in os.listdir(out_dir))
     print(f"{name}_tiny: {n_params} params, {size / 1e6:.2f} MB, greedy {gen[:6]}..., "
           f"min gap {min_gap:.4f}, bf16 rounding {ref['bf16_rounding_max_rel_diff']:.1e}, "

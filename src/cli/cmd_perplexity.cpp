@@ -16,6 +16,7 @@
 #include "cli/cli.h"
 #include "core/dtype.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "text/tokenizer.h"
 
 namespace moestream::cli {
@@ -56,12 +57,9 @@ void add_perplexity(CLI::App& app) {
   cmd->add_option("--kl-save", f->kl_save, "Store the log-probabilities of every scored position");
   cmd->add_option("--kl-base", f->kl_base, "Report KL divergence and top-1 agreement against a --kl-save file");
   cmd->callback([f] {
-    std::ifstream in(f->file, std::ios::binary);
-    if (!in) fail(f->file, ": cannot open for reading");
-    std::ostringstream ss;
-    ss << in.rdbuf();
+    const std::string text = read_file(f->file);
     auto tok = Tokenizer::load(ensure_pack(f->model.dir, f->model.options.cache_dir));
-    const std::vector<int32_t> ids = tok->encode(ss.str());
+    const std::vector<int32_t> ids = tok->encode(text);
     const int64_t ctx = f->model.ctx > 0 ? f->model.ctx : 512;  // -c: tokens per window
     int64_t windows = (int64_t(ids.size()) - 1) / ctx;
     if (f->chunks > 0) windows = std::min<int64_t>(windows, f->chunks);

@@ -6,6 +6,7 @@
 
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "text/chat_template.h"
 
 namespace moestream::cli {
@@ -13,12 +14,10 @@ namespace moestream::cli {
 namespace {
 
 nlohmann::ordered_json read_json_file(const std::string& path, const std::string& flag) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(flag, ": ", path, ": cannot open for reading");
-  std::ostringstream ss;
-  ss << in.rdbuf();
+  std::optional<std::string> text = try_read_file(path);
+  if (!text) fail(flag, ": ", path, ": cannot open for reading");
   try {
-    return nlohmann::ordered_json::parse(ss.str());
+    return nlohmann::ordered_json::parse(*text);
   } catch (const std::exception& e) {
     fail(flag, ": ", path, ": not valid JSON: ", e.what());
   }

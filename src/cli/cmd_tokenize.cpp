@@ -6,6 +6,7 @@
 
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "text/tokenizer.h"
 
 namespace moestream::cli {
@@ -23,13 +24,7 @@ void add_tokenize(CLI::App& app) {
   tok->callback([f, text, file] {
     if (!*text && !*file) fail("tokenize: give --text or --file");
     std::string input = f->text;
-    if (*file) {
-      std::ifstream in(f->file, std::ios::binary);
-      if (!in) fail(f->file, ": cannot open for reading");
-      std::ostringstream ss;
-      ss << in.rdbuf();
-      input = ss.str();
-    }
+    if (*file) input = read_file(f->file);
     auto t = Tokenizer::load(f->dir);
     std::printf("%s\n", nlohmann::json(t->encode(input)).dump().c_str());
   });

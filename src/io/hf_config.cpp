@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "core/files.h"
 
 namespace moestream {
 
@@ -108,27 +109,6 @@ Found find_field(const Json& obj, const std::string& field, const std::string& p
   return found;
 }
 
-std::string read_text_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MS_CHECK_SYS(fd >= 0, "open", path);
-  std::string text;
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int e = errno;
-      ::close(fd);
-      errno = e;
-      MS_CHECK_SYS(false, "read", path);
-    }
-    if (n == 0) break;
-    text.append(buf, size_t(n));
-  }
-  ::close(fd);
-  return text;
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
@@ -140,7 +120,7 @@ HfConfig::HfConfig(nlohmann::json json, std::string path)
 }
 
 HfConfig HfConfig::load(const std::string& path) {
-  std::string text = read_text_file(path);
+  std::string text = read_file(path);
   Json parsed;
   try {
     parsed = Json::parse(text);

@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "core/tensor.h"
 
 namespace moestream {
@@ -38,27 +39,6 @@ std::string tuple_str(const std::vector<int64_t>& shape) {
   std::string s = "(";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + (shape.size() == 1 ? ",)" : ")");
-}
-
-std::string read_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  MS_CHECK_SYS(fd >= 0, "open", path);
-  std::string bytes;
-  char buf[1 << 16];
-  for (;;) {
-    ssize_t n = ::read(fd, buf, sizeof buf);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int e = errno;
-      ::close(fd);
-      errno = e;
-      MS_CHECK_SYS(false, "read", path);
-    }
-    if (n == 0) break;
-    bytes.append(buf, size_t(n));
-  }
-  ::close(fd);
-  return bytes;
 }
 
 // The header dict: a Python literal with string keys and values that are strings, booleans or

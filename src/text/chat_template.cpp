@@ -7,6 +7,7 @@
 
 #include "core/error.h"
 #include "text/limits.h"
+#include "core/files.h"
 
 namespace moestream {
 
@@ -15,12 +16,9 @@ namespace {
 using nlohmann::ordered_json;
 
 bool read_text(const std::string& path, std::string& out) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return false;
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  out = ss.str();
-  return true;
+  std::optional<std::string> text = try_read_file(path);
+  if (text) out = std::move(*text);
+  return bool(text);
 }
 
 // transformers' SPECIAL_TOKENS_ATTRIBUTES; values are strings or AddedToken dicts ({"content": ...}).

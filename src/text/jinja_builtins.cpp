@@ -404,29 +404,7 @@ Value f_float(Interp&, const Value& v, Args& a) {
 
 Value f_format(Interp&, const Value& v, Args& a) {
   // value % args (jinja2: soft_str(value) % (kwargs or args); keyword formatting is not supported)
-  std::string f = to_str(v);
-  const std::vector<Value>& vals = a.pos;
-  std::string r;
-  size_t k = 0;
-  for (size_t i = 0; i < f.size(); ++i) {
-    if (f[i] != '%' || i + 1 >= f.size()) {
-      r += f[i];
-      continue;
-    }
-    char t = f[++i];
-    if (t == '%') {
-      r += '%';
-      continue;
-    }
-    if (k >= vals.size()) throw_error("TypeError", "not enough arguments for format string");
-    const Value& x = vals[k++];
-    if (t == 's') r += to_str(x);
-    else if (t == 'r') r += to_repr(x);
-    else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? float_to_int(x.real()) : x.as_int());
-    else throw_error("TypeError", "unsupported format character");
-  }
-  if (k < vals.size()) throw_error("TypeError", "not all arguments converted during string formatting");
-  return Value(r);
+  return Value(percent_format(to_str(v), a.pos, true));
 }
 
 Value f_indent(Interp&, const Value& v, Args& a) {

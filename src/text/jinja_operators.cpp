@@ -169,29 +169,7 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
     return unsupported();
   }
   if (op == "%" && a.is_string()) {
-    // printf-style formatting: %s, %r, %d, %i, %%.
-    std::vector<Value> vals = b.is_list() ? b.list() : std::vector<Value>{b};
-    std::string r;
-    const std::string& f = a.str();
-    size_t k = 0;
-    for (size_t i = 0; i < f.size(); ++i) {
-      if (f[i] != '%' || i + 1 >= f.size()) {
-        r += f[i];
-        continue;
-      }
-      char t = f[++i];
-      if (t == '%') {
-        r += '%';
-        continue;
-      }
-      if (k >= vals.size()) throw_error("TypeError", "not enough arguments for format string");
-      const Value& v = vals[k++];
-      if (t == 's') r += to_str(v);
-      else if (t == 'r') r += to_repr(v);
-      else if ((t == 'd' || t == 'i') && v.is_number()) r += std::to_string(v.is_float() ? float_to_int(v.real()) : v.as_int());
-      else throw_error("TypeError", "unsupported format character");
-    }
-    return Value(std::move(r));
+    return Value(percent_format(a.str(), b.is_list() ? b.list() : std::vector<Value>{b}, false));
   }
   return unsupported();
 }

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdio>
 
+#include "text/jinja_interp.h"  // float_to_int
 #include "text/jinja_value.h"
 #include "text/limits.h"
 
@@ -258,22 +259,28 @@ bool py_isspace(char32_t c) {
   return cat == UTF8PROC_CATEGORY_ZS || cat == UTF8PROC_CATEGORY_ZL || cat == UTF8PROC_CATEGORY_ZP;
 }
 
-void append_cp(std::string& out, char32_t cp) {
-  if (cp < 0x80) {
-    out += static_cast<char>(cp);
-  } else if (cp < 0x800) {
-    out += static_cast<char>(0xC0 | (cp >> 6));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else if (cp < 0x10000) {
-    out += static_cast<char>(0xE0 | (cp >> 12));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
-  } else {
-    out += static_cast<char>(0xF0 | (cp >> 18));
-    out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
-    out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
-    out += static_cast<char>(0x80 | (cp & 0x3F));
+std::string percent_format(const std::string& f, const std::vector<Value>& args, bool all_used) {
+  std::string r;
+  size_t k = 0;
+  for (size_t i = 0; i < f.size(); ++i) {
+    if (f[i] != '%' || i + 1 >= f.size()) {
+      r += f[i];
+      continue;
+    }
+    char t = f[++i];
+    if (t == '%') {
+      r += '%';
+      continue;
+    }
+    if (k >= args.size()) throw_error("TypeError", "not enough arguments for format string");
+    const Value& x = args[k++];
+    if (t == 's') r += to_str(x);
+    else if (t == 'r') r += to_repr(x);
+    else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? float_to_int(x.real()) : x.as_int());
+    else throw_error("TypeError", "unsupported format character");
   }
+  if (all_used && k < args.size()) throw_error("TypeError", "not all arguments converted during string formatting");
+  return r;
 }
 
 // ---- str() / repr() ----

@@ -15,6 +15,8 @@
 #include <variant>
 #include <vector>
 
+#include "core/strings.h"
+
 namespace moestream::jinja {
 
 struct Value;
@@ -143,6 +145,9 @@ bool less(const Value& a, const Value& b);
 
 std::string to_str(const Value& v);   // Python str(); Undefined -> ""
 std::string to_repr(const Value& v);  // Python repr()
+// Python's printf-style `f % args` for %s, %r, %d, %i and %%; with all_used, arguments left over
+// are a TypeError too (the format filter's rule; the % operator does not check it).
+std::string percent_format(const std::string& f, const std::vector<Value>& args, bool all_used);
 std::string float_repr(double d);
 std::string str_repr(std::string_view s);
 
@@ -162,6 +167,6 @@ size_t cp_count(std::string_view s);
 std::vector<std::string_view> cp_split(std::string_view s);
 bool py_isspace(char32_t c);
 char32_t decode(std::string_view s, size_t& i);  // next code point; advances i (tolerates bad UTF-8)
-void append_cp(std::string& out, char32_t cp);
+inline void append_cp(std::string& out, char32_t cp) { append_utf8(out, cp); }
 
 }  // namespace moestream::jinja

@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "text/tokenizer_added_tokens.h"
 #include "text/tokenizer_components.h"
 #include "text/tokenizer_file.h"
@@ -21,14 +22,6 @@ namespace {
 
 using nlohmann::json;
 namespace fs = std::filesystem;
-
-std::string read_file(const fs::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path.string(), ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
 
 json parse_json_file(const fs::path& path) {
   std::string text = read_file(path);

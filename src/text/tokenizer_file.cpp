@@ -5,6 +5,7 @@
 
 #include "core/error.h"
 #include "text/limits.h"
+#include "core/files.h"
 
 namespace moestream::tok {
 
@@ -181,11 +182,7 @@ class Reader {
 }  // namespace
 
 TokenizerFile read_tokenizer_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) fail(path, ": cannot open");
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  std::string text = std::move(ss).str();
+  std::string text = read_file(path);
 
   TokenizerFile file;
   file.tables.vocab.reserve(text.size() / 64);

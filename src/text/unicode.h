@@ -9,6 +9,8 @@
 #include <string>
 #include <string_view>
 
+#include "core/strings.h"
+
 namespace moestream::unicode {
 
 // Byte offset of the first invalid UTF-8 sequence (overlong forms, surrogates and code points
@@ -27,7 +29,7 @@ std::string to_valid_utf8(std::string_view text);
 // Decodes the code point starting at text[pos] and advances pos. Meant for valid UTF-8; a lead
 // byte whose sequence the text cuts off comes back alone, so pos never passes the end.
 char32_t next_code_point(std::string_view text, size_t& pos);
-void append_utf8(std::string& out, char32_t cp);
+using ::moestream::append_utf8;  // core/strings.h
 
 // Largest n <= text.size() such that text[0, n) does not end inside a multi-byte character
 // whose lead byte lies at or after `from`. Bytes that can never complete (stray continuation

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 
@@ -17,23 +16,6 @@
 
 namespace moestream {
 namespace {
-
-// The fixtures of this checkout ($MOESTREAM_SOURCE_DIR when the binary was built elsewhere).
-std::string fixture_root() {
-  const char* env = std::getenv("MOESTREAM_SOURCE_DIR");
-  return std::string(env && *env ? env : MOESTREAM_SOURCE_DIR) + "/tests/fixtures/";
-}
-
-std::vector<std::string> fixture_dirs() {
-  std::vector<std::string> dirs;
-  for (const char* group : {"models", "families"})
-    for (const auto& e : std::filesystem::directory_iterator(fixture_root() + group))
-      if (std::filesystem::exists(e.path() / "ref.json") &&
-          test::read_file((e.path() / "ref.json").string()).find("\"logit_tokens\"") != std::string::npos)
-        dirs.push_back(e.path().string());
-  std::sort(dirs.begin(), dirs.end());
-  return dirs;
-}
 
 std::string cache_dir() {
   static const std::string dir = test::temp_dir("gpu-cache");
@@ -114,7 +96,7 @@ TEST_P(Fixture, CudaMatchesCpuPrecise) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(All, Fixture, ::testing::ValuesIn(fixture_dirs()), [](const auto& info) {
+INSTANTIATE_TEST_SUITE_P(All, Fixture, ::testing::ValuesIn(test::reference_fixtures()), [](const auto& info) {
   std::string name = std::filesystem::path(info.param).filename().string();
   std::replace_if(name.begin(), name.end(), [](char c) { return !std::isalnum(static_cast<unsigned char>(c)); }, '_');
   return name;
