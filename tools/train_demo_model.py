@@ -52,6 +52,7 @@ for cand in (HERE, os.path.join(HERE, "..", "tools")):
     if os.path.exists(os.path.join(cand, "make_next_fixtures.py")):
         sys.path.insert(0, cand)
 import make_next_fixtures as nxt  # noqa: E402  write_mlx (MLX layout), greedy, kernel_report
+import parity_tolerances  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -428,6 +429,7 @@ def export(model, args, tokdir, ids, vocab, held_ids, dev, timings, out, dry=Fal
                        greedy_min_top2_gap=gap, greedy_tokens_bf16=gen_bf16,
                        greedy_min_top2_gap_bf16=gap_bf16, eos_token_ids=sorted(stops)),
                   f, indent=1)
+    parity_tolerances.write(ref_dir, "qwen3_5_moe_text", len(logit_tokens))  # the checks tests/parity_test.cpp makes
     with open(os.path.join(ref_dir, "perplexity.json"), "w") as f:
         json.dump(dict(file="heldout.txt", ctx=512, tokens=len(held_ids), windows=len(nll_deq),
                        ppl_dequantized=ppl(nll_deq), ppl_bf16=ppl(nll_bf16),
