@@ -11,10 +11,10 @@
 #include "backend/backend.h"
 #include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
+#include "backend/expert_source.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/thread_pool.h"
-#include "experts/expert_store.h"
 
 namespace moestream {
 
@@ -238,7 +238,7 @@ class CpuBackend final : public Backend {
     expert_mlp(x, w, MoeParams{}, out);
   }
 
-  void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p,
+  void moe(const Buffer& x, const Matrix& router, ExpertSource& store, const MoeParams& p,
            Buffer& out) override {
     const int64_t T = x.rows, dim = x.cols;
     auto t_start = std::chrono::steady_clock::now();

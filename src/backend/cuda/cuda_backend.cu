@@ -5,7 +5,7 @@
 //  - every expert of L resident in VRAM: route -> group -> expert kernels -> combine, all on the
 //    GPU with no host round trip (the kernels find weights through the device table);
 //  - otherwise the chosen ids come back to the host; resident experts (hits) are launched at once,
-//    and the misses are requested from the ExpertStore (its pinned slots are the host tier; it
+//    and the misses are requested from the ExpertSource (its pinned slots are the host tier; it
 //    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
 //    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
 //    rest of layer L is fetched along so that later calls take the first path.
@@ -25,8 +25,8 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/linear.h"
 #include "backend/cuda/moe.h"
+#include "backend/expert_source.h"
 #include "core/quant.h"
-#include "experts/expert_store.h"
 
 namespace moestream {
 
@@ -336,7 +336,7 @@ class CudaBackend final : public Backend {
     op_done();
   }
 
-  void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p, Buffer& out) override;
+  void moe(const Buffer& x, const Matrix& router, ExpertSource& store, const MoeParams& p, Buffer& out) override;
 
   GpuLimits measure_limits() {
     MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
@@ -524,7 +524,7 @@ class CudaBackend final : public Backend {
   // are released, and the copy time counted, by settle_copies() at the next miss call, before it
   // asks the store for anything (a store releases by its current layer).
   cudaEvent_t copies_end_ = nullptr;
-  ExpertStore* unsettled_store_ = nullptr;
+  ExpertSource* unsettled_store_ = nullptr;
   std::vector<int> unsettled_;
   bool unsettled_timing_ = false;
   void settle_copies() {
@@ -711,7 +711,7 @@ void CudaBackend::load_expert(int layer, int expert, const MlpWeights& w, int sl
   stats_.bytes_h2d += bytes;
 }
 
-void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p, Buffer& out) {
+void CudaBackend::moe(const Buffer& x, const Matrix& router, ExpertSource& store, const MoeParams& p, Buffer& out) {
   const int64_t T = x.rows, dim = x.cols;
   const int K = p.top_k, E = p.n_experts, layer = p.layer;
   if (T == 0) return;
