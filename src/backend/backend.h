@@ -141,6 +141,20 @@ struct DeltaNetState {
   Buffer recurrent;  // [n_v_heads * k_head_dim, v_head_dim]: S of each value head
 };
 
+// The argument checks of the Backend operations that every backend shares; each fails naming the
+// tensor or the operation. load_matrix: t is a 2-D F32, BF16 or F16 tensor.
+void check_matrix_tensor(const TensorView& t);
+// load_vector: t is a 1-D F32, BF16 or F16 tensor.
+void check_vector_tensor(const TensorView& t);
+// load_quantized: checks the tensors against f (Backend::load_quantized's layouts; FP8 takes no
+// biases, MXFP4 is refused: it reaches a backend only as a routed expert's view) and returns the
+// Matrix over the tensors' own memory, for the backend to use in place or copy.
+Matrix quantized_matrix_view(const TensorView& words, const TensorView& scales, const TensorView& biases,
+                             const QuantFormat& f);
+// copy_rows: same cols, 0 <= rows <= both buffers' rows, and no overlap of the rows copied.
+void check_copy_rows(const Buffer& src, const Buffer& dst, int64_t rows);
+// embed: out holds a row of table.cols per token, and every token id is a row of table.
+void check_embed_args(std::span<const int32_t> tokens, const Matrix& table, const Buffer& out);
 // Fails naming the mismatch unless the cache has room for q's T new positions after p.n_past and
 // k, v and the caches have the widths p's heads give (v unused when p.values_in_keys). Every
 // backend's attention() checks its arguments with it.

@@ -138,52 +138,29 @@ class CudaBackend final : public Backend {
   // --- memory --------------------------------------------------------------------------------
 
   Matrix load_matrix(const TensorView& t) override {
-    if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
-    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
-      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");
+    check_matrix_tensor(t);
     Matrix m{t.name, t.dtype, upload(t.data, size_t(t.numel()) * dtype_size(t.dtype)), t.shape[0], t.shape[1]};
     return m;
   }
 
   Matrix load_quantized(const TensorView& words, const TensorView& scales, const TensorView& biases,
                         const QuantFormat& f) override {
+    Matrix m = quantized_matrix_view(words, scales, biases, f);
     if (f.scheme == QuantScheme::Fp8) {
       // FP8: one E4M3 byte per weight, a float32 scale per group of columns (the last partial).
-      if (words.dtype != DType::F8_E4M3 || words.shape.size() != 2)
-        fail("tensor ", words.name, ": FP8 weights must be an F8_E4M3 matrix, found ", dtype_name(words.dtype), " ",
-             shape_str(words.shape));
-      if (biases.data) fail("tensor ", words.name, ": FP8 weights have no biases, found ", biases.name);
-      const int64_t rows = words.shape[0], cols = words.shape[1];
-      check_quant_shape(f, cols, words.name);
-      check_tensor(scales, DType::F32, {rows, quant_groups_per_row(f, cols)});
-      Matrix m{words.name, DType::F8_E4M3, upload(words.data, size_t(words.numel())), rows, cols};
-      m.quant = f;
+      m.data = upload(words.data, size_t(words.numel()));
       m.scales = upload(scales.data, size_t(scales.numel()) * sizeof(float));
-      format_of(m);  // refuses what the kernels cannot read, naming the tensor
-      return m;
+    } else {  // MLX affine: BF16/F16 scales and biases
+      m.data = upload(words.data, size_t(words.numel()) * 4);
+      m.scales = upload(scales.data, size_t(scales.numel()) * 2);
+      m.biases = upload(biases.data, size_t(biases.numel()) * 2);
     }
-    // MLX affine (BF16/F16 scales and biases). MXFP4 matrices reach a backend only as routed
-    // experts (ExpertStore views), never through here.
-    if (f.scheme != QuantScheme::Affine)
-      fail("tensor ", words.name, ": load_quantized takes MLX affine or FP8 matrices, not ", quant_format_name(f));
-    if (words.dtype != DType::U32 || words.shape.size() != 2)
-      fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ", dtype_name(words.dtype), " ",
-           shape_str(words.shape));
-    const int64_t rows = words.shape[0], cols = words.shape[1] * 32 / f.bits;
-    check_quant_shape(f, cols, words.name);
-    const std::vector<int64_t> groups{rows, cols / f.group_size};
-    check_tensor(scales, f.scale_dtype, groups);
-    check_tensor(biases, f.scale_dtype, groups);
-    Matrix m{words.name, DType::U32, upload(words.data, size_t(words.numel()) * 4), rows, cols};
-    m.quant = f;
-    m.scales = upload(scales.data, size_t(scales.numel()) * 2);
-    m.biases = upload(biases.data, size_t(biases.numel()) * 2);
     format_of(m);  // refuses what the kernels cannot read, naming the tensor
     return m;
   }
 
   Vector load_vector(const TensorView& t) override {
-    if (t.shape.size() != 1) fail("tensor ", t.name, ": expected a vector, found shape ", shape_str(t.shape));
+    check_vector_tensor(t);
     std::vector<float> v(size_t(t.shape[0]));
     for (int64_t i = 0; i < t.shape[0]; ++i) v[size_t(i)] = to_f32(t, i);
     return Vector{t.name, static_cast<const float*>(upload(v.data(), v.size() * sizeof(float))), t.shape[0]};
@@ -213,12 +190,9 @@ class CudaBackend final : public Backend {
   }
 
   void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
-    if (src.cols != dst.cols || rows < 0 || rows > src.rows || rows > dst.rows)
-      fail("copy_rows: ", rows, " rows from a [", src.rows, ", ", src.cols, "] buffer into a [", dst.rows, ", ",
-           dst.cols, "] one");
+    check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
     if (n == 0) return;
-    if (src.data < dst.data + n && dst.data < src.data + n) fail("copy_rows: source and destination overlap");
     MS_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, n * sizeof(float), cudaMemcpyDeviceToDevice, compute_));
   }
 
@@ -228,8 +202,7 @@ class CudaBackend final : public Backend {
   // --- operations ----------------------------------------------------------------------------
 
   void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) override {
-    for (int32_t t : tokens)
-      if (t < 0 || t >= table.rows) fail("token id ", t, " out of range [0, ", table.rows, ")");
+    check_embed_args(tokens, table, out);
     const int64_t T = int64_t(tokens.size());
     if (T == 0) return;
     int32_t* host = staging<int32_t>(0, size_t(T));
