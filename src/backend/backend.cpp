@@ -41,7 +41,7 @@ Matrix quantized_matrix_view(const TensorView& words, const TensorView& scales, 
     m.scales = scales.data;
     return m;
   }
-  // MXFP4 matrices reach a backend only as routed experts (ExpertSource views), never through here.
+  // MXFP4 matrices reach a backend only as routed experts (ExpertProvider views), never through here.
   if (f.scheme != QuantScheme::Affine)
     fail("tensor ", words.name, ": load_quantized takes MLX affine or FP8 matrices, not ", quant_format_name(f));
   if (words.dtype != DType::U32 || words.shape.size() != 2)

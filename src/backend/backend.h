@@ -22,7 +22,7 @@
 namespace moestream {
 
 class ThreadPool;
-class ExpertSource;  // backend/expert_source.h
+class ExpertProvider;  // backend/expert_provider.h
 
 // A weight matrix W (out, in) in its stored format, as the backend will read it.
 // Plain: dtype F32/BF16/F16, data rows*cols elements.
@@ -100,7 +100,7 @@ struct MoeParams {
   int n_experts = 0, top_k = 0;
   RouterKind router = RouterKind::SoftmaxTopK;
   bool norm_topk_prob = false;  // renormalize the k selected weights to sum to 1
-  int layer = 0;                // for ExpertSource::request
+  int layer = 0;                // for ExpertProvider::request
   const Vector* router_bias = nullptr;  // SigmoidGroupTopK: e_score_correction_bias; TopKSoftmax: logit bias
   int n_group = 1, topk_group = 1;      // SigmoidGroupTopK: experts in n_group groups, keep topk_group
   float routed_scaling_factor = 1.0f;   // multiplies the final routing weights
@@ -210,8 +210,8 @@ class Backend {
   // out = dense SwiGLU MLP of x
   virtual void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) = 0;
   // out = sum over the routed experts of weight * expert(x); router (n_experts, dim). The
-  // experts' weights come from `experts` (request / next / release, backend/expert_source.h).
-  virtual void moe(const Buffer& x, const Matrix& router, ExpertSource& experts,
+  // experts' weights come from `experts` (request / next / release, backend/expert_provider.h).
+  virtual void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts,
                    const MoeParams& p, Buffer& out) = 0;
   // y[t, i] *= sigmoid(gate[t, i % gate.cols]): gate (T, y.cols) gates each element, gate (T, 1)
   // scales each row (the output gate of gated attention, the shared-expert gate).

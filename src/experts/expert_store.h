@@ -1,6 +1,6 @@
 // ExpertStore: the only path from model code to routed-expert weights, over a pack's expert
 // files with a bounded cache. It implements the request / next / release contract the backends
-// call (backend/expert_source.h); the model hands it to Backend::moe and reads its statistics.
+// call (backend/expert_provider.h); the model hands it to Backend::moe and reads its statistics.
 #pragma once
 
 #include <cstdint>
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "backend/backend.h"
-#include "backend/expert_source.h"
+#include "backend/expert_provider.h"
 
 namespace moestream {
 
@@ -33,7 +33,7 @@ struct ExpertStats {
   double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
 };
 
-class ExpertStore : public ExpertSource {
+class ExpertStore : public ExpertProvider {
  public:
   virtual ExpertStats stats() const = 0;
 };

@@ -11,7 +11,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
-#include "backend/expert_source.h"
+#include "backend/expert_provider.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/thread_pool.h"
@@ -205,7 +205,7 @@ class CpuBackend final : public Backend {
     expert_mlp(x, w, MoeParams{}, out);
   }
 
-  void moe(const Buffer& x, const Matrix& router, ExpertSource& store, const MoeParams& p,
+  void moe(const Buffer& x, const Matrix& router, ExpertProvider& store, const MoeParams& p,
            Buffer& out) override {
     const int64_t T = x.rows, dim = x.cols;
     auto t_start = std::chrono::steady_clock::now();

@@ -246,8 +246,8 @@ class CudaBackend final : public Backend {
     op_done();
   }
 
-  void moe(const Buffer& x, const Matrix& router, ExpertSource& source, const MoeParams& p, Buffer& out) override {
-    tier_->moe(x, router, source, p, out);
+  void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) override {
+    tier_->moe(x, router, experts, p, out);
   }
 
   GpuLimits measure_limits() { return probe_gpu_limits(compute_, gemm_, opt_.max_expert_bytes); }

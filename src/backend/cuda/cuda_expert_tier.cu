@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "backend/cuda/cuda_expert_tier.cuh"
-#include "backend/expert_source.h"
+#include "backend/expert_provider.h"
 #include "core/quant.h"
 
 namespace moestream::cuda {
@@ -223,13 +223,13 @@ void ExpertTier::settle_copies() {
     stats_.h2d_seconds += ms / 1e3;  // from the call's first copy's start to its last's end
     unsettled_timing_ = false;
   }
-  for (int e : unsettled_) unsettled_source_->release(e);
+  for (int e : unsettled_) unsettled_provider_->release(e);
   unsettled_.clear();
 }
 
 // --- the MoE layer -------------------------------------------------------------------------------
 
-void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertSource& source, const MoeParams& p, Buffer& out) {
+void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
   if (x.rows == 0) return;
   Call c = route(x, router, p, out);
   ScopedTimer compute(times_.expert_compute);
@@ -241,7 +241,7 @@ void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertSource& source
   HostGroups h = host_groups(c);
   split_hits_and_misses(c);
   launch_hits(c, h);
-  fetch_misses(c, h, source);
+  fetch_misses(c, h, experts);
   combine_through_host(c, h);
 }
 
@@ -404,9 +404,9 @@ void ExpertTier::launch_hits(Call& c, HostGroups& h) {
   }
 }
 
-// The misses (and, when the budget holds every expert, the rest of the layer) from the source
+// The misses (and, when the budget holds every expert, the rest of the layer) from the provider
 // into VRAM slots on the copy stream; the selected ones launch as one batch once all are in.
-void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertSource& source) {
+void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   const int E = c.E, layer = c.layer;
   std::vector<int>& request = request_;
   const size_t n_selected_misses = request.size();
@@ -418,9 +418,9 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertSource& source) {
         request.push_back(e);
   }
   settle_copies();
-  source.request(layer, request);
-  // The source may reuse a host slot once it is released, so a copy must finish first. Releases
-  // are batched: up to a quarter of the source's slots (all, when it is unbounded) wait for one
+  experts.request(layer, request);
+  // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
+  // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
   // synchronization of the copy stream.
   const double host_slot = double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
   const size_t max_deferred =
@@ -430,13 +430,13 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertSource& source) {
   auto release_deferred = [&]() {
     if (deferred.empty()) return;
     MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
-    for (int d : deferred) source.release(d);
+    for (int d : deferred) experts.release(d);
     deferred.clear();
   };
   size_t selected_loaded = 0;
   int e;
   MlpWeights w;
-  while (source.next(e, w)) {
+  while (experts.next(e, w)) {
     if (!tier_ready_) {
       const char* lo;
       const char* hi;
@@ -465,7 +465,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertSource& source) {
     MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
     unsettled_timing_ = true;
   }
-  unsettled_source_ = &source;
+  unsettled_provider_ = &experts;
   unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
   deferred.clear();
 }

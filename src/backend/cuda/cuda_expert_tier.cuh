@@ -1,11 +1,11 @@
 // The CUDA backend's expert tiers and its MoE layer (cuda_expert_tier.cu): routed experts in a
-// VRAM slot cache, fed from an ExpertSource whose host slots are pinned memory from PinnedPool.
+// VRAM slot cache, fed from an ExpertProvider whose host slots are pinned memory from PinnedPool.
 //
 // Per MoE call of layer L:
 //  - every expert of L resident in VRAM: route -> group -> expert kernels -> combine, all on the
 //    GPU with no host round trip (the kernels find weights through the device table);
 //  - otherwise the chosen ids come back to the host; resident experts (hits) are launched at once,
-//    and the misses are requested from the ExpertSource (its pinned slots are the host tier; it
+//    and the misses are requested from the ExpertProvider (its pinned slots are the host tier; it
 //    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
 //    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
 //    rest of layer L is fetched along so that later calls take the first path.
@@ -88,7 +88,7 @@ class ExpertTier {
   ExpertTier& operator=(const ExpertTier&) = delete;
 
   // Backend::moe.
-  void moe(const Buffer& x, const Matrix& router, ExpertSource& source, const MoeParams& p, Buffer& out);
+  void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out);
 
   // Every MoE layer has all its experts in VRAM: a step needs no host round trip.
   bool all_resident() const {
@@ -130,7 +130,7 @@ class ExpertTier {
   HostGroups host_groups(const Call& c);
   void split_hits_and_misses(const Call& c);
   void launch_hits(Call& c, HostGroups& h);
-  void fetch_misses(Call& c, HostGroups& h, ExpertSource& source);
+  void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
   void combine_through_host(Call& c, HostGroups& h);
   void bind_layer(Call& c);
@@ -161,9 +161,9 @@ class ExpertTier {
   cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr;
   // A miss call's copies end at copies_end_. The host does not wait for it: the call's host slots
   // are released, and the copy time counted, by settle_copies() at the next miss call, before it
-  // asks the source for anything (a store releases by its current layer).
+  // asks the provider for anything (a store releases by its current layer).
   cudaEvent_t copies_end_ = nullptr;
-  ExpertSource* unsettled_source_ = nullptr;
+  ExpertProvider* unsettled_provider_ = nullptr;
   std::vector<int> unsettled_;
   bool unsettled_timing_ = false;
 

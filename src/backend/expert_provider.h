@@ -4,8 +4,8 @@
 // (layer, expert); the caller never learns whether it came from a cache or from disk.
 //
 // Protocol for one MoE layer:
-//   source.request(layer, ids);                // hits are ready at once; misses go to I/O together
-//   while (source.next(e, weights)) { compute(e, weights); source.release(e); }
+//   experts.request(layer, ids);               // hits are ready at once; misses go to I/O together
+//   while (experts.next(e, weights)) { compute(e, weights); experts.release(e); }
 // next() hands out experts as they become ready (cached ones first, so compute overlaps the reads
 // still in flight). Releasing before the next call lets a cache smaller than the layer's set of
 // experts cycle its slots. An expert's weights stay valid until it is released.
@@ -17,9 +17,9 @@
 
 namespace moestream {
 
-class ExpertSource {
+class ExpertProvider {
  public:
-  virtual ~ExpertSource() = default;
+  virtual ~ExpertProvider() = default;
   // Starts the request for `experts` of `layer`.
   virtual void request(int layer, std::span<const int> experts) = 0;
   // The next ready expert of the current request; false once all were handed out. Throws Error
