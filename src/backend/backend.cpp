@@ -1,8 +1,79 @@
+// The argument checks every backend runs before it touches memory or launches work (see
+// backend.h), written once so that the backends refuse the same things with the same words.
 #include "backend/backend.h"
 
+#include <vector>
+
 #include "core/error.h"
+#include "core/quant.h"
 
 namespace moestream {
+
+namespace {
+
+bool plain_dtype(DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; }
+
+}  // namespace
+
+void check_matrix_tensor(const TensorView& t) {
+  if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
+  if (!plain_dtype(t.dtype)) fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");
+}
+
+void check_vector_tensor(const TensorView& t) {
+  if (t.shape.size() != 1) fail("tensor ", t.name, ": expected a vector, found shape ", shape_str(t.shape));
+  if (!plain_dtype(t.dtype)) fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for vectors");
+}
+
+Matrix quantized_matrix_view(const TensorView& words, const TensorView& scales, const TensorView& biases,
+                             const QuantFormat& f) {
+  if (f.scheme == QuantScheme::Fp8) {
+    if (words.dtype != DType::F8_E4M3 || words.shape.size() != 2)
+      fail("tensor ", words.name, ": FP8 weights must be an F8_E4M3 matrix, found ", dtype_name(words.dtype), " ",
+           shape_str(words.shape));
+    // The FP8 kernels read no biases: a bias tensor would be dropped, so it is an error.
+    if (biases.data) fail("tensor ", words.name, ": FP8 weights have no biases, found ", biases.name);
+    const int64_t rows = words.shape[0], cols = words.shape[1];
+    check_quant_shape(f, cols, words.name);
+    check_tensor(scales, DType::F32, {rows, quant_groups_per_row(f, cols)});
+    Matrix m{words.name, DType::F8_E4M3, words.data, rows, cols};
+    m.quant = f;
+    m.scales = scales.data;
+    return m;
+  }
+  // MXFP4 matrices reach a backend only as routed experts (ExpertProvider views), never through here.
+  if (f.scheme != QuantScheme::Affine)
+    fail("tensor ", words.name, ": load_quantized takes MLX affine or FP8 matrices, not ", quant_format_name(f));
+  if (words.dtype != DType::U32 || words.shape.size() != 2)
+    fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ", dtype_name(words.dtype), " ",
+         shape_str(words.shape));
+  const int64_t rows = words.shape[0], cols = words.shape[1] * 32 / f.bits;
+  check_quant_shape(f, cols, words.name);
+  const std::vector<int64_t> groups{rows, cols / f.group_size};
+  check_tensor(scales, f.scale_dtype, groups);
+  check_tensor(biases, f.scale_dtype, groups);
+  Matrix m{words.name, DType::U32, words.data, rows, cols};
+  m.quant = f;
+  m.scales = scales.data;
+  m.biases = biases.data;
+  return m;
+}
+
+void check_copy_rows(const Buffer& src, const Buffer& dst, int64_t rows) {
+  if (src.cols != dst.cols || rows < 0 || rows > src.rows || rows > dst.rows)
+    fail("copy_rows: ", rows, " rows from a [", src.rows, ", ", src.cols, "] buffer into a [", dst.rows, ", ",
+         dst.cols, "] one");
+  const size_t n = size_t(rows * src.cols);
+  if (n != 0 && src.data < dst.data + n && dst.data < src.data + n) fail("copy_rows: source and destination overlap");
+}
+
+void check_embed_args(std::span<const int32_t> tokens, const Matrix& table, const Buffer& out) {
+  if (out.rows < int64_t(tokens.size()) || out.cols != table.cols)
+    fail("embed: ", tokens.size(), " tokens of ", table.name, " [", table.rows, ", ", table.cols,
+         "] do not fit an output of [", out.rows, ", ", out.cols, "]");
+  for (int32_t t : tokens)
+    if (t < 0 || t >= table.rows) fail("token id ", t, " out of range [0, ", table.rows, ")");
+}
 
 void check_attention_args(const Buffer& q, const Buffer& k, const Buffer& v, const Buffer& k_cache,
                           const Buffer& v_cache, const AttentionParams& p) {

@@ -15,43 +15,14 @@
 #include <vector>
 
 #include "core/dtype.h"
+#include "core/quant_format.h"
 #include "core/tensor.h"
 #include "core/timing.h"
 
 namespace moestream {
 
 class ThreadPool;
-class ExpertStore;
-
-// How the codes of a quantized matrix become values (core/quant.h has the details).
-enum class QuantScheme : uint8_t {
-  // MLX's group-wise affine format: for each group of group_size consecutive input elements a
-  // scale and a bias (scale_dtype), value = q * scale + bias, q unsigned of `bits` bits.
-  Affine,
-  // OCP microscaling FP4 as gpt-oss publishes its experts: bits 4, group_size 32, scale_dtype
-  // U8. Each code is an FP4 E2M1 value (bit 3 the sign, magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
-  // for codes 0..7) and each group of 32 has one E8M0 exponent byte e: value = fp4 * 2^(e - 127).
-  // No biases.
-  Mxfp4,
-  // Block-scaled FP8 as DeepSeek-V3 / Kimi-K2 publish their weights: bits 8, group_size G (the
-  // checkpoint's weight_block_size[1], a multiple of 32), scale_dtype F32. Each code is an E4M3
-  // "fn" byte (sign bit 7, exponent bits 3-6 with bias 7, mantissa bits 0-2; exponent 0 is
-  // subnormal, 0x7f / 0xff are NaN and never stored) and each group of G columns of a row has one
-  // float32 scale: value = fp8 * scale. Unlike the other schemes the last group of a row may be
-  // partial (cols need not be a multiple of G or of 32). No biases.
-  Fp8,
-};
-
-// A quantized format; bits == 0 means not quantized. Both schemes pack codes little-endian:
-// element i of a row in bits [i * bits, (i + 1) * bits) of the row's bit stream, so for 4 bits
-// element 2j is the low nibble of byte j and element 2j + 1 its high nibble.
-struct QuantFormat {
-  int bits = 0;              // 2, 3, 4, 6, 8 (Mxfp4: 4, Fp8: 8)
-  int group_size = 0;        // 32, 64, 128 (Mxfp4: 32, Fp8: a multiple of 32)
-  DType scale_dtype = DType::BF16;  // BF16 or F16 (Mxfp4: U8, the E8M0 exponent; Fp8: F32)
-  QuantScheme scheme = QuantScheme::Affine;
-  bool operator==(const QuantFormat&) const = default;
-};
+class ExpertProvider;  // backend/expert_provider.h
 
 // A weight matrix W (out, in) in its stored format, as the backend will read it.
 // Plain: dtype F32/BF16/F16, data rows*cols elements.
@@ -129,7 +100,7 @@ struct MoeParams {
   int n_experts = 0, top_k = 0;
   RouterKind router = RouterKind::SoftmaxTopK;
   bool norm_topk_prob = false;  // renormalize the k selected weights to sum to 1
-  int layer = 0;                // for ExpertStore::fetch
+  int layer = 0;                // for ExpertProvider::request
   const Vector* router_bias = nullptr;  // SigmoidGroupTopK: e_score_correction_bias; TopKSoftmax: logit bias
   int n_group = 1, topk_group = 1;      // SigmoidGroupTopK: experts in n_group groups, keep topk_group
   float routed_scaling_factor = 1.0f;   // multiplies the final routing weights
@@ -170,6 +141,20 @@ struct DeltaNetState {
   Buffer recurrent;  // [n_v_heads * k_head_dim, v_head_dim]: S of each value head
 };
 
+// The argument checks of the Backend operations that every backend shares; each fails naming the
+// tensor or the operation. load_matrix: t is a 2-D F32, BF16 or F16 tensor.
+void check_matrix_tensor(const TensorView& t);
+// load_vector: t is a 1-D F32, BF16 or F16 tensor.
+void check_vector_tensor(const TensorView& t);
+// load_quantized: checks the tensors against f (Backend::load_quantized's layouts; FP8 takes no
+// biases, MXFP4 is refused: it reaches a backend only as a routed expert's view) and returns the
+// Matrix over the tensors' own memory, for the backend to use in place or copy.
+Matrix quantized_matrix_view(const TensorView& words, const TensorView& scales, const TensorView& biases,
+                             const QuantFormat& f);
+// copy_rows: same cols, 0 <= rows <= both buffers' rows, and no overlap of the rows copied.
+void check_copy_rows(const Buffer& src, const Buffer& dst, int64_t rows);
+// embed: out holds a row of table.cols per token, and every token id is a row of table.
+void check_embed_args(std::span<const int32_t> tokens, const Matrix& table, const Buffer& out);
 // Fails naming the mismatch unless the cache has room for q's T new positions after p.n_past and
 // k, v and the caches have the widths p's heads give (v unused when p.values_in_keys). Every
 // backend's attention() checks its arguments with it.
@@ -224,8 +209,9 @@ class Backend {
   virtual void linear_per_head(const Buffer& x, std::span<const Matrix> w, Buffer& out) = 0;
   // out = dense SwiGLU MLP of x
   virtual void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) = 0;
-  // out = sum over the routed experts of weight * expert(x); router (n_experts, dim).
-  virtual void moe(const Buffer& x, const Matrix& router, ExpertStore& experts,
+  // out = sum over the routed experts of weight * expert(x); router (n_experts, dim). The
+  // experts' weights come from `experts` (request / next / release, backend/expert_provider.h).
+  virtual void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts,
                    const MoeParams& p, Buffer& out) = 0;
   // y[t, i] *= sigmoid(gate[t, i % gate.cols]): gate (T, y.cols) gates each element, gate (T, 1)
   // scales each row (the output gate of gated attention, the shared-expert gate).

@@ -40,7 +40,7 @@
 // is a small multiple of a power of two), so one fma per weight reproduces the exact value and
 // the int8-activation path needs no signed-by-signed products.
 //
-// FP8 (QuantScheme::Fp8, DeepSeek-V3 / Kimi-K2; backend.h): one E4M3 byte per element and one
+// FP8 (QuantScheme::Fp8, DeepSeek-V3 / Kimi-K2; core/quant_format.h): one E4M3 byte per element and one
 // float32 scale per group of group_size columns of a row (the last group may be partial). The
 // checkpoint's block scales, one per weight_block_size [R, G] block, are repeated for each row of
 // their block when a checkpoint is packed. An element is fp8 * scale, rounded once to float32:
@@ -53,7 +53,8 @@
 #include <string>
 #include <string_view>
 
-#include "backend/backend.h"
+#include "core/dtype.h"
+#include "core/quant_format.h"
 
 namespace moestream {
 

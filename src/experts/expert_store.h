@@ -1,20 +1,14 @@
-// ExpertStore: the only path from model code to routed-expert weights. An expert is addressed by
-// (layer, expert); the model never learns whether it came from the cache or from disk.
-//
-// Protocol for one MoE layer:
-//   store.request(layer, ids);                 // hits are ready at once; misses go to I/O together
-//   while (store.next(e, weights)) { compute(e, weights); store.release(e); }
-// next() hands out experts as they become ready (cached ones first, so compute overlaps the reads
-// still in flight). Releasing before the next call lets a cache smaller than the layer's set of
-// experts cycle its slots.
+// ExpertStore: the only path from model code to routed-expert weights, over a pack's expert
+// files with a bounded cache. It implements the request / next / release contract the backends
+// call (backend/expert_provider.h); the model hands it to Backend::moe and reads its statistics.
 #pragma once
 
 #include <cstdint>
 #include <memory>
-#include <span>
 #include <string>
 
 #include "backend/backend.h"
+#include "backend/expert_provider.h"
 
 namespace moestream {
 
@@ -39,14 +33,8 @@ struct ExpertStats {
   double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
 };
 
-class ExpertStore {
+class ExpertStore : public ExpertProvider {
  public:
-  virtual ~ExpertStore() = default;
-  virtual void request(int layer, std::span<const int> experts) = 0;
-  // The next ready expert of the current request; false once all were handed out. Throws Error
-  // naming layer and expert on a failed read or a checksum mismatch.
-  virtual bool next(int& expert, MlpWeights& weights) = 0;
-  virtual void release(int expert) = 0;
   virtual ExpertStats stats() const = 0;
 };
 

@@ -11,10 +11,10 @@
 #include "backend/backend.h"
 #include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
+#include "backend/expert_provider.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/thread_pool.h"
-#include "experts/expert_store.h"
 
 namespace moestream {
 
@@ -32,46 +32,19 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu(" + std::to_string(pool_.size()) + " threads)"; }
 
   Matrix load_matrix(const TensorView& t) override {
-    if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
-    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
-      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");
+    check_matrix_tensor(t);
     return Matrix{t.name, t.dtype, t.data, t.shape[0], t.shape[1]};
   }
 
   Matrix load_quantized(const TensorView& words, const TensorView& scales, const TensorView& biases,
                         const QuantFormat& f) override {
-    if (f.scheme == QuantScheme::Fp8) {
-      if (words.dtype != DType::F8_E4M3 || words.shape.size() != 2)
-        fail("tensor ", words.name, ": FP8 weights must be an F8_E4M3 matrix, found ", dtype_name(words.dtype), " ",
-             shape_str(words.shape));
-      check_quant_shape(f, words.shape[1], words.name);
-      check_tensor(scales, DType::F32, {words.shape[0], quant_groups_per_row(f, words.shape[1])});
-      Matrix m{words.name, words.dtype, words.data, words.shape[0], words.shape[1]};
-      m.quant = f;
-      m.scales = scales.data;
-      return m;
-    }
-    if (words.dtype != DType::U32 || words.shape.size() != 2)
-      fail("tensor ", words.name, ": quantized weights must be a U32 matrix, found ",
-           dtype_name(words.dtype), " ", shape_str(words.shape));
-    const int64_t rows = words.shape[0], cols = words.shape[1] * 32 / f.bits;
-    check_quant_shape(f, cols, words.name);
-    const std::vector<int64_t> groups{rows, cols / f.group_size};
-    check_tensor(scales, f.scale_dtype, groups);
-    check_tensor(biases, f.scale_dtype, groups);
-    Matrix m{words.name, DType::U32, words.data, rows, cols};
-    m.quant = f;
-    m.scales = scales.data;
-    m.biases = biases.data;
-    return m;
+    return quantized_matrix_view(words, scales, biases, f);  // read in place from the mapping
   }
 
   Vector load_vector(const TensorView& t) override {
-    if (t.shape.size() != 1) fail("tensor ", t.name, ": expected a vector, found shape ", shape_str(t.shape));
+    check_vector_tensor(t);
     std::vector<float>& v = vectors_.emplace_back(size_t(t.shape[0]));
     Matrix as_row{t.name, t.dtype, t.data, 1, t.shape[0]};
-    if (t.dtype != DType::F32 && t.dtype != DType::BF16 && t.dtype != DType::F16)
-      fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for vectors");
     cpu::row_to_f32(as_row, 0, v.data());
     return Vector{t.name, v.data(), t.shape[0]};
   }
@@ -90,21 +63,15 @@ class CpuBackend final : public Backend {
     std::memcpy(dst, b.data, size_t(b.rows * b.cols) * sizeof(float));
   }
   void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
-    if (src.cols != dst.cols || rows < 0 || rows > src.rows || rows > dst.rows)
-      fail("copy_rows: ", rows, " rows from a [", src.rows, ", ", src.cols, "] buffer into a [",
-           dst.rows, ", ", dst.cols, "] one");
+    check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
     if (n == 0) return;
-    if (src.data < dst.data + n && dst.data < src.data + n) fail("copy_rows: source and destination overlap");
     std::memcpy(dst.data, src.data, n * sizeof(float));
   }
 
   void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) override {
-    for (size_t t = 0; t < tokens.size(); ++t) {
-      if (tokens[t] < 0 || tokens[t] >= table.rows)
-        fail("token id ", tokens[t], " out of range [0, ", table.rows, ")");
-      cpu::row_to_f32(table, tokens[t], out.data + t * out.cols);
-    }
+    check_embed_args(tokens, table, out);
+    for (size_t t = 0; t < tokens.size(); ++t) cpu::row_to_f32(table, tokens[t], out.data + t * out.cols);
   }
 
   void rmsnorm(const Buffer& x, const Vector& w, float eps, int64_t group, Buffer& out) override {
@@ -238,7 +205,7 @@ class CpuBackend final : public Backend {
     expert_mlp(x, w, MoeParams{}, out);
   }
 
-  void moe(const Buffer& x, const Matrix& router, ExpertStore& store, const MoeParams& p,
+  void moe(const Buffer& x, const Matrix& router, ExpertProvider& store, const MoeParams& p,
            Buffer& out) override {
     const int64_t T = x.rows, dim = x.cols;
     auto t_start = std::chrono::steady_clock::now();

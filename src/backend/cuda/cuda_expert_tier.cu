@@ -1,0 +1,498 @@
+// The CUDA backend's expert tiers (see cuda_expert_tier.cuh): the pinned host pool, the VRAM slot
+// arena with its device expert table and LRU, and the MoE layer over them, step by step.
+#include <algorithm>
+#include <chrono>
+#include <cstdint>
+
+#include "backend/cuda/cuda_expert_tier.cuh"
+#include "backend/expert_provider.h"
+#include "core/quant.h"
+
+namespace moestream::cuda {
+
+namespace {
+
+bool all_resident_formats_known(const std::vector<char>& known, int layer) {
+  return size_t(layer) < known.size() && known[size_t(layer)];
+}
+
+// The byte range [lo, hi) of host memory an expert's tensors occupy.
+void expert_extent(const MlpWeights& w, const char*& lo, const char*& hi) {
+  lo = nullptr;
+  hi = nullptr;
+  auto span = [&](const void* p, size_t n) {
+    if (!p) return;
+    const char* c = static_cast<const char*>(p);
+    if (!lo || c < lo) lo = c;
+    if (!hi || c + n > hi) hi = c + n;
+  };
+  for (const Matrix* m : {&w.gate, &w.up, &w.down}) {
+    if (m->quant.bits) {  // affine, MXFP4 (no biases), FP8 (no biases; a row's last group may be partial)
+      const int64_t g = m->quant.group_size;
+      span(m->data, size_t(m->rows * m->cols * m->quant.bits / 8));
+      const size_t groups = size_t(m->rows * ((m->cols + g - 1) / g));
+      span(m->scales, groups * dtype_size(m->quant.scale_dtype));
+      span(m->biases, groups * dtype_size(m->quant.scale_dtype));
+    } else {
+      span(m->data, size_t(m->rows * m->cols) * dtype_size(m->dtype));
+    }
+  }
+  for (const Vector* v : {&w.gate_bias, &w.up_bias, &w.down_bias}) span(v->data, size_t(v->size) * sizeof(float));
+}
+
+}  // namespace
+
+// --- the pinned host pool ------------------------------------------------------------------------
+
+PinnedPool::~PinnedPool() {
+  for (void* c : chunks_) cudaFreeHost(c);
+}
+
+void* PinnedPool::alloc(size_t bytes) {
+  bytes = (bytes + 4095) / 4096 * 4096;
+  auto& free_list = free_[bytes];
+  if (!free_list.empty()) {
+    void* p = free_list.back();
+    free_list.pop_back();
+    return p;
+  }
+  if (chunk_left_ < bytes) {
+    const size_t chunk = std::max<size_t>(bytes, size_t(256) << 20);
+    void* c = nullptr;
+    MS_CUDA_CHECK(cudaHostAlloc(&c, chunk, cudaHostAllocPortable));
+    chunks_.push_back(c);
+    chunk_next_ = static_cast<char*>(c);
+    chunk_left_ = chunk;
+    total_ += chunk;
+  }
+  void* p = chunk_next_;
+  chunk_next_ += bytes;
+  chunk_left_ -= bytes;
+  size_of_[p] = bytes;
+  return p;
+}
+
+void PinnedPool::free(void* p) {
+  auto it = size_of_.find(p);
+  if (it == size_of_.end()) fail("cuda: free_host of memory this backend did not hand out");
+  free_[it->second].push_back(p);
+}
+
+// --- the tier ------------------------------------------------------------------------------------
+
+ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
+                       PhaseTimes& times, bool sync_ops)
+    : opt_(options), compute_(compute), copy_(copy), gemm_(gemm), times_(times), sync_ops_(sync_ops) {
+  MS_CUDA_CHECK(cudaEventCreate(&copy_start_));
+  MS_CUDA_CHECK(cudaEventCreate(&copy_done_));
+  MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
+}
+
+ExpertTier::~ExpertTier() {
+  if (slot_arena_) cudaFree(slot_arena_);
+  if (table_dev_) cudaFree(table_dev_);
+  if (table_host_) cudaFreeHost(table_host_);
+  cudaEventDestroy(copy_start_);
+  cudaEventDestroy(copy_done_);
+  cudaEventDestroy(copies_end_);
+}
+
+GpuTierStats ExpertTier::stats() const {
+  GpuTierStats s = stats_;
+  s.slot_bytes = slot_bytes_;
+  s.slots = n_slots_;
+  return s;
+}
+
+void ExpertTier::init(const MoeParams& p, uint64_t first_expert_bytes) {
+  n_experts_ = p.n_experts;
+  slot_bytes_ = opt_.max_expert_bytes ? opt_.max_expert_bytes : first_expert_bytes;
+  slot_bytes_ = (slot_bytes_ + 255) / 256 * 256;
+  double budget;
+  if (opt_.gpu_expert_mb >= 0) {
+    budget = opt_.gpu_expert_mb * 1e6;
+  } else {
+    size_t free_b = 0, total_b = 0;
+    MS_CUDA_CHECK(cudaMemGetInfo(&free_b, &total_b));
+    const double reserve = std::max(2.0e9, 0.06 * double(total_b));  // activations, scratch, later KV caches
+    budget = std::max(0.0, double(free_b) - reserve);
+  }
+  n_slots_ = std::max<uint64_t>(1, uint64_t(budget / double(slot_bytes_)));
+  if (opt_.total_experts > 0) n_slots_ = std::min<uint64_t>(n_slots_, uint64_t(opt_.total_experts));
+  prefetch_layers_ = opt_.total_experts > 0 && n_slots_ >= uint64_t(opt_.total_experts);
+  MS_CUDA_CHECK(cudaMalloc(&slot_arena_, n_slots_ * slot_bytes_));
+  slot_owner_.assign(n_slots_, {-1, -1});
+  slot_call_.assign(n_slots_, 0);
+  lru_pos_.resize(n_slots_);
+  for (uint64_t s = 0; s < n_slots_; ++s) lru_pos_[s] = lru_.insert(lru_.end(), int(s));
+  tier_ready_ = true;
+}
+
+void ExpertTier::ensure_table(int layer) {
+  if (layer < layers_cap_) return;
+  const int cap = std::max(layer + 1, layers_cap_ * 2);
+  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  DevExpert* dev = nullptr;
+  DevExpert* host = nullptr;
+  const size_t n = size_t(cap) * size_t(n_experts_);
+  MS_CUDA_CHECK(cudaMalloc(&dev, n * sizeof(DevExpert)));
+  MS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&host), n * sizeof(DevExpert), cudaHostAllocDefault));
+  for (size_t i = 0; i < n; ++i) host[i] = DevExpert{};
+  if (table_host_) {
+    std::copy(table_host_, table_host_ + size_t(layers_cap_) * n_experts_, host);
+    MS_CUDA_CHECK(cudaFreeHost(table_host_));
+    MS_CUDA_CHECK(cudaFree(table_dev_));
+  }
+  MS_CUDA_CHECK(cudaMemcpy(dev, host, n * sizeof(DevExpert), cudaMemcpyHostToDevice));
+  table_dev_ = dev;
+  table_host_ = host;
+  layers_cap_ = cap;
+  where_.resize(size_t(cap));
+  resident_.resize(size_t(cap), 0);
+  gate_up_fmt_.resize(size_t(cap));
+  down_fmt_.resize(size_t(cap));
+  fmt_known_.resize(size_t(cap), 0);
+}
+
+void ExpertTier::upload_table_row(int layer) {
+  const size_t off = size_t(layer) * size_t(n_experts_);
+  MS_CUDA_CHECK(cudaMemcpyAsync(table_dev_ + off, table_host_ + off, size_t(n_experts_) * sizeof(DevExpert),
+                                cudaMemcpyHostToDevice, compute_));
+}
+
+void ExpertTier::touch(int slot) {
+  lru_.splice(lru_.end(), lru_, lru_pos_[size_t(slot)]);
+  slot_call_[size_t(slot)] = call_;
+}
+
+void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slot) {
+  const char* lo;
+  const char* hi;
+  expert_extent(w, lo, hi);
+  const uint64_t bytes = uint64_t(hi - lo);
+  if (bytes > slot_bytes_)
+    fail("cuda: expert ", expert, " of layer ", layer, " takes ", bytes, " bytes, more than a slot (", slot_bytes_, ")");
+  const FormatTag gu = format_of(w.gate), dn = format_of(w.down);
+  if (!(format_of(w.up) == gu)) fail("cuda: expert ", expert, " of layer ", layer, ": gate and up differ in format");
+  if (!fmt_known_[size_t(layer)]) {
+    gate_up_fmt_[size_t(layer)] = gu;
+    down_fmt_[size_t(layer)] = dn;
+    fmt_known_[size_t(layer)] = 1;
+  } else if (!(gate_up_fmt_[size_t(layer)] == gu) || !(down_fmt_[size_t(layer)] == dn)) {
+    fail("cuda: expert ", expert, " of layer ", layer,
+         " is stored in another format than the layer's other experts (mixed formats in one layer are not supported on CUDA)");
+  }
+  char* dst = slot_arena_ + uint64_t(slot) * slot_bytes_;
+  // Evict the previous owner.
+  auto [old_layer, old_expert] = slot_owner_[size_t(slot)];
+  if (old_layer >= 0) {
+    where_[size_t(old_layer)][size_t(old_expert)] = -1;
+    if (resident_[size_t(old_layer)]-- == n_experts_) --full_layers_;
+    table_host_[size_t(old_layer) * n_experts_ + size_t(old_expert)] = DevExpert{};
+  }
+  MS_CUDA_CHECK(cudaMemcpyAsync(dst, lo, bytes, cudaMemcpyHostToDevice, copy_));
+  auto rebase = [&](const void* p) -> const void* { return p ? dst + (static_cast<const char*>(p) - lo) : nullptr; };
+  auto ref = [&](const Matrix& m) {
+    WeightRef r = weight_ref(m);
+    r.data = rebase(m.data);
+    r.scales = rebase(m.scales);
+    r.biases = static_cast<const uint16_t*>(rebase(m.biases));
+    return r;
+  };
+  DevExpert d;
+  d.gate = ref(w.gate);
+  d.up = ref(w.up);
+  d.down = ref(w.down);
+  d.gate_bias = static_cast<const float*>(rebase(w.gate_bias.data));
+  d.up_bias = static_cast<const float*>(rebase(w.up_bias.data));
+  d.down_bias = static_cast<const float*>(rebase(w.down_bias.data));
+  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = d;
+  slot_owner_[size_t(slot)] = {layer, expert};
+  where_[size_t(layer)][size_t(expert)] = slot;
+  if (++resident_[size_t(layer)] == n_experts_) ++full_layers_;
+  touch(slot);
+  stats_.bytes_h2d += bytes;
+}
+
+void ExpertTier::settle_copies() {
+  if (unsettled_.empty() && !unsettled_timing_) return;
+  MS_CUDA_CHECK(cudaEventSynchronize(copies_end_));
+  if (unsettled_timing_) {
+    float ms = 0;
+    MS_CUDA_CHECK(cudaEventElapsedTime(&ms, copy_start_, copies_end_));
+    stats_.h2d_seconds += ms / 1e3;  // from the call's first copy's start to its last's end
+    unsettled_timing_ = false;
+  }
+  for (int e : unsettled_) unsettled_provider_->release(e);
+  unsettled_.clear();
+}
+
+// --- the MoE layer -------------------------------------------------------------------------------
+
+void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
+  if (x.rows == 0) return;
+  Call c = route(x, router, p, out);
+  ScopedTimer compute(times_.expert_compute);
+  if (c.resident) {
+    run_resident(c);
+    return;
+  }
+  read_selection(c);
+  HostGroups h = host_groups(c);
+  split_hits_and_misses(c);
+  launch_hits(c, h);
+  fetch_misses(c, h, experts);
+  combine_through_host(c, h);
+}
+
+// Router logits and each token's top k on the GPU (float32 activations, like the CPU), and the
+// call's buffers; the time goes to routing.
+ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out) {
+  Call c;
+  c.T = x.rows;
+  c.dim = x.cols;
+  c.K = p.top_k;
+  c.E = p.n_experts;
+  c.layer = p.layer;
+  c.out = out.data;
+  const int64_t T = c.T, dim = c.dim;
+  const int E = c.E, layer = c.layer;
+  if (router.rows != E || router.cols != dim)
+    fail("moe: router ", router.name, " is [", router.rows, ", ", router.cols, "], expected [", E, ", ", dim, "]");
+  auto t_start = std::chrono::steady_clock::now();
+  const int64_t pairs = c.pairs = T * c.K;
+  float* logits = scratch_.get(kLogits, size_t(T * E));
+  c.sel_ids = scratch_.get<int>(kSelIds, size_t(pairs));
+  c.sel_w = scratch_.get(kSelW, size_t(pairs));
+  MoeGroups& g = c.g;
+  g.n_active = scratch_.get<int>(kNActive, 1);
+  g.active = scratch_.get<int>(kActive, size_t(std::min<int64_t>(E, pairs)));
+  g.offset = scratch_.get<int>(kOffset, size_t(std::min<int64_t>(E, pairs) + 1));
+  g.row_token = scratch_.get<int>(kRowToken, size_t(pairs));
+  g.row_of = scratch_.get<int>(kRowOf, size_t(pairs));
+  // Routing compares logits: float32 activations, like the CPU.
+  cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_);
+  if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
+  c.resident = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E &&
+               all_resident_formats_known(fmt_known_, layer);
+  cuda::route(logits, T, p, p.router_bias ? p.router_bias->data : nullptr, c.sel_ids, c.sel_w,
+              c.resident && T == 1 ? &g : nullptr, compute_);
+
+  ExpertBatch& b = c.b;
+  b.dim = dim;
+  b.x = x.data;
+  b.params = &p;
+  b.one_token = T == 1;
+  b.groups = g;
+  b.hidden = nullptr;
+  b.y = nullptr;
+  auto t_routed = std::chrono::steady_clock::now();
+  times_.routing += std::chrono::duration<double>(t_routed - t_start).count();
+  return c;
+}
+
+// The layer's expert table, formats and buffers, once its tier state is known.
+void ExpertTier::bind_layer(Call& c) {
+  ExpertBatch& b = c.b;
+  b.table = table_dev_ + size_t(c.layer) * c.E;
+  b.gate_up = gate_up_fmt_[size_t(c.layer)];
+  b.down = down_fmt_[size_t(c.layer)];
+  b.inter = inter_[size_t(c.layer)];
+  b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
+  b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
+}
+
+// Every expert of the layer in VRAM: groups, expert kernels and combine on the GPU.
+void ExpertTier::run_resident(Call& c) {
+  ExpertBatch& b = c.b;
+  ++stats_.resident_calls;
+  bind_layer(c);
+  if (c.T > 1) cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, c.g, compute_);
+  b.count_on_device = true;
+  b.a_begin = 0;
+  b.a_end = int(std::min<int64_t>(c.E, c.pairs));
+  cuda::run_experts(b, compute_);
+  cuda::combine(b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
+  op_done();
+}
+
+// The chosen experts come back to the host: pairs_of_[e] lists expert e's (token, slot) pairs.
+void ExpertTier::read_selection(const Call& c) {
+  int* ids_host = staging_.get<int>(kIdsHost, size_t(c.pairs), compute_);
+  MS_CUDA_CHECK(cudaMemcpyAsync(ids_host, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost, compute_));
+  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  ++call_;
+  pairs_of_.resize(size_t(c.E));
+  for (auto& v : pairs_of_) v.clear();
+  for (int64_t i = 0; i < c.pairs; ++i) {
+    const int e = ids_host[i];
+    if (e < 0 || e >= c.E) fail("moe: routing produced expert ", e, " for layer ", c.layer);
+    pairs_of_[size_t(e)].push_back(int(i));
+  }
+}
+
+// Host-built groups, uploaded range by range as batches launch.
+ExpertTier::HostGroups ExpertTier::host_groups(const Call& c) {
+  const int64_t max_active = std::min<int64_t>(c.E, c.pairs);
+  HostGroups h;
+  h.active = staging_.get<int>(kActiveHost, size_t(max_active), compute_);
+  h.offset = staging_.get<int>(kOffsetHost, size_t(max_active + 1), compute_);
+  h.row_token = staging_.get<int>(kRowTokenHost, size_t(c.pairs), compute_);
+  h.row_of = staging_.get<int>(kRowOfHost, size_t(c.pairs), compute_);
+  h.offset[0] = 0;
+  return h;
+}
+
+// Expert e's rows after those of the experts appended before it.
+void ExpertTier::append(HostGroups& h, int e) {
+  h.active[h.n_active] = e;
+  for (int i : pairs_of_[size_t(e)]) {
+    h.row_token[h.rows] = i;
+    h.row_of[i] = h.rows;
+    ++h.rows;
+  }
+  ++h.n_active;
+  h.offset[h.n_active] = h.rows;
+}
+
+// The appended experts not launched yet, as one batch.
+void ExpertTier::launch(Call& c, HostGroups& h) {
+  if (h.launched == h.n_active) return;
+  const int a0 = h.launched, a1 = h.n_active;
+  MoeGroups& g = c.g;
+  ExpertBatch& b = c.b;
+  if (h.copies) {  // the batch reads slots the copy stream fills
+    MS_CUDA_CHECK(cudaEventRecord(copy_done_, copy_));
+    MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copy_done_, 0));
+  }
+  MS_CUDA_CHECK(cudaMemcpyAsync(g.active + a0, h.active + a0, size_t(a1 - a0) * sizeof(int), cudaMemcpyHostToDevice, compute_));
+  MS_CUDA_CHECK(cudaMemcpyAsync(g.offset + a0, h.offset + a0, size_t(a1 - a0 + 1) * sizeof(int), cudaMemcpyHostToDevice, compute_));
+  MS_CUDA_CHECK(cudaMemcpyAsync(g.row_token + h.offset[a0], h.row_token + h.offset[a0],
+                                size_t(h.offset[a1] - h.offset[a0]) * sizeof(int), cudaMemcpyHostToDevice, compute_));
+  upload_table_row(c.layer);
+  bind_layer(c);
+  b.count_on_device = false;
+  b.a_begin = a0;
+  b.a_end = a1;
+  cuda::run_experts(b, compute_);
+  h.launched = a1;
+}
+
+// hits_: the selected experts in VRAM; request_: the selected ones that are not, in id order.
+void ExpertTier::split_hits_and_misses(const Call& c) {
+  hits_.clear();
+  request_.clear();
+  if (tier_ready_) ensure_table(c.layer);
+  for (int e = 0; e < c.E; ++e) {
+    if (pairs_of_[size_t(e)].empty()) continue;
+    const bool in_vram = tier_ready_ && !where_[size_t(c.layer)].empty() && where_[size_t(c.layer)][size_t(e)] >= 0;
+    if (in_vram) hits_.push_back(e);
+    else request_.push_back(e);
+  }
+  stats_.hits += hits_.size();
+  stats_.misses += request_.size();
+}
+
+// The hits go first, as one batch.
+void ExpertTier::launch_hits(Call& c, HostGroups& h) {
+  if (tier_ready_ && !hits_.empty()) {
+    for (int e : hits_) {
+      touch(where_[size_t(c.layer)][size_t(e)]);
+      append(h, e);
+    }
+    launch(c, h);
+  }
+}
+
+// The misses (and, when the budget holds every expert, the rest of the layer) from the provider
+// into VRAM slots on the copy stream; the selected ones launch as one batch once all are in.
+void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
+  const int E = c.E, layer = c.layer;
+  std::vector<int>& request = request_;
+  const size_t n_selected_misses = request.size();
+  const bool fill_layer = prefetch_layers_ && tier_ready_ && resident_[size_t(layer)] < E;
+  if (request.empty() && !fill_layer) return;
+  if (fill_layer) {
+    for (int e = 0; e < E; ++e)
+      if (pairs_of_[size_t(e)].empty() && (where_[size_t(layer)].empty() || where_[size_t(layer)][size_t(e)] < 0))
+        request.push_back(e);
+  }
+  settle_copies();
+  experts.request(layer, request);
+  // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
+  // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
+  // synchronization of the copy stream.
+  const double host_slot = double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
+  const size_t max_deferred =
+      opt_.host_expert_mb < 0 ? SIZE_MAX : size_t(std::max(1.0, opt_.host_expert_mb * 1e6 / host_slot) / 4);
+  std::vector<int>& deferred = deferred_;
+  deferred.clear();
+  auto release_deferred = [&]() {
+    if (deferred.empty()) return;
+    MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
+    for (int d : deferred) experts.release(d);
+    deferred.clear();
+  };
+  size_t selected_loaded = 0;
+  int e;
+  MlpWeights w;
+  while (experts.next(e, w)) {
+    if (!tier_ready_) {
+      const char* lo;
+      const char* hi;
+      expert_extent(w, lo, hi);
+      init(*c.b.params, uint64_t(hi - lo));
+      ensure_table(layer);
+    }
+    if (where_[size_t(layer)].empty()) where_[size_t(layer)].assign(size_t(E), -1);
+    if (int64_t(inter_.size()) <= layer) inter_.resize(size_t(layer) + 1, 0);
+    inter_[size_t(layer)] = w.gate.rows;
+    const bool selected = !pairs_of_[size_t(e)].empty();
+    const int slot = free_slot(c, h);
+    if (!selected) ++stats_.prefetched;
+    if (!h.copies) MS_CUDA_CHECK(cudaEventRecord(copy_start_, copy_));
+    h.copies = true;
+    load_expert(layer, e, w, slot);
+    deferred.push_back(e);
+    if (deferred.size() >= max_deferred) release_deferred();
+    if (selected) {
+      append(h, e);
+      if (++selected_loaded == n_selected_misses) launch(c, h);
+    }
+  }
+  launch(c, h);
+  if (h.copies) {  // settled by the next miss call (settle_copies), not waited for here
+    MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
+    unsettled_timing_ = true;
+  }
+  unsettled_provider_ = &experts;
+  unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
+  deferred.clear();
+}
+
+// The least recently used slot that this call does not hold. When every slot holds an expert of
+// this call, those are computed first and their slots reused.
+int ExpertTier::free_slot(Call& c, HostGroups& h) {
+  int slot = -1;
+  for (;;) {
+    for (int s : lru_)
+      if (slot_call_[size_t(s)] != call_) {
+        slot = s;
+        break;
+      }
+    if (slot >= 0) return slot;
+    launch(c, h);
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    for (uint64_t s = 0; s < n_slots_; ++s) slot_call_[s] = 0;
+  }
+}
+
+// out = the weighted sum of each token's expert rows, through the host-built row_of.
+void ExpertTier::combine_through_host(Call& c, HostGroups& h) {
+  upload_table_row(c.layer);
+  MS_CUDA_CHECK(cudaMemcpyAsync(c.g.row_of, h.row_of, size_t(c.pairs) * sizeof(int), cudaMemcpyHostToDevice, compute_));
+  cuda::combine(c.b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
+  op_done();
+}
+
+}  // namespace moestream::cuda

@@ -1,0 +1,194 @@
+// The CUDA backend's expert tiers and its MoE layer (cuda_expert_tier.cu): routed experts in a
+// VRAM slot cache, fed from an ExpertProvider whose host slots are pinned memory from PinnedPool.
+//
+// Per MoE call of layer L:
+//  - every expert of L resident in VRAM: route -> group -> expert kernels -> combine, all on the
+//    GPU with no host round trip (the kernels find weights through the device table);
+//  - otherwise the chosen ids come back to the host; resident experts (hits) are launched at once,
+//    and the misses are requested from the ExpertProvider (its pinned slots are the host tier; it
+//    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
+//    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
+//    rest of layer L is fetched along so that later calls take the first path.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <list>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "backend/backend.h"
+#include "backend/backend_factory.h"
+#include "backend/cuda/common.cuh"
+#include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/linear.h"
+#include "backend/cuda/moe.h"
+
+namespace moestream::cuda {
+
+// Pinned host memory in large chunks, handed out in fixed sizes and reused (cudaHostAlloc is slow,
+// and the ExpertStore asks for thousands of equal slots).
+class PinnedPool {
+ public:
+  ~PinnedPool();
+  void* alloc(size_t bytes);
+  void free(void* p);
+  uint64_t total() const { return total_; }
+
+ private:
+  std::vector<void*> chunks_;
+  char* chunk_next_ = nullptr;
+  size_t chunk_left_ = 0;
+  uint64_t total_ = 0;
+  std::unordered_map<size_t, std::vector<void*>> free_;
+  std::unordered_map<void*, size_t> size_of_;
+};
+
+// Pinned host staging areas by slot, each grown as needed (the caller orders its reuse). Growing
+// waits for `stream` first, whose copies may still read the old area.
+class HostStaging {
+ public:
+  HostStaging() = default;
+  HostStaging(const HostStaging&) = delete;
+  HostStaging& operator=(const HostStaging&) = delete;
+  ~HostStaging() {
+    for (auto& [p, n] : areas_) cudaFreeHost(p);
+  }
+  template <class T>
+  T* get(int slot, size_t count, cudaStream_t stream) {
+    if (areas_.size() <= size_t(slot)) areas_.resize(size_t(slot) + 1, {nullptr, 0});
+    auto& [p, n] = areas_[size_t(slot)];
+    const size_t bytes = count * sizeof(T);
+    if (n < bytes) {
+      MS_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (p) MS_CUDA_CHECK(cudaFreeHost(p));
+      p = nullptr;
+      MS_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocDefault));
+      n = bytes;
+    }
+    return static_cast<T*>(p);
+  }
+
+ private:
+  std::vector<std::pair<void*, size_t>> areas_;
+};
+
+// The VRAM expert tier and the MoE layer that runs on it. Work goes on the backend's compute
+// stream; expert copies on its copy stream. The slot arena is sized at the first expert seen.
+class ExpertTier {
+ public:
+  // gemm and times belong to the backend and outlive the tier. sync_ops: wait for the GPU at the
+  // end of each call, as the backend does after every operation (MOESTREAM_CUDA_SYNC).
+  ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
+             PhaseTimes& times, bool sync_ops);
+  ~ExpertTier();
+  ExpertTier(const ExpertTier&) = delete;
+  ExpertTier& operator=(const ExpertTier&) = delete;
+
+  // Backend::moe.
+  void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out);
+
+  // Every MoE layer has all its experts in VRAM: a step needs no host round trip.
+  bool all_resident() const {
+    return tier_ready_ && prefetch_layers_ && n_experts_ > 0 &&
+           int64_t(full_layers_) * n_experts_ == opt_.total_experts;
+  }
+  // The statistics so far, with the slot arena's shape (graph steps and pinned bytes are the
+  // backend's to fill in).
+  GpuTierStats stats() const;
+
+ private:
+  // One MoE call as it goes through its steps.
+  struct Call {
+    int64_t T = 0, dim = 0, pairs = 0;
+    int K = 0, E = 0, layer = 0;
+    bool resident = false;  // every expert of the layer in VRAM: the device-only path
+    float* sel_w = nullptr;
+    int* sel_ids = nullptr;
+    MoeGroups g{};
+    ExpertBatch b{};
+    float* out = nullptr;
+  };
+  // The groups of a call through the host, built expert by expert in pinned staging and uploaded
+  // range by range as batches launch.
+  struct HostGroups {
+    int* active = nullptr;
+    int* offset = nullptr;
+    int* row_token = nullptr;
+    int* row_of = nullptr;
+    int n_active = 0, rows = 0;
+    int launched = 0;     // active experts launched so far
+    bool copies = false;  // expert copies issued on the copy stream in this call
+  };
+
+  // --- the steps of moe() ---
+  Call route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out);
+  void run_resident(Call& c);
+  void read_selection(const Call& c);
+  HostGroups host_groups(const Call& c);
+  void split_hits_and_misses(const Call& c);
+  void launch_hits(Call& c, HostGroups& h);
+  void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
+  int free_slot(Call& c, HostGroups& h);
+  void combine_through_host(Call& c, HostGroups& h);
+  void bind_layer(Call& c);
+  void append(HostGroups& h, int e);
+  void launch(Call& c, HostGroups& h);
+
+  // --- slots and the device table ---
+  void init(const MoeParams& p, uint64_t first_expert_bytes);
+  void ensure_table(int layer);
+  void upload_table_row(int layer);
+  void load_expert(int layer, int expert, const MlpWeights& w, int slot);
+  void touch(int slot);
+  void settle_copies();
+  void op_done() {
+    if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  }
+
+  enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kHidden, kY };
+  enum StagingSlot { kIdsHost, kActiveHost, kOffsetHost, kRowTokenHost, kRowOfHost };
+
+  CudaOptions opt_;
+  cudaStream_t compute_ = nullptr, copy_ = nullptr;  // the backend's
+  GemmScratch& gemm_;
+  PhaseTimes& times_;
+  bool sync_ops_ = false;
+  Scratch scratch_;
+  HostStaging staging_;
+  cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr;
+  // A miss call's copies end at copies_end_. The host does not wait for it: the call's host slots
+  // are released, and the copy time counted, by settle_copies() at the next miss call, before it
+  // asks the provider for anything (a store releases by its current layer).
+  cudaEvent_t copies_end_ = nullptr;
+  ExpertProvider* unsettled_provider_ = nullptr;
+  std::vector<int> unsettled_;
+  bool unsettled_timing_ = false;
+
+  // Slots: n_slots_ of slot_bytes_ in one arena; slot_owner_ (layer, expert) or (-1, -1).
+  bool tier_ready_ = false;
+  uint64_t slot_bytes_ = 0, n_slots_ = 0;
+  char* slot_arena_ = nullptr;
+  std::vector<std::pair<int, int>> slot_owner_;
+  std::vector<uint64_t> slot_call_;       // the call that last used the slot
+  std::list<int> lru_;                    // least recently used first
+  std::vector<std::list<int>::iterator> lru_pos_;
+  std::vector<std::vector<int>> where_;   // [layer][expert] -> slot or -1
+  std::vector<int> resident_;             // experts of each layer in VRAM
+  int full_layers_ = 0;                   // layers with every expert in VRAM
+  std::vector<FormatTag> gate_up_fmt_, down_fmt_;
+  std::vector<char> fmt_known_;
+  int n_experts_ = 0, layers_cap_ = 0;
+  DevExpert* table_dev_ = nullptr;        // [layers_cap_][n_experts_]
+  DevExpert* table_host_ = nullptr;       // pinned mirror
+  bool prefetch_layers_ = false;          // the budget holds every expert: fill whole layers
+  uint64_t call_ = 0;
+  GpuTierStats stats_;
+  std::vector<std::vector<int>> pairs_of_;  // expert -> its (token, slot) pair indices
+  std::vector<int64_t> inter_;              // intermediate size of each layer's experts
+  std::vector<int> hits_, request_, deferred_;
+};
+
+}  // namespace moestream::cuda

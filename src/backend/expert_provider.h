@@ -1,0 +1,32 @@
+// Where a backend's moe() gets routed-expert weights: the request / next / release contract.
+// Both backends call it; src/experts implements it (ExpertStore, over a pack's expert files), so
+// the backends never depend on how experts are cached or read. An expert is addressed by
+// (layer, expert); the caller never learns whether it came from a cache or from disk.
+//
+// Protocol for one MoE layer:
+//   experts.request(layer, ids);               // hits are ready at once; misses go to I/O together
+//   while (experts.next(e, weights)) { compute(e, weights); experts.release(e); }
+// next() hands out experts as they become ready (cached ones first, so compute overlaps the reads
+// still in flight). Releasing before the next call lets a cache smaller than the layer's set of
+// experts cycle its slots. An expert's weights stay valid until it is released.
+#pragma once
+
+#include <span>
+
+#include "backend/backend.h"
+
+namespace moestream {
+
+class ExpertProvider {
+ public:
+  virtual ~ExpertProvider() = default;
+  // Starts the request for `experts` of `layer`.
+  virtual void request(int layer, std::span<const int> experts) = 0;
+  // The next ready expert of the current request; false once all were handed out. Throws Error
+  // naming layer and expert on a failed read or a checksum mismatch.
+  virtual bool next(int& expert, MlpWeights& weights) = 0;
+  // The caller is done with `expert`'s weights.
+  virtual void release(int expert) = 0;
+};
+
+}  // namespace moestream
