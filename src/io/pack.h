@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "backend/backend.h"
+#include "core/quant_format.h"
 #include "core/dtype.h"
 #include "io/safetensors.h"
 
