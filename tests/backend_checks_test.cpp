@@ -1,6 +1,6 @@
 // The argument checks every backend shares (backend/backend.cpp), through the CPU backend: what
 // load_quantized, load_vector, copy_rows and embed refuse, with errors naming the tensor or the
-// call. The CUDA backend runs the same functions (tests/gpu/ops_test.cpp checks it refuses too).
+// call. The CUDA backend calls the same functions.
 #include <gtest/gtest.h>
 
 #include <cstdint>
