@@ -99,9 +99,11 @@ TEST_F(EngineTest, PrefixCacheReusesStateWithIdenticalResults) {
 TEST_F(EngineTest, CancelStopsAndFreesTheSlot) {
   EngineOptions o;
   o.parallel = 1;
-  o.ctx = 128;
+  // Long enough that the cancel always lands mid-generation: 100 tokens of this tiny model took
+  // less than the 50 ms poll below on a fast machine.
+  o.ctx = 2048;
   Engine engine(*model_, o);
-  auto job = engine.submit(request(prompts_[0], 100));
+  auto job = engine.submit(request(prompts_[0], 2000));
   std::vector<int32_t> got;
   while (got.size() < 2) job->take(got, std::chrono::milliseconds(50));
   job->cancel();
