@@ -32,9 +32,14 @@ void messages_request(ServedModel& m, const std::string& text) {
 }  // namespace
 }  // namespace moestream
 
+extern "C" int LLVMFuzzerInitialize(int*, char***) {
+  (void)moestream::fuzz::ApiFixture::get();  // loading is not part of an input's time
+  return 0;
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace moestream;
-  static fuzz::ApiFixture fixture;
+  fuzz::ApiFixture& fixture = fuzz::ApiFixture::get();
   const std::string text(reinterpret_cast<const char*>(data), size);
   try {
     messages_request(fixture.for_input(size), text);

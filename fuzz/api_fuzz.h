@@ -16,6 +16,10 @@ namespace moestream::fuzz {
 
 class ApiFixture {
  public:
+  static ApiFixture& get() {
+    static ApiFixture fixture;
+    return fixture;
+  }
   ApiFixture() {
     const std::string root = source_dir() + "/tests/fixtures";
     model.id = "fuzz";
