@@ -108,8 +108,9 @@ TEST(QuantLayout, MatchesMlxThreeBytePacks) {
     std::vector<uint32_t> codes(128);
     for (auto& c : codes) c = rng() % (1u << bits);
     const std::vector<uint32_t> words = pack(codes, bits);
-    uint8_t bytes[128 * 6 / 8];
-    std::memcpy(bytes, words.data(), sizeof bytes);  // little-endian words, as MLX's uint32 array
+    uint8_t bytes[128 * 6 / 8] = {};  // room for the widest (6-bit) codes; 3-bit ones fill half
+    ASSERT_EQ(words.size() * 4, size_t(128 * bits / 8));
+    std::memcpy(bytes, words.data(), words.size() * 4);  // little-endian words, as MLX's uint32 array
     for (int p = 0; p < 128 / per_pack; ++p) {
       uint32_t got[8];
       mlx_extract(bytes + 3 * p, bits, got);
