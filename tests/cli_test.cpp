@@ -163,11 +163,17 @@ std::string make_hub_cache(const std::string& repo_folder) {
 
 TEST(Cli, RepoIdsResolveInTheHuggingFaceCache) {
   const std::string hub = make_hub_cache("models--tiny-org--tiny-chat");
-  const std::string env = "HF_HUB_CACHE=" + hub + " " + cache_env();
+  const std::string cache = test::temp_dir("cli-hub-cache");
+  const std::string env = "HF_HUB_CACHE=" + hub + " MOESTREAM_CACHE=" + cache + " ";
   const auto direct = cli("run -m " + chat_model() + " --tokens 1,2,3 -n 4 --ids --temp 0");
   const auto by_id = cli("run -m tiny-org/tiny-chat --tokens 1,2,3 -n 4 --ids --temp 0", env);
   ASSERT_EQ(by_id.exit_code, 0) << by_id.err;
   EXPECT_EQ(by_id.out, direct.out);
+  // The pack is named after the model, not the snapshot's commit hash.
+  size_t named = 0;
+  for (const auto& e : fs::directory_iterator(cache + "/packs"))
+    named += e.path().filename().string().rfind("tiny-org--tiny-chat-", 0) == 0;
+  EXPECT_EQ(named, 1u);
   const auto missing = cli("run -m tiny-org/other --tokens 1 -n 1", env);
   EXPECT_EQ(missing.exit_code, 1);
   EXPECT_NE(missing.err.find("not in the Hugging Face cache"), std::string::npos) << missing.err;
@@ -178,6 +184,30 @@ TEST(Cli, RepoIdsResolveInTheHuggingFaceCache) {
   EXPECT_NE(list.out.find("qwen3_moe"), std::string::npos) << list.out;
   size_t row = list.out.find("tiny-org/tiny-chat");
   EXPECT_NE(list.out.substr(row, list.out.find('\n', row) - row).find(" yes "), std::string::npos) << list.out;
+}
+
+// Auto-pack says what it does, with progress also when stderr is not a terminal, and clears away
+// the temporary directory an interrupted earlier pack left.
+TEST(Cli, AutoPackTellsAndCleansUpAfterAnInterruptedOne) {
+  const std::string cache = test::temp_dir("cli-autopack");
+  fs::create_directories(cache + "/packs/chat-0123.tmp-999999999/experts");
+  std::ofstream(cache + "/packs/chat-0123.tmp-999999999/weights.safetensors") << "partial";
+  const auto r = cli("run -m " + chat_model() + " --tokens 1 -n 1 --ids", "MOESTREAM_CACHE=" + cache + " ");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_FALSE(fs::exists(cache + "/packs/chat-0123.tmp-999999999"));
+  EXPECT_NE(r.err.find("removed " + cache + "/packs/chat-0123.tmp-999999999, an unfinished pack"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("moestream: packing " + chat_model()), std::string::npos) << r.err;
+  // The last progress line (stderr is a file here): 100%, and no rate made of tiny numbers.
+  const size_t last = r.err.rfind("packing: 100.0%");
+  ASSERT_NE(last, std::string::npos) << r.err;
+  const std::string line = r.err.substr(last, r.err.find('\n', last) - last);
+  const size_t mb = line.find(" MB/s");
+  ASSERT_NE(mb, std::string::npos) << line;
+  const std::string rate = line.substr(line.rfind(' ', mb - 1) + 1, mb - line.rfind(' ', mb - 1) - 1);
+  EXPECT_TRUE(rate == "---" || std::stod(rate) < 1e5) << line;
+  // The second run reuses the pack and says nothing about packing.
+  const auto again = cli("run -m " + chat_model() + " --tokens 1 -n 1 --ids", "MOESTREAM_CACHE=" + cache + " ");
+  EXPECT_EQ(again.err.find("packing"), std::string::npos) << again.err;
 }
 
 TEST(Cli, CachePruneRemovesAbandonedAndOrphanedPacks) {

@@ -119,7 +119,7 @@ struct PackOptions {
   int group_size = 64;         // for quantized formats
   bool quant_all = false;      // also quantize the other linear layers and the embedding
   bool clip_search = false;    // per-group clipping by least squared error
-  bool progress = true;        // progress bar on stderr when it is a terminal
+  bool progress = true;        // progress on stderr: a bar on a terminal, else a line every few seconds
   // Checkpoint tensors the architecture never reads (a multimodal checkpoint's vision tower,
   // multi-token-prediction layers), left out of the pack; empty: keep every tensor.
   std::function<bool(const std::string& name)> skip;
@@ -156,6 +156,17 @@ class PackWriter {
   std::vector<char> block_;
   bool finished_ = false;
 };
+
+// Temporary directories (`OUT.tmp-PID`) that PackWriters left in `dir` when their process died
+// (killed, interrupted) before finishing: the paths, and their writers' PIDs.
+struct AbandonedPack {
+  std::string path;
+  int pid = 0;
+  bool writer_alive = false;  // the PID still runs (then it is not abandoned yet)
+};
+std::vector<AbandonedPack> pack_temporaries(const std::string& dir);
+// Removes the temporaries of dead writers in `dir`; returns what it removed.
+std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir);
 
 // Converts the Hugging Face model directory `src` into a pack at `out` (which must not exist),
 // through a temporary directory renamed into place at the end; `src` is never modified.

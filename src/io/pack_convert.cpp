@@ -31,31 +31,40 @@ using namespace packer;
 
 namespace {
 
-// A progress line on stderr (only when it is a terminal): done/total bytes, rate and ETA.
+// Progress on stderr: done/total bytes, rate and ETA; a bar redrawn five times a second on a
+// terminal, else (a log, a pipe) one line every five seconds and one at the end. The rate is shown
+// once half a second has passed (before that it would be a quotient of two tiny numbers).
 class Progress {
  public:
-  Progress(bool enabled, uint64_t total) : on_(enabled && isatty(2)), total_(total) {}
+  Progress(bool enabled, uint64_t total) : on_(enabled), tty_(isatty(2)), total_(total) {}
   void add(uint64_t bytes) {
     done_ += bytes;
     if (!on_) return;
     const auto now = std::chrono::steady_clock::now();
-    if (now - last_ < std::chrono::milliseconds(200) && done_ < total_) return;
+    const bool finished = done_ >= total_;
+    if (now - last_ < (tty_ ? std::chrono::milliseconds(200) : std::chrono::milliseconds(5000)) && !finished) return;
     last_ = now;
     const double s = std::chrono::duration<double>(now - start_).count();
-    const double rate = s > 0 ? done_ / s : 0;
-    const double eta = rate > 0 ? (total_ - done_) / rate : 0;
-    const int width = 30, filled = total_ ? int(width * double(done_) / double(total_)) : width;
-    std::fprintf(stderr, "\rpacking [%.*s%*s] %5.1f%% %.2f/%.2f GB %6.1f MB/s ETA %4.0fs", filled,
-                 "##############################", width - filled, "",
-                 total_ ? 100.0 * double(done_) / double(total_) : 100.0, done_ / 1e9, total_ / 1e9,
-                 rate / 1e6, eta);
-    if (done_ >= total_) std::fprintf(stderr, "\n");
+    char rate_text[48] = "   --- MB/s ETA    ?";
+    if (s >= 0.5) {
+      const double rate = done_ / s, eta = rate > 0 ? (total_ - done_) / rate : 0;
+      std::snprintf(rate_text, sizeof rate_text, "%6.1f MB/s ETA %4.0fs", rate / 1e6, eta);
+    }
+    const double pct = total_ ? 100.0 * double(done_) / double(total_) : 100.0;
+    if (tty_) {
+      const int width = 30, filled = total_ ? int(width * double(done_) / double(total_)) : width;
+      std::fprintf(stderr, "\rpacking [%.*s%*s] %5.1f%% %.2f/%.2f GB %s", filled, "##############################",
+                   width - filled, "", pct, done_ / 1e9, total_ / 1e9, rate_text);
+      if (finished) std::fprintf(stderr, "\n");
+    } else {
+      std::fprintf(stderr, "packing: %5.1f%% %.2f/%.2f GB %s\n", pct, done_ / 1e9, total_ / 1e9, rate_text);
+    }
   }
 
  private:
-  bool on_;
+  bool on_, tty_;
   uint64_t total_, done_ = 0;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_{};
+  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
 };
 
 bool ends_with(const std::string& s, const std::string& suffix) {

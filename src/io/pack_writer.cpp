@@ -1,8 +1,12 @@
 // PackWriter: a pack written into a temporary directory, expert by expert, and renamed into place.
+#include <signal.h>
 #include <fcntl.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -133,6 +137,33 @@ void PackWriter::finish(int n_layers) {
   if (!mf) fail(path, ": write failed");
   fs::rename(tmp_, out_);
   finished_ = true;
+}
+
+std::vector<AbandonedPack> pack_temporaries(const std::string& dir) {
+  std::vector<AbandonedPack> found;
+  std::error_code ec;
+  for (const auto& e : fs::directory_iterator(dir, ec)) {
+    const std::string name = e.path().filename().string();
+    const size_t at = name.rfind(".tmp-");
+    if (at == std::string::npos || !e.is_directory()) continue;
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + at + 5, &end, 10);
+    if (*end != '\0' || pid <= 0 || pid > INT32_MAX) continue;
+    const bool alive = ::kill(pid_t(pid), 0) == 0 || errno == EPERM;
+    found.push_back({e.path().string(), int(pid), alive});
+  }
+  return found;
+}
+
+std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir) {
+  std::vector<AbandonedPack> removed;
+  for (const AbandonedPack& a : pack_temporaries(dir)) {
+    if (a.writer_alive) continue;
+    std::error_code ec;
+    fs::remove_all(a.path, ec);
+    if (!ec) removed.push_back(a);
+  }
+  return removed;
 }
 
 }  // namespace moestream

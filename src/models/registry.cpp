@@ -86,6 +86,22 @@ uint64_t source_key(const std::string& dir) {
   return XXH64(key.data(), key.size(), 0);
 }
 
+// The name a pack of `dir` gets in the cache: the model's, i.e. the directory's, or for a snapshot
+// of the Hugging Face hub cache (.../models--org--name/snapshots/<commit>) "org--name".
+std::string pack_name(const fs::path& dir) {
+  const fs::path canon = fs::canonical(dir);
+  const std::string repo = canon.parent_path().parent_path().filename().string();
+  if (canon.parent_path().filename() == "snapshots" && repo.rfind("models--", 0) == 0) return repo.substr(8);
+  return canon.filename().string();
+}
+
+uint64_t bytes_in(const fs::path& dir) {
+  uint64_t n = 0;
+  for (const auto& e : fs::directory_iterator(dir))
+    if (e.is_regular_file()) n += e.file_size();
+  return n;
+}
+
 }  // namespace
 
 std::string ensure_pack(const std::string& dir, const std::string& cache_dir) {
@@ -94,10 +110,15 @@ std::string ensure_pack(const std::string& dir, const std::string& cache_dir) {
   const Architecture& arch = find_architecture(config.model_type(), config.path());
   char hex[17];
   std::snprintf(hex, sizeof hex, "%016llx", (unsigned long long)source_key(dir));
-  const std::string name = fs::path(fs::canonical(dir)).filename().string();
-  const std::string out = (cache_dir.empty() ? default_cache_dir() : cache_dir) + "/packs/" + name + "-" + hex;
+  const std::string packs = (cache_dir.empty() ? default_cache_dir() : cache_dir) + "/packs";
+  const std::string out = packs + "/" + pack_name(dir) + "-" + hex;
   if (is_pack_dir(out)) return out;
-  fs::create_directories(fs::path(out).parent_path());
+  fs::create_directories(packs);
+  // Packs an earlier run left unfinished (killed or interrupted) are of no use: remove them.
+  for (const AbandonedPack& a : remove_abandoned_packs(packs))
+    std::fprintf(stderr, "moestream: removed %s, an unfinished pack left by process %d\n", a.path.c_str(), a.pid);
+  std::fprintf(stderr, "moestream: packing %s (%.2f GB) into %s; later runs reuse it\n", dir.c_str(),
+               bytes_in(dir) / 1e9, out.c_str());
   try {
     PackOptions options;
     options.skip = arch.unused_tensors;
