@@ -1,6 +1,8 @@
 // Parser of Jinja templates: tokens -> syntax tree, with jinja2's grammar and operator precedence
 // (lowest first): inline if, or, and, not, comparisons (chained; in / not in), + -, ~, * / // %,
 // **, unary - +, then postfix .attr [sub] (call), then | filter and "is" test.
+// One recursive-descent grammar, kept whole (a little over 700 lines) so each precedence level and
+// statement reads next to the one it calls; nesting is bounded (text/limits.h).
 #include <algorithm>
 #include <charconv>
 #include <cstdlib>
