@@ -12,6 +12,8 @@
 #include <fstream>
 #include <thread>
 
+#include <httplib.h>
+
 #include "test_util.h"
 #include "text/unicode.h"
 
@@ -252,12 +254,21 @@ TEST(Cli, BenchRepetitionsReportMeanAndSpread) {
     EXPECT_NE(table.out.find(column), std::string::npos) << column << "\n" << table.out;
 }
 
-TEST(Cli, PerplexityGivesErrorEstimates) {
+TEST(Cli, PerplexityGivesErrorEstimatesAndKlPercentiles) {
   const std::string dir = test::fixture("models/qwen3moe_ppl");
-  const auto r = cli("perplexity -m " + dir + " -f " + dir + "/text.txt -c 32 --chunks 2", cache_env());
+  const std::string kl = test::temp_dir("cli-ppl") + "/base.kl";
+  const std::string env = cache_env();
+  const auto r = cli("perplexity -m " + dir + " -f " + dir + "/text.txt -c 32 --chunks 2 --kl-save " + kl, env);
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("ppl = "), std::string::npos);
   EXPECT_NE(r.out.find(" +/- "), std::string::npos) << r.out;
+  // Against itself with int8 activations: a small, non-zero KL with its spread.
+  const auto q = cli("perplexity -m " + dir + " -f " + dir + "/text.txt -c 32 --chunks 2 --int8-activations --kl-base " + kl, env);
+  ASSERT_EQ(q.exit_code, 0) << q.err;
+  EXPECT_NE(q.out.find("kl divergence (base || this run) = "), std::string::npos) << q.out;
+  EXPECT_NE(q.out.find("kl percentiles: median "), std::string::npos) << q.out;
+  EXPECT_NE(q.out.find("99.9% "), std::string::npos) << q.out;
+  EXPECT_NE(q.out.find("top-1 agreement = "), std::string::npos) << q.out;
 }
 
 // Runs `moestream chat` with a pipe as its terminal, and Ctrl-C sent by the test.
@@ -376,6 +387,52 @@ TEST(Cli, ChatReplyCutInsideACharacterKeepsTheConversation) {
   const json conv = json::parse(test::read_file(tmp + "/conv.json"));
   ASSERT_EQ(conv["messages"].size(), 4u) << chat.err();  // the second turn encoded the first reply
   EXPECT_EQ(conv["messages"][1]["content"], "\xEF\xBF\xBD");
+}
+
+// The server's streamed reply (server-sent events) cut inside a character: every event is valid
+// UTF-8 JSON and the text ends in U+FFFD, as the plain reply does.
+TEST(Cli, StreamedReplyCutInsideACharacterIsValidUtf8) {
+  const std::string tmp = test::temp_dir("cli-cut-sse");
+  std::ofstream(tmp + "/messages.json") << R"([{"role": "user", "content": "Hello"}])";
+  const auto rendered = cli("template -m " + chat_model() + " --messages " + tmp + "/messages.json");
+  std::ofstream(tmp + "/prompt.txt") << rendered.out;
+  const auto ids = cli("tokenize -m " + chat_model() + " --file " + tmp + "/prompt.txt");
+  std::string list;
+  for (int32_t id : json::parse(ids.out)) list += (list.empty() ? "" : ",") + std::to_string(id);
+  const std::string dir = model_with_cut_token(first_greedy_id("--tokens " + list), "cli-cut-sse-model");
+  const std::string err = tmp + "/serve.err";
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(err.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    dup2(fd, 2);
+    execl(MOESTREAM_BINARY, MOESTREAM_BINARY, "serve", "-m", dir.c_str(), "--port", "0", "--name", "tiny", nullptr);
+    _exit(127);
+  }
+  int port = 0;
+  for (int i = 0; i < 600 && !port; ++i) {
+    const std::string log = test::read_file(err);
+    if (const size_t at = log.find("http://127.0.0.1:"); at != std::string::npos) port = std::atoi(log.c_str() + at + 17);
+    else std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GT(port, 0) << test::read_file(err);
+  httplib::Client client("127.0.0.1", port);
+  const json body = {{"model", "tiny"}, {"messages", {{{"role", "user"}, {"content", "Hello"}}}},
+                     {"max_tokens", 1}, {"temperature", 0}, {"stream", true}};
+  auto streamed = client.Post("/v1/chat/completions", body.dump(), "application/json");
+  auto plain = client.Post("/v1/chat/completions", json({{"model", "tiny"}, {"messages", body["messages"]},
+                                                         {"max_tokens", 1}, {"temperature", 0}}).dump(), "application/json");
+  kill(pid, SIGTERM);
+  waitpid(pid, nullptr, 0);
+  ASSERT_TRUE(streamed && plain);
+  ASSERT_EQ(streamed->status, 200) << streamed->body;
+  EXPECT_EQ(unicode::find_invalid_utf8(streamed->body), std::string::npos);
+  std::string text;
+  for (size_t at = streamed->body.find("data: {"); at != std::string::npos; at = streamed->body.find("data: {", at + 1)) {
+    const json ev = json::parse(streamed->body.substr(at + 6, streamed->body.find('\n', at) - at - 6));
+    if (!ev["choices"].empty()) text += ev["choices"][0]["delta"].value("content", "");
+  }
+  EXPECT_EQ(text, "\xEF\xBF\xBD");
+  EXPECT_EQ(json::parse(plain->body)["choices"][0]["message"]["content"], "\xEF\xBF\xBD");
 }
 
 TEST(Cli, ChatCommandsSaveAndLoadTheConversation) {
