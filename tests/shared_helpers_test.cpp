@@ -6,6 +6,9 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include <cmath>
+
+#include "core/dtype.h"
 #include "core/files.h"
 #include "core/strings.h"
 #include "test_util.h"
@@ -57,3 +60,19 @@ TEST(PercentFormat, OperatorAndFilterFormatAlike) {
 
 }  // namespace
 }  // namespace moestream
+
+// float -> f16 rounds to nearest even over the whole range, subnormals included: every f16 value
+// comes back from its float unchanged, and a float halfway between two neighbours rounds to the
+// even one. (The subnormal branch shifted 13 bits too far and returned 0 for them all.)
+TEST(Float16, EveryValueRoundTripsAndHalfwayRoundsToEven) {
+  for (uint32_t h = 0; h < 0x10000; ++h) {
+    if ((h & 0x7c00u) == 0x7c00u && (h & 0x3ffu)) continue;  // NaN payloads
+    EXPECT_EQ(moestream::f32_to_f16(moestream::f16_to_f32(uint16_t(h))), h) << std::hex << h;
+  }
+  const float tiny = std::ldexp(1.0f, -24);  // the smallest f16 subnormal
+  EXPECT_EQ(moestream::f32_to_f16(tiny * 0.5f), 0u);          // halfway to 0: even (0)
+  EXPECT_EQ(moestream::f32_to_f16(tiny * 1.5f), 2u);          // halfway 1..2: even (2)
+  EXPECT_EQ(moestream::f32_to_f16(tiny * 2.5f), 2u);          // halfway 2..3: even (2)
+  EXPECT_EQ(moestream::f32_to_f16(tiny * 0.75f), 1u);
+  EXPECT_EQ(moestream::f32_to_f16(-tiny * 3.0f), 0x8003u);
+}

@@ -64,7 +64,8 @@ uint16_t f32_to_f16(float f) {
   if (abs < 0x38800000u) {                                    // subnormal or zero in f16
     if (abs < 0x33000000u) return sign;                       // rounds to zero
     uint32_t mant = (abs & 0x7fffffu) | 0x800000u;
-    int shift = 126 - int(abs >> 23) + 13;                    // 14..24
+    // f16 subnormal = m * 2^-24 and the float = mant * 2^(e - 150), so m = mant >> (126 - e).
+    int shift = 126 - int(abs >> 23);                         // 14..24
     uint32_t half = mant >> shift;
     uint32_t rem = mant & ((1u << shift) - 1);
     uint32_t halfway = 1u << (shift - 1);
