@@ -72,20 +72,32 @@ TEST(TextLimitsJson, DeepChatTemplateKwargsToolsAndMessagesAreErrors) {
   auto tpl =
       ChatTemplate::from_source("{{ messages | length }}{{ tools | tojson }}{{ x }}", nullptr);
   for (bool objects : {false, true}) {
-    ordered_json deep = deep_json(30000, objects);
+    // Each deep value is built where it is used and moved in: nlohmann copies recursively, so a
+    // copy made by the test itself would overflow the stack under AddressSanitizer.
     ordered_json kwargs = ordered_json::object();
-    kwargs["x"] = deep;
+    kwargs["x"] = deep_json(30000, objects);
     ordered_json msgs = ordered_json::array({{{"role", "user"}, {"content", "hi"}}});
     expect_error(
         [&] { tpl.render(msgs, nullptr, true, kwargs); },
         {"chat_template_kwargs", "nested more than", std::to_string(text_limits::kMaxJsonDepth)});
-    ordered_json tools =
-        ordered_json::array({{{"type", "function"}, {"function", {{"parameters", deep}}}}});
+    ordered_json function = ordered_json::object();
+    function["parameters"] = deep_json(30000, objects);
+    ordered_json tool = ordered_json::object();
+    tool["type"] = "function";
+    tool["function"] = std::move(function);
+    ordered_json tools = ordered_json::array();
+    tools.push_back(std::move(tool));
     expect_error([&] { tpl.render(msgs, tools, true, ordered_json::object()); },
                  {"tools", "nested more than"});
-    ordered_json call_msgs = ordered_json::array(
-        {{{"role", "assistant"},
-          {"tool_calls", ordered_json::array({{{"function", {{"arguments", deep}}}}})}}});
+    ordered_json call = ordered_json::object();
+    call["function"] = ordered_json::object();
+    call["function"]["arguments"] = deep_json(30000, objects);
+    ordered_json assistant = ordered_json::object();
+    assistant["role"] = "assistant";
+    assistant["tool_calls"] = ordered_json::array();
+    assistant["tool_calls"].push_back(std::move(call));
+    ordered_json call_msgs = ordered_json::array();
+    call_msgs.push_back(std::move(assistant));
     expect_error([&] { tpl.render(call_msgs, nullptr, true, ordered_json::object()); },
                  {"messages", "nested more than"});
   }
@@ -105,7 +117,8 @@ TEST(TextLimitsJson, DepthAtTheLimitRenders) {
 }
 
 TEST(TextLimitsJson, DeepTemplateVariablesAreErrors) {
-  ordered_json vars = {{"x", deep_json(kDeep, false)}};
+  ordered_json vars = ordered_json::object();
+  vars["x"] = deep_json(kDeep, false);  // moved in: a copy would recurse (see above)
   expect_error([&] { jinja::Template::parse("{{ x }}", "t").render(vars); },
                {"t", "'x'", "nested more than"});
 }
