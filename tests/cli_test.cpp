@@ -25,15 +25,7 @@ namespace {
 
 // The tiny random-weight Qwen3-MoE chat model of the server tests, with the Qwen3 tokenizer.
 const std::string& chat_model() {
-  static const std::string dir = [] {
-    const std::string d = test::temp_dir("cli-chat-model");
-    for (const auto& e : fs::directory_iterator(test::fixture("serve/qwen3_tiny_chat")))
-      fs::copy_file(e.path(), fs::path(d) / e.path().filename());
-    const fs::path tok = fs::path(test::source_dir()) / ".cache/tokenizer-qwen3/tokenizer.json";
-    if (!fs::exists(tok)) ADD_FAILURE() << tok << " is missing: run scripts/setup";
-    else fs::copy_file(tok, fs::path(d) / "tokenizer.json");
-    return d;
-  }();
+  static const std::string dir = test::tiny_chat_copy("cli-chat-model");
   return dir;
 }
 

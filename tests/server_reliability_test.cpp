@@ -27,19 +27,9 @@ namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;
 using clock_type = std::chrono::steady_clock;
 
-// The serve fixture packed, with the Qwen3 tokenizer (fetched by scripts/setup) beside it.
+// The serve fixture packed (its own copy: tests here damage it), with the Qwen3 tokenizer.
 const std::string& pack_dir() {
-  static const std::string dir = [] {
-    const std::string d = test::temp_dir("reliability-model");
-    for (const auto& e : fs::directory_iterator(test::fixture("serve/qwen3_tiny_chat")))
-      fs::copy_file(e.path(), fs::path(d) / e.path().filename());
-    const fs::path tok = fs::path(test::source_dir()) / ".cache/tokenizer-qwen3/tokenizer.json";
-    if (!fs::exists(tok))
-      ADD_FAILURE() << tok << " is missing: run scripts/setup";
-    else
-      fs::copy_file(tok, fs::path(d) / "tokenizer.json");
-    return ensure_pack(d, "");
-  }();
+  static const std::string dir = ensure_pack(test::tiny_chat_copy("reliability-model"), "");
   return dir;
 }
 

@@ -19,17 +19,9 @@ namespace {
 namespace fs = std::filesystem;
 using json = nlohmann::ordered_json;  // key order matters: templates render tools as given
 
-// The fixture with the Qwen3 tokenizer beside it (fetched by scripts/setup, not committed).
+// The fixture with the Qwen3 tokenizer beside it.
 const std::string& model_dir() {
-  static const std::string dir = [] {
-    const std::string d = test::temp_dir("serve-model");
-    for (const auto& e : fs::directory_iterator(test::fixture("serve/qwen3_tiny_chat")))
-      fs::copy_file(e.path(), fs::path(d) / e.path().filename());
-    const fs::path tok = fs::path(test::source_dir()) / ".cache/tokenizer-qwen3/tokenizer.json";
-    if (!fs::exists(tok)) ADD_FAILURE() << tok << " is missing: run scripts/setup";
-    else fs::copy_file(tok, fs::path(d) / "tokenizer.json");
-    return d;
-  }();
+  static const std::string dir = test::tiny_chat_copy("serve-model");
   return dir;
 }
 

@@ -125,6 +125,19 @@ inline std::string temp_dir(const std::string& name) {
   return dir.string();
 }
 
+// A copy of the serve fixture (tests/fixtures/serve/qwen3_tiny_chat: a tiny random-weight
+// Qwen3-MoE with a chat template) in a fresh temp dir, with the Qwen3 tokenizer beside it (fetched
+// by scripts/setup, not committed). Returns the directory.
+inline std::string tiny_chat_copy(const std::string& name) {
+  const std::string d = temp_dir(name);
+  for (const auto& e : std::filesystem::directory_iterator(fixture("serve/qwen3_tiny_chat")))
+    std::filesystem::copy_file(e.path(), std::filesystem::path(d) / e.path().filename());
+  const std::filesystem::path tok = std::filesystem::path(source_dir()) / ".cache/tokenizer-qwen3/tokenizer.json";
+  if (!std::filesystem::exists(tok)) ADD_FAILURE() << tok << " is missing: run scripts/setup --test";
+  else std::filesystem::copy_file(tok, std::filesystem::path(d) / "tokenizer.json");
+  return d;
+}
+
 struct CliResult {
   int exit_code = -1;
   std::string out, err;
