@@ -18,6 +18,7 @@
 #include "io/pack.h"
 #include "models/model.h"
 #include "server/http_server.h"
+#include "served.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -49,35 +50,20 @@ ServeOptions quick_options() {
   return so;
 }
 
-class Served {
+// 12 workers and a queue of 2: fewer than the slow clients below.
+class Served : public test::ServedServer {
  public:
-  explicit Served(ServeOptions so = quick_options(), const std::string& dir = pack_dir()) {
+  explicit Served(ServeOptions so = quick_options(), const std::string& dir = pack_dir())
+      : ServedServer(dir, engine_options(), so) {}
+
+ private:
+  static EngineOptions engine_options() {
     EngineOptions eo;
     eo.ctx = 1024;
     eo.parallel = 2;
-    eo.max_queue = 2;  // 12 workers: fewer than the slow clients below
-    ModelOptions mo;
-    model_ = ServedModel::load(dir, mo, eo, "tiny");
-    server_ = std::make_unique<HttpServer>(*model_, so);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->listen(); });
+    eo.max_queue = 2;
+    return eo;
   }
-  ~Served() {
-    server_->stop();
-    thread_.join();
-  }
-  httplib::Client client() const {
-    httplib::Client c("127.0.0.1", port_);
-    c.set_read_timeout(30, 0);
-    return c;
-  }
-  int port() const { return port_; }
-
- private:
-  std::unique_ptr<ServedModel> model_;
-  std::unique_ptr<HttpServer> server_;
-  int port_ = 0;
-  std::thread thread_;
 };
 
 json post(const Served& s, const std::string& path, const std::string& body, int expect_status) {

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "server/http_server.h"
+#include "served.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -30,36 +31,22 @@ const json& ref() {
   return r;
 }
 
-class Served {
+class Served : public test::ServedServer {
  public:
-  explicit Served(EngineOptions eo = {}, std::string api_key = "") {
-    if (eo.ctx == 4096) eo.ctx = 1024;
-    ModelOptions mo;
-    model_ = ServedModel::load(model_dir(), mo, eo, "tiny");
-    ServeOptions so;
-    so.port = 0;
-    so.api_key = std::move(api_key);
-    so.max_body_bytes = 1 << 20;
-    server_ = std::make_unique<HttpServer>(*model_, so);
-    port_ = server_->bind();
-    thread_ = std::thread([this] { server_->listen(); });
-  }
-  ~Served() {
-    server_->stop();
-    thread_.join();
-  }
-  httplib::Client client() const {
-    httplib::Client c("127.0.0.1", port_);
-    c.set_read_timeout(60, 0);
-    return c;
-  }
-  int port() const { return port_; }
+  explicit Served(EngineOptions eo = {}, std::string api_key = "")
+      : ServedServer(model_dir(), with_test_ctx(eo), options(std::move(api_key))) {}
 
  private:
-  std::unique_ptr<ServedModel> model_;
-  std::unique_ptr<HttpServer> server_;
-  int port_ = 0;
-  std::thread thread_;
+  static EngineOptions with_test_ctx(EngineOptions eo) {
+    if (eo.ctx == 4096) eo.ctx = 1024;
+    return eo;
+  }
+  static ServeOptions options(std::string api_key) {
+    ServeOptions so;
+    so.api_key = std::move(api_key);
+    so.max_body_bytes = 1 << 20;
+    return so;
+  }
 };
 
 json post(const Served& s, const std::string& path, const json& body, int expect_status = 200,
