@@ -4,37 +4,15 @@
 //
 //   node tests/e2e/openai_client.mjs path/to/moestream
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
 import fs from 'node:fs';
-import os from 'node:os';
-import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import OpenAI from 'openai';
+import { fixtureCopy, startServe } from './serve_fixture.mjs';
 
-const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const binary = process.argv[2];
 if (!binary) throw new Error('usage: node openai_client.mjs MOESTREAM_BINARY');
-const fixture = path.join(root, 'tests/fixtures/serve/qwen3_tiny_chat');
-const ref = JSON.parse(fs.readFileSync(path.join(fixture, 'ref.json'), 'utf8'));
-
-// The fixture with the Qwen3 tokenizer beside it (scripts/setup fetches it into .cache/).
-const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moestream-e2e-'));
-fs.cpSync(fixture, dir, { recursive: true });
-fs.copyFileSync(path.join(root, '.cache/tokenizer-qwen3/tokenizer.json'), path.join(dir, 'tokenizer.json'));
-
+const { dir, ref } = fixtureCopy('moestream-e2e-');
 const key = 'e2e-key';
-const server = spawn(binary, ['serve', '-m', dir, '--port', '0', '--name', 'tiny', '--api-key', key, '--ctx', '1024'],
-                     { stdio: ['ignore', 'ignore', 'pipe'] });
-let log = '';
-const port = await new Promise((resolve, reject) => {
-  server.stderr.on('data', (d) => {
-    log += d;
-    const m = log.match(/http:\/\/127\.0\.0\.1:(\d+)/);
-    if (m) resolve(Number(m[1]));
-  });
-  server.on('exit', (code) => reject(new Error(`server exited (${code}): ${log}`)));
-  setTimeout(() => reject(new Error(`server did not start: ${log}`)), 120000).unref();
-});
+const { server, port } = await startServe(binary, dir, ['--name', 'tiny', '--api-key', key, '--ctx', '1024']);
 
 let checks = 0;
 try {

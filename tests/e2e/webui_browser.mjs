@@ -6,37 +6,16 @@
 //
 //   node tests/e2e/webui_browser.mjs path/to/moestream [path/to/chromium]
 import assert from 'node:assert/strict';
-import { spawn } from 'node:child_process';
-import fs from 'node:fs';
-import os from 'node:os';
 import path from 'node:path';
-import { fileURLToPath } from 'node:url';
 import puppeteer from 'puppeteer-core';
+import { fixtureCopy, startServe } from './serve_fixture.mjs';
 
-const root = path.resolve(path.dirname(fileURLToPath(import.meta.url)), '../..');
 const binary = process.argv[2];
 const chromium = process.argv[3] ?? '/usr/bin/chromium';
 if (!binary) throw new Error('usage: node webui_browser.mjs MOESTREAM_BINARY [CHROMIUM]');
-const fixture = path.join(root, 'tests/fixtures/serve/qwen3_tiny_chat');
-const ref = JSON.parse(fs.readFileSync(path.join(fixture, 'ref.json'), 'utf8'));
-
-const dir = fs.mkdtempSync(path.join(os.tmpdir(), 'moestream-webui-'));
-fs.cpSync(fixture, dir, { recursive: true });
-fs.copyFileSync(path.join(root, '.cache/tokenizer-qwen3/tokenizer.json'), path.join(dir, 'tokenizer.json'));
-
+const { dir, ref } = fixtureCopy('moestream-webui-');
 const key = 'webui-key';
-const server = spawn(binary, ['serve', '-m', dir, '--port', '0', '--name', 'tiny', '--api-key', key, '-c', '2048'],
-                     { stdio: ['ignore', 'ignore', 'pipe'] });
-let log = '';
-const port = await new Promise((resolve, reject) => {
-  server.stderr.on('data', (d) => {
-    log += d;
-    const m = log.match(/http:\/\/127\.0\.0\.1:(\d+)/);
-    if (m) resolve(Number(m[1]));
-  });
-  server.on('exit', (code) => reject(new Error(`server exited (${code}): ${log}`)));
-  setTimeout(() => reject(new Error(`server did not start: ${log}`)), 120000).unref();
-});
+const { server, port } = await startServe(binary, dir, ['--name', 'tiny', '--api-key', key, '-c', '2048']);
 
 const browser = await puppeteer.launch({
   executablePath: chromium,
