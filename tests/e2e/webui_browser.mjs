@@ -68,14 +68,20 @@ try {
   checks++;
 
   // Stop: a long reply in a new conversation, stopped after it has started.
-  await set('#max-tokens', 1500);
+  // The click happens in the page as soon as text shows: on a busy 2-core machine a round trip
+  // through puppeteer can take longer than the whole reply.
+  await set('#max-tokens', 2000);
   await page.click('#new-chat');
   await page.type('#input', 'Tell me a long story.');
   await page.keyboard.press('Enter');
-  await page.waitForFunction(() => (document.querySelector('.msg.assistant .content')?.textContent.length ?? 0) > 20,
-                             { timeout: 60000 });
-  assert.equal(await page.$eval('#send', (el) => el.textContent), 'Stop');
-  await page.click('#send');
+  const button = await page.waitForFunction(() => {
+    if ((document.querySelector('.msg.assistant .content')?.textContent.length ?? 0) <= 20) return false;
+    const send = document.getElementById('send');
+    const label = send.textContent;
+    send.click();
+    return label;
+  }, { polling: 10, timeout: 60000 });
+  assert.equal(await button.jsonValue(), 'Stop');
   await page.waitForFunction(() => document.querySelector('.msg.assistant .stats'), { timeout: 30000 });
   assert.match(await page.$eval('.msg.assistant .stats', (el) => el.textContent), /stopped/);
   assert.equal(await page.$$eval('#conversations li', (els) => els.length), 2);
