@@ -27,6 +27,14 @@ namespace moestream::cli {
 
 namespace {
 
+// Time per phase between two readings of the backend's counters (GPU time only with
+// MOESTREAM_CUDA_SYNC=1, which waits for the GPU after every operation).
+nlohmann::json phase_seconds(const PhaseTimes& p0, const PhaseTimes& p1) {
+  return {{"embed", p1.embed - p0.embed}, {"attention", p1.attention - p0.attention},
+          {"routing", p1.routing - p0.routing}, {"expert_compute", p1.expert_compute - p0.expert_compute},
+          {"dense_mlp", p1.dense_mlp - p0.dense_mlp}, {"output_head", p1.output_head - p0.output_head}};
+}
+
 using clock_type = std::chrono::steady_clock;
 double seconds_since(clock_type::time_point t) {
   return std::chrono::duration<double>(clock_type::now() - t).count();
@@ -239,6 +247,7 @@ void add_bench(CLI::App& app) {
       }
       std::vector<double> rates;
       const ExpertStats before = model->expert_stats();
+      const PhaseTimes phases_before = model->backend().times();
       for (int rep = 0; rep < f->repetitions; ++rep) {
         auto seq = model->new_sequence(f->n_prompt);
         auto t0 = clock_type::now();
@@ -249,6 +258,7 @@ void add_bench(CLI::App& app) {
       const Spread pp = spread(rates);
       out["pp"] = {{"tokens", f->n_prompt}, {"tok_per_s", pp.mean}, {"tok_per_s_sd", pp.sd},
                    {"samples", rates}, {"bytes_read", (after.bytes_read - before.bytes_read) / f->repetitions}};
+      out["pp"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
     }
     if (f->n_gen > 0) {
       // Each repetition decodes n_gen tokens after a one-token prompt of its own; the counters
@@ -287,15 +297,7 @@ void add_bench(CLI::App& app) {
                    // against the memory read bandwidth measured above.
                    {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
                    {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw}};
-      {  // time per phase of the decode loop (GPU time only with MOESTREAM_CUDA_SYNC=1)
-        const PhaseTimes& p1 = model->backend().times();
-        const PhaseTimes& p0 = phases_before;
-        out["tg"]["phase_s"] = {{"embed", p1.embed - p0.embed}, {"attention", p1.attention - p0.attention},
-                                {"routing", p1.routing - p0.routing},
-                                {"expert_compute", p1.expert_compute - p0.expert_compute},
-                                {"dense_mlp", p1.dense_mlp - p0.dense_mlp},
-                                {"output_head", p1.output_head - p0.output_head}};
-      }
+      out["tg"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
       if (gpu && tier_before) {
         // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),
         // PCIe (expert bytes copied up per token over pinned host-to-device), disk (bytes read

@@ -271,7 +271,7 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   g.row_token = scratch_.get<int>(kRowToken, size_t(pairs));
   g.row_of = scratch_.get<int>(kRowOf, size_t(pairs));
   // Routing compares logits: float32 activations, like the CPU.
-  cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_);
+  cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
   if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
   c.resident = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E &&
                all_resident_formats_known(fmt_known_, layer);
@@ -300,6 +300,8 @@ void ExpertTier::bind_layer(Call& c) {
   b.inter = inter_[size_t(c.layer)];
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
+  b.gemm = &gemm_;
+  b.tensor_cores = use_expert_gemm(c.T, c.K, c.E, c.dim, b.inter);
 }
 
 // Every expert of the layer in VRAM: groups, expert kernels and combine on the GPU.

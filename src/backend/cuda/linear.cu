@@ -2,7 +2,11 @@
 //  - GEMV (T <= kGemvMaxTokens): a warp owns kRowsPerWarp rows; each lane walks packs of 32
 //    input elements (16-byte weight loads), x staged in shared memory, dequantization folded
 //    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x) (b = 0 but for affine).
-//  - GEMM: tiles of rows dequantized to float32, then cuBLAS SGEMM (float32 math, no TF32).
+//  - GEMM: tiles of rows dequantized to FP16 and multiplied on the tensor cores (float32 sums),
+//    or to float32 and cuBLAS SGEMM (float32 math, no TF32) for GemmMath::F32.
+#include <cstdlib>
+#include <string>
+
 #include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
 #include "core/quant.h"
@@ -109,6 +113,17 @@ __global__ void dequant_rows_kernel(WeightRef w, int64_t r0, int64_t n, float* _
     tile[i] = weight_at<KIND, SF16>(w, r0 + i / w.cols, i % w.cols);
 }
 
+template <int KIND, bool SF16>
+__global__ void dequant_rows_f16_kernel(WeightRef w, int64_t r0, int64_t n, __half* __restrict__ tile) {
+  dequant_rows_f16<KIND, SF16>(w, r0, n, tile);
+}
+
+__global__ void to_f16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t cols, __half* __restrict__ out) {
+  const int64_t total = T * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
+    out[i] = to_half_saturated(x[(i / cols) * ldx + i % cols]);
+}
+
 // One block per token: row tokens[t] of the table as float32.
 template <int KIND, bool SF16>
 __global__ void embed_kernel(WeightRef w, const int32_t* __restrict__ tokens, float* __restrict__ out) {
@@ -131,18 +146,112 @@ void check_cublas(cublasStatus_t s, const char* what, const char* file, int line
 
 GemmScratch::~GemmScratch() {
   if (tile) cudaFree(tile);
+  for (auto& [p, n] : areas)
+    if (p) cudaFree(p);
   if (handle) cublasDestroy(handle);
+  if (handle16) cublasDestroy(handle16);
 }
 
+void* GemmScratch::area(int slot, size_t bytes) {
+  if (areas.size() <= size_t(slot)) areas.resize(size_t(slot) + 1, {nullptr, 0});
+  auto& [p, n] = areas[size_t(slot)];
+  if (n < bytes) {
+    if (p) MS_CUDA_CHECK(cudaFree(p));
+    p = nullptr;
+    MS_CUDA_CHECK(cudaMalloc(&p, bytes));
+    n = bytes;
+  }
+  return p;
+}
+
+cublasHandle_t GemmScratch::tensor_handle(cudaStream_t stream) {
+  if (!handle16) {
+    MS_CUBLAS_CHECK(cublasCreate(&handle16));
+    MS_CUBLAS_CHECK(cublasSetMathMode(handle16, CUBLAS_DEFAULT_MATH));
+  }
+  MS_CUBLAS_CHECK(cublasSetStream(handle16, stream));
+  return handle16;
+}
+
+int64_t gemm_min_tokens() {
+  static const int64_t n = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_GEMM_TOKENS");
+    const int64_t t = v ? std::atoll(v) : 0;
+    return t >= 2 ? t : kGemvMaxTokens + 1;  // one token is always the GEMV (and CUDA graphs)
+  }();
+  return n;
+}
+
+bool tensor_cores_for(int64_t T) {
+  static const int64_t min_tokens = [] {
+    const char* on = std::getenv("MOESTREAM_CUDA_TENSOR_CORES");
+    if (!(on && std::string(on) == "1")) return int64_t(-1);
+    const char* v = std::getenv("MOESTREAM_CUDA_TENSOR_CORE_TOKENS");
+    const int64_t t = v ? std::atoll(v) : 0;
+    return t >= 2 ? t : int64_t(128);
+  }();
+  return min_tokens > 0 && T >= min_tokens;
+}
+
+void dequantize_rows_f16(const Matrix& m, int64_t r0, int64_t n, void* dst, cudaStream_t stream) {
+  const WeightRef w = weight_ref(m);
+  if (w.cols % 8) fail("cuda: matrix ", m.name, " has ", w.cols, " columns, not a multiple of 8");
+  dispatch_format(format_of(m), [&]<int KIND, bool SF16>() {
+    const int64_t total = n * w.cols / 8;
+    const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
+    if (blocks == 0) return;
+    dequant_rows_f16_kernel<KIND, SF16><<<blocks, 256, 0, stream>>>(w, r0, n, static_cast<__half*>(dst));
+    MS_CUDA_CHECK_LAUNCH();
+  });
+}
+
+void to_f16(const float* x, int64_t ldx, int64_t T, int64_t cols, void* dst, cudaStream_t stream) {
+  const int64_t total = T * cols;
+  if (total == 0) return;
+  const unsigned blocks = unsigned(std::min<int64_t>((total + 255) / 256, 65535));
+  to_f16_kernel<<<blocks, 256, 0, stream>>>(x, ldx, T, cols, static_cast<__half*>(dst));
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+namespace {
+
+void add_bias(float* out, int64_t ldo, int64_t T, int64_t n, const float* bias, cudaStream_t stream) {
+  add_bias_kernel<<<blocks_for(T * n, 256), 256, 0, stream>>>(out, ldo, T, n, bias);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+// The tensor-core GEMM: x to FP16 once, W dequantized to FP16 ~32M elements at a time.
+void linear_f16(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
+                int64_t ldo, GemmScratch& scratch, cudaStream_t stream) {
+  const int64_t rows = m.rows, cols = m.cols;
+  cublasHandle_t h = scratch.tensor_handle(stream);
+  auto* x16 = static_cast<__half*>(scratch.area(kAreaX16, size_t(T * cols) * sizeof(__half)));
+  to_f16(x, ldx, T, cols, x16, stream);
+  const int64_t tile_rows = std::min<int64_t>(rows, std::max<int64_t>(64, (int64_t(1) << 25) / cols));
+  auto* tile = static_cast<__half*>(scratch.area(kAreaTile16, size_t(tile_rows * cols) * sizeof(__half)));
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t r0 = 0; r0 < rows; r0 += tile_rows) {
+    const int64_t n = std::min(tile_rows, rows - r0);
+    dequantize_rows_f16(m, r0, n, tile, stream);
+    // Column-major view, as in linear(): C (n x T, ld ldo) = tile^T (n x cols) * x16 (cols x T).
+    MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(T), int(cols), &one, tile, CUDA_R_16F,
+                                 int(cols), x16, CUDA_R_16F, int(cols), &zero, out + r0, CUDA_R_32F, int(ldo),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  if (bias) add_bias(out, ldo, T, rows, bias, stream);
+}
+
+}  // namespace
+
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
-            int64_t ldo, GemmScratch& scratch, cudaStream_t stream) {
+            int64_t ldo, GemmScratch& scratch, cudaStream_t stream, GemmMath math) {
   if (T == 0) return;
   const FormatTag tag = format_of(m);
   const WeightRef w = weight_ref(m);
   const size_t smem_limit = max_gemv_smem();
   int nt_max = kTokens;
   while (nt_max > 0 && gemv_smem_bytes(w.cols, nt_max) > smem_limit) --nt_max;
-  if (T <= kGemvMaxTokens && nt_max > 0) {
+  if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
       static bool configured = false;
       if (!configured) {
@@ -155,6 +264,10 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
           w, x, ldx, int(T), nt_max, bias, out, ldo);
       MS_CUDA_CHECK_LAUNCH();
     });
+    return;
+  }
+  if (math == GemmMath::Fp16 && tensor_cores_for(T) && w.cols % 8 == 0) {
+    linear_f16(m, x, ldx, T, bias, out, ldo, scratch, stream);
     return;
   }
   // GEMM: dequantize up to ~32M elements of W at a time.

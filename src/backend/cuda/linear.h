@@ -6,26 +6,62 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "backend/backend.h"
 
 namespace moestream::cuda {
 
 // Tokens up to which linear() runs the GEMV kernel (weights read once per 4 tokens); above it
-// a dequantized tile of the matrix goes through cuBLAS SGEMM.
+// (MOESTREAM_CUDA_GEMM_TOKENS in the environment moves the bound, for tests) the matrix goes
+// through cuBLAS in dequantized tiles.
 constexpr int64_t kGemvMaxTokens = 8;
+int64_t gemm_min_tokens();
+// Whether a call of T tokens takes the FP16 tensor-core paths (GemmMath::Fp16, the expert GEMM
+// of moe.h). Opt-in, since they are lossy: with MOESTREAM_CUDA_TENSOR_CORES=1, from 128 tokens
+// (prefill; MOESTREAM_CUDA_TENSOR_CORE_TOKENS moves the bound, tests force it with 2). Otherwise
+// every product sums float32 values (GEMV, SGEMM without TF32, the expert kernels), as the CPU's
+// --precise does. docs/PERFORMANCE.md has their speed and error.
+bool tensor_cores_for(int64_t T);
 
-// Device scratch of the GEMM path, grown to the largest tile seen.
+// The slots of GemmScratch::area: linear()'s FP16 tile and activations, the expert GEMM's
+// (moe.h) FP16 weights, gathered activations, gate / up outputs, hidden activations, down outputs and the
+// device pointer arrays of its grouped GEMMs.
+enum GemmArea : int { kAreaTile16, kAreaX16, kAreaExpertW16, kAreaExpertX16, kAreaExpertGate, kAreaExpertUp,
+                      kAreaExpertHidden, kAreaExpertDown, kAreaExpertPointers };
+
+// Device scratch of the GEMM paths, grown to the largest size seen. `handle` computes in float32
+// (pedantic math: no TF32); `handle16` multiplies FP16 operands on the tensor cores with float32
+// accumulation.
 struct GemmScratch {
   cublasHandle_t handle = nullptr;
+  cublasHandle_t handle16 = nullptr;
   float* tile = nullptr;
   size_t tile_floats = 0;
+  // Device areas by slot (GemmArea), each grown to the largest size asked for.
+  std::vector<std::pair<void*, size_t>> areas;
+  void* area(int slot, size_t bytes);
+  cublasHandle_t tensor_handle(cudaStream_t stream);
   ~GemmScratch();
 };
 
+// How linear() multiplies above the GEMV bound.
+//  Fp16: tiles of W dequantized to FP16, x rounded to FP16 (saturating at +-65504), products on
+//        the tensor cores summed in float32: a relative error of about 1e-3 per output (FP16
+//        keeps 11 significant bits), the tolerance docs/ARCHITECTURES.md states.
+//  F32:  tiles dequantized to float32 and SGEMM: the GEMV's float32 arithmetic (the router,
+//        whose top-k compares logits).
+enum class GemmMath { Fp16, F32 };
+
 // out[t, :] (row stride ldo) = x[t, :] (row stride ldx) @ W^T (+ bias[r]) for t < T.
 void linear(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
-            int64_t ldo, GemmScratch& scratch, cudaStream_t stream);
+            int64_t ldo, GemmScratch& scratch, cudaStream_t stream, GemmMath math = GemmMath::Fp16);
+
+// Rows [r0, r0 + n) of w as FP16 into dst [n, w.cols] (saturating), for the tensor-core paths.
+void dequantize_rows_f16(const Matrix& w, int64_t r0, int64_t n, void* dst, cudaStream_t stream);
+// dst [T, cols] FP16 = x [T, cols] (row stride ldx), saturating at +-65504.
+void to_f16(const float* x, int64_t ldx, int64_t T, int64_t cols, void* dst, cudaStream_t stream);
 
 // out[t, :] = row tokens[t] of table, as float32 (tokens already checked against table.rows).
 void embed(const Matrix& table, const int32_t* tokens, int64_t T, float* out, cudaStream_t stream);

@@ -558,6 +558,10 @@ void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGro
 void run_experts(const ExpertBatch& b, cudaStream_t s) {
   const int n_blocks = b.a_end - b.a_begin;
   if (n_blocks <= 0) return;
+  if (b.tensor_cores && b.gemm) {
+    run_experts_gemm(b, s);
+    return;
+  }
   ExpertArgs a;
   a.table = b.table;
   a.g = b.groups;

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "backend/backend.h"
+#include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
 
 namespace moestream::cuda {
@@ -50,9 +51,27 @@ struct ExpertBatch {
   float* y;           // [T*k, dim]
   const MoeParams* params;
   bool one_token = false;  // the call has one token (each active expert one row): the decode kernels
+  // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
+  // once per MoE call, never per batch, so that how a call's experts split into batches (what
+  // is resident, the budgets) does not change how any expert is computed.
+  bool tensor_cores = false;
+  GemmScratch* gemm = nullptr;
 };
 // hidden = act(gate x, up x) and y = down hidden for every (token, expert) row of the batch.
+// Calls that take the tensor cores (use_expert_gemm) go to run_experts_gemm.
 void run_experts(const ExpertBatch& b, cudaStream_t s);
+
+// The prefill path (expert_gemm.cu): each active expert's matrices dequantized to FP16, its rows
+// of x gathered and rounded to FP16, and the products on the tensor cores through cuBLAS grouped
+// GEMMs (one problem per expert and matrix) with float32 sums; the activation in float32 between
+// them. Experts go in chunks whose FP16 weights fit MOESTREAM_CUDA_EXPERT_GEMM_MB (default 256).
+// It reads the groups' offsets back to the host: one wait per batch. Same tolerance as linear()'s
+// GemmMath::Fp16.
+// A call of T tokens choosing k of E experts takes it when tensor_cores_for(T) (linear.h) and its
+// rows per selected expert, T * k / min(E, T * k), reach 8 (MOESTREAM_CUDA_EXPERT_GEMM_ROWS moves
+// the bound; tests force the path with 1) and dim and inter are multiples of 8.
+bool use_expert_gemm(int64_t T, int k, int E, int64_t dim, int64_t inter);
+void run_experts_gemm(const ExpertBatch& b, cudaStream_t s);
 // out[t] = sum_i sel_w[t, i] * y[row_of[t * k + i]]
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,
              cudaStream_t s);
