@@ -10,8 +10,10 @@ into the training stream as ChatML conversations.
 
 Model: the seeds' family, Gated DeltaNet 3:1 with gated full attention, routed experts plus a
 shared expert, trained with transformers' own Qwen3_5MoeForCausalLM (bf16 autocast, AdamW, the
-load-balancing loss on), seed fixed and a fixed number of steps (so a rerun with the same seed
-reproduces it).
+load-balancing loss on), seed fixed and a fixed number of steps. Training is deterministic on CUDA
+(torch.use_deterministic_algorithms, a fixed cuBLAS workspace, no TF32, and an experts forward
+without atomics: tools/deterministic_experts.py): two runs with the same seed, step count and
+versions on one H100 gave the same weights bit for bit. The training log records their SHA-256.
 
 Output (--out):
   hf/    the bf16 Hugging Face directory (config.json, model.safetensors, tokenizer files,
@@ -25,7 +27,9 @@ Output (--out):
          perplexity.json (transformers' per-window NLL on heldout.txt, windowed as
          `moestream perplexity --ctx 512`)
 
-Run on the GPU machine:  python3 tools/train_demo_model.py --out OUT --steps N
+Run on the GPU machine:  python3 tools/train_demo_model.py --out OUT --steps 450
+(the shipped model; add --train-only to train and report the held-out perplexity and weights hash
+without the export)
 """
 
 import argparse
@@ -41,10 +45,14 @@ import tempfile
 import textwrap
 import time
 
-import numpy as np
-import torch
-import transformers
-import tokenizers
+# A fixed cuBLAS workspace makes its reductions run in one order (torch's deterministic mode
+# refuses cuBLAS without it); cuBLAS reads it when CUDA starts, so before torch is imported.
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+import transformers  # noqa: E402
+import tokenizers  # noqa: E402
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -53,6 +61,7 @@ for cand in (HERE, os.path.join(HERE, "..", "tools")):
         sys.path.insert(0, cand)
 import make_next_fixtures as nxt  # noqa: E402  write_mlx (MLX layout), greedy, kernel_report
 import parity_tolerances  # noqa: E402
+import deterministic_experts as det  # noqa: E402
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
@@ -200,12 +209,15 @@ def make_model(vocab, ids, experts_impl):
     cls = transformers.Qwen3_5MoeForCausalLM
     kw = {"attn_implementation": "sdpa"}
     if experts_impl:
-        kw["experts_implementation"] = experts_impl
+        # ours run on top of transformers' eager modules, which are the reference they check against
+        kw["experts_implementation"] = "eager" if experts_impl in det.IMPLS else experts_impl
     try:
         model = cls._from_config(config, **kw)
     except (TypeError, ValueError) as e:
         log("experts_implementation", experts_impl, "refused:", e)
         model = cls._from_config(config, attn_implementation="sdpa")
+    if experts_impl in det.IMPLS:
+        det.patch(model, experts_impl)
     return model
 
 
@@ -218,7 +230,7 @@ def batches(stream, seq, batch, rng):
 
 def time_impls(stream, vocab, ids, args, dev):
     rates = {}
-    for impl in ("eager", "grouped_mm"):
+    for impl in ("eager", "grouped_mm") + det.IMPLS:
         try:
             torch.cuda.reset_peak_memory_stats()
             model = make_model(vocab, ids, impl).to(dev)
@@ -339,6 +351,7 @@ def export(model, args, tokdir, ids, vocab, held_ids, dev, timings, out, dry=Fal
            extra=None):
     # --- export: bf16 HF directory, MLX 4-bit, references
     t = time.time()
+    det.unpatch(model)
     model.config.output_router_logits = False
     try:
         model.config._experts_implementation = "eager"
@@ -458,6 +471,10 @@ def export(model, args, tokdir, ids, vocab, held_ids, dev, timings, out, dry=Fal
                        train_stream_tokens=int(x["stream"]), chat_pair_tokens=int(n_chat_tokens),
                        instruction_pairs=pairs, timings=timings,
                        ppl_heldout_split_bf16_autocast=ppl_full_bf16,
+                       determinism=x["summary"]["determinism"],
+                       weights_sha256=x["summary"]["weights_sha256"],
+                       weights_sha256_note="sha256 over the trained float32 state dict in name order: "
+                                           "name, NUL, tensor bytes (tools/deterministic_experts.py)",
                        ppl_heldout_txt=dict(dequantized=ppl(nll_deq), bf16=ppl(nll_bf16)),
                        deltanet_kernels=nxt.kernel_report(ref), loss_curve=rows), f, indent=1)
     log(f"heldout.txt ppl: dequantized 4-bit {ppl(nll_deq):.4f}, bf16 {ppl(nll_bf16):.4f}; greedy gap "
@@ -482,7 +499,12 @@ def main():
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--vocab", type=int, default=8192)
-    ap.add_argument("--experts-impl", default="grouped_mm")
+    ap.add_argument("--experts-impl", default="deterministic",
+                    help="deterministic (torch._grouped_mm, no atomics), deterministic_loop (one "
+                         "matmul per expert), or transformers' eager / grouped_mm / batched_mm")
+    ap.add_argument("--deterministic", choices=("on", "warn", "off"), default="on",
+                    help="torch.use_deterministic_algorithms: on refuses an op with no deterministic "
+                         "CUDA kernel, warn only warns")
     ap.add_argument("--log-every", type=int, default=25)
     ap.add_argument("--train-only", action="store_true", help="train and report held-out ppl only")
     ap.add_argument("--heldout-bytes", type=int, default=48000)
@@ -496,6 +518,7 @@ def main():
     torch.manual_seed(args.seed)
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
+    determinism = det.set_mode(args.deterministic)
     dev = "cuda"
 
     root, texts, corpus_hash = read_corpus()
@@ -571,7 +594,15 @@ def main():
     n_params = sum(p.numel() for p in model.parameters())
     n_expert = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
     log(f"model: {n_params / 1e6:.2f} M parameters ({n_expert / 1e6:.2f} M in routed experts), "
-        f"experts implementation {getattr(model.config, '_experts_implementation', None)}")
+        f"experts implementation {args.experts_impl}")
+    if args.experts_impl in det.IMPLS:
+        # our experts forward against transformers' eager one, before any training time is spent
+        determinism["experts_check_rel_diff"] = err = det.check(model, dev)
+        log(f"experts forward vs transformers' eager: max relative difference {err:.2e}")
+        if not err < 2e-2:
+            raise RuntimeError(f"the deterministic experts forward differs from transformers' ({err:.3e})")
+        torch.manual_seed(args.seed)
+    init_sha = det.weights_sha256(model)
     rows = []
     train_s, train_tokens = train(model, stream, args, dev, rows)
     timings["train_s"] = round(train_s, 1)
@@ -579,13 +610,17 @@ def main():
         f"({train_tokens / train_s:.0f} tok/s), epochs {train_tokens / len(stream):.2f}")
 
     model.eval()
+    weights_sha = det.weights_sha256(model)
+    log(f"trained weights sha256 {weights_sha} (initial {init_sha})")
     model.save_pretrained(os.path.join(args.out, "trained"), safe_serialization=True)
     with torch.autocast("cuda", dtype=torch.bfloat16):
         nll = window_nll(model, held_full, 512, dev, max_windows=400)
     ppl_full_bf16 = float(np.exp(sum(nll) / (512 * len(nll))))
     log(f"held-out split perplexity (bf16 autocast, ctx 512, {len(nll)} windows): {ppl_full_bf16:.4f}")
-    summary = dict(seed=args.seed, steps=args.steps, train_s=train_s, ppl_heldout_split=ppl_full_bf16,
-                   final_loss=rows[-1]["loss"])
+    summary = dict(seed=args.seed, steps=args.steps, experts_impl=args.experts_impl,
+                   determinism=determinism, train_s=train_s, ppl_heldout_split=ppl_full_bf16,
+                   final_loss=rows[-1]["loss"], weights_sha256=weights_sha, initial_weights_sha256=init_sha,
+                   peak_gb=round(torch.cuda.max_memory_allocated() / 1e9, 2), loss_curve=rows)
     with open(os.path.join(args.out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=1)
     if args.train_only:
@@ -597,7 +632,7 @@ def main():
                       stream=len(stream), n_chat_tokens=n_chat_tokens, pairs=len(pairs),
                       ppl_full_bf16=ppl_full_bf16, root=root, corpus_hash=corpus_hash,
                       train_files=train_files, held_files=held_files, t_start=t_start,
-                      heldout_text=heldout_text, tok=tok))
+                      heldout_text=heldout_text, tok=tok, summary=summary))
 
 
 if __name__ == "__main__":
