@@ -20,6 +20,8 @@ namespace moestream::cli {
 
 namespace {
 
+constexpr const char* kDefaultPrompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n";
+
 namespace fs = std::filesystem;
 
 constexpr const char* kDemoModel = "pystd-moe-20m-q4";
@@ -114,7 +116,9 @@ void add_demo(CLI::App& app) {
     ModelOptions options;
     std::string dir;
     int n_predict = 120;
-    std::string prompt = "def fibonacci(n):\n";
+    // With the docstring the model writes a body; after a bare signature it tends to ramble on
+    // in a docstring of its own.
+    std::string prompt = kDefaultPrompt;
     std::string chat = "Close the file.";
     double budget_fraction = 0.3;
     bool synthetic = false;
@@ -125,7 +129,7 @@ void add_demo(CLI::App& app) {
       "demo", "Stream the small trained MoE shipped in models/ through a bounded expert cache (no download)");
   cmd->add_option("-m,--model", f->dir, std::string("Model directory (default: models/") + kDemoModel + " of the source tree)");
   cmd->add_option("-n,--n-predict", f->n_predict, "Tokens to generate per part (default 120)")->check(kNonNegative);
-  cmd->add_option("-p,--prompt", f->prompt, "Code to continue (default: def fibonacci(n):)");
+  cmd->add_option("-p,--prompt", f->prompt, "Code to continue (default: def fibonacci(n): and its docstring)");
   cmd->add_option("--chat", f->chat, "The user's message of the chat turn (empty: no chat turn)");
   cmd->add_option("--expert-cache-mb", f->options.experts.cache_mb,
                   "Memory for expert weights in MB (default: 30% of the model's experts)")
@@ -137,7 +141,8 @@ void add_demo(CLI::App& app) {
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
   cmd->add_flag("--synthetic", f->synthetic, "The earlier demo: a random-weight Qwen3-MoE synthesized into the cache");
   cmd->callback([f] {
-    if (f->synthetic) return run_synthetic(f->options, f->n_predict, f->prompt == "def fibonacci(n):\n" ? "Once upon a time" : f->prompt);
+    if (f->synthetic)
+      return run_synthetic(f->options, f->n_predict, f->prompt == kDefaultPrompt ? "Once upon a time" : f->prompt);
     const std::string dir = f->dir.empty() ? find_demo_model() : f->dir;
     fs::path name = fs::path(dir).lexically_normal();
     if (name.filename().empty()) name = name.parent_path();  // "models/x/"
