@@ -82,6 +82,34 @@ TEST_P(StreamingFixture, BitIdenticalUnderEveryBudgetPolicyAndIoMode) {
   }
 }
 
+// Lookahead reads guessed experts of the next layer ahead: never a different result, and its
+// counters add up (guesses made on the decode tokens, reads ahead that were then used).
+TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
+  const std::string dir = GetParam();
+  ModelOptions base;
+  base.threads = 2;
+  const std::vector<float> reference = run_model(dir, base);
+  const PackManifest pack = PackManifest::load(ensure_pack(dir, ""));
+  const double one_expert_mb = pack.max_expert_size() / 1e6;
+  uint64_t reads = 0, used = 0;
+  for (double mb : {one_expert_mb * 0.5, one_expert_mb * 2.0, pack.total_expert_bytes() / 2e6}) {
+    ModelOptions opt = base;
+    opt.experts.cache_mb = mb;
+    opt.experts.lookahead = true;
+    ExpertStats s;
+    const std::vector<float> got = run_model(dir, opt, &s);
+    ASSERT_EQ(got.size(), reference.size());
+    EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0) << dir << " budget " << mb;
+    EXPECT_GT(s.predicted, 0u) << "decode tokens with a bounded cache make guesses";
+    EXPECT_LE(s.predicted_right, s.predicted);
+    EXPECT_LE(s.prefetch_hits + s.prefetch_wasted, s.prefetch_reads);
+    reads += s.prefetch_reads;
+    used += s.prefetch_hits;
+  }
+  EXPECT_GT(reads, 0u);
+  EXPECT_GT(used, 0u) << "no read ahead was ever used";
+}
+
 INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures()),
                          [](const auto& info) { return fs::path(info.param).filename().string(); });
 INSTANTIATE_TEST_SUITE_P(MlxFixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures("mlx")),
@@ -162,10 +190,13 @@ TEST(ExpertStore, FailedReadLeavesTheStoreUsable) {
     f.write(&c, 1);
   };
   const std::vector<int32_t> ids = tokens_of(ref_dir);
-  for (double budget : {-1.0, 0.01, 0.05}) {
+  for (double budget : {-1.0, 0.01, 0.05, -2.0}) {
     SCOPED_TRACE("budget " + std::to_string(budget));
     ModelOptions opt;
-    opt.experts.cache_mb = budget;
+    // -2: 0.05 MB with lookahead, whose reads ahead of the damaged expert fail quietly and leave
+    // the error to the request that needs it.
+    opt.experts.cache_mb = budget == -2.0 ? 0.05 : budget;
+    opt.experts.lookahead = budget == -2.0;
     const std::vector<float> want = run_model(ref_dir, opt);
     auto model = load_model(dir, opt);
     flip();

@@ -296,7 +296,12 @@ void add_bench(CLI::App& app) {
                    // Weights touched per token (non-expert + top-k experts) at this speed,
                    // against the memory read bandwidth measured above.
                    {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
-                   {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw}};
+                   {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw},
+                   {"lookahead", {{"guessed", after.predicted - before.predicted},
+                                  {"guessed_right", after.predicted_right - before.predicted_right},
+                                  {"reads", after.prefetch_reads - before.prefetch_reads},
+                                  {"reads_used", after.prefetch_hits - before.prefetch_hits},
+                                  {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}}};
       out["tg"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
       if (gpu && tier_before) {
         // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),
@@ -383,6 +388,13 @@ void add_bench(CLI::App& app) {
         std::printf("\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same files\n",
                     tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
                     100 * tg["read_ratio"].get<double>());
+      if (const auto& la = tg["lookahead"]; la["guessed"].get<uint64_t>() > 0)
+        std::printf("lookahead: %.1f%% of %llu guessed experts chosen; %llu read ahead, %llu of them used, %llu "
+                    "evicted unused\n",
+                    100.0 * la["guessed_right"].get<double>() / la["guessed"].get<double>(),
+                    (unsigned long long)la["guessed"].get<uint64_t>(), (unsigned long long)la["reads"].get<uint64_t>(),
+                    (unsigned long long)la["reads_used"].get<uint64_t>(),
+                    (unsigned long long)la["reads_wasted"].get<uint64_t>());
     }
     if (f->repetitions > 1) std::printf("(%d repetitions of each test; t/s is mean ± standard deviation)\n", f->repetitions);
     if (out.contains("tg"))

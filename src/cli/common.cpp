@@ -61,6 +61,9 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       ->check(CLI::IsMember({"pread", "uring"}));
   cmd.add_flag("--direct-io", e.direct_io, "Read experts with O_DIRECT (bypass the page cache)");
   cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(kPositive);
+  cmd.add_flag("--lookahead,!--no-lookahead", e.lookahead,
+               "CPU decode with a bounded expert cache: read the next layer's guessed experts ahead (default off: "
+               "docs/PERFORMANCE.md)");
   options.device = "auto";
   cmd.add_option("--device", options.device, "Where to compute: auto (the GPU when there is one) | cuda | cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
@@ -118,6 +121,11 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
         {"expert_misses", s.misses},
         {"hit_rate", s.hit_rate()},
         {"bytes_read", s.bytes_read},
+        {"lookahead_guessed", s.predicted},
+        {"lookahead_guessed_right", s.predicted_right},
+        {"lookahead_reads", s.prefetch_reads},
+        {"lookahead_reads_used", s.prefetch_hits},
+        {"lookahead_reads_wasted", s.prefetch_wasted},
         {"read_gb_per_s", s.read_gb_per_s()},
         {"io_wait_s", s.wait_seconds},
         {"peak_rss_bytes", peak_rss_bytes()},

@@ -3,7 +3,8 @@
 //
 // Slot life: Free -> Loading (read in flight, pinned) -> Ready (pinned while the model computes
 // with it; evictable once released). Checksums are verified on every read, on the reader thread,
-// before the expert is handed out.
+// before the expert is handed out. A read ahead (prefetch) loads an expert of a later layer into
+// an unpinned slot that no request waits for ("wanted" false) until a request asks for it.
 #include "experts/expert_store.h"
 
 #include <xxhash.h>
@@ -43,6 +44,8 @@ class StreamingExpertStore final : public ExpertStore {
       total += layer.size();
       if (!layer.empty()) ++moe_layers_;
     }
+    total_experts_ = total;
+    lookahead_ = o.lookahead;
     if (o.cache_mb < 0) {
       max_slots_ = size_t(total);
     } else {
@@ -52,9 +55,11 @@ class StreamingExpertStore final : public ExpertStore {
     }
     where_.resize(pack.layers.size());
     use_.resize(pack.layers.size());
+    guessed_.resize(pack.layers.size());
     for (size_t l = 0; l < pack.layers.size(); ++l) {
       where_[l].assign(pack.layers[l].size(), -1);
       use_[l].resize(pack.layers[l].size());
+      guessed_[l].assign(pack.layers[l].size(), 0);
     }
     std::vector<std::string> paths;
     for (const auto& f : pack.expert_files) paths.push_back(pack.dir + "/" + f);
@@ -82,22 +87,54 @@ class StreamingExpertStore final : public ExpertStore {
     layer_ = layer;
     ++tick_;
     remaining_ = experts.size();
+    if (prefetch_layer_ == layer) prefetch_queue_.clear();  // not started in time: plain loads now
     for (int e : experts) {
       if (e < 0 || size_t(e) >= where_[size_t(layer)].size())
         fail("expert store: layer ", layer, " has no expert ", e);
       ExpertUse& u = use_[size_t(layer)][size_t(e)];
       u.last_use = tick_;
       ++u.uses;
+      char& guessed = guessed_[size_t(layer)][size_t(e)];
+      if (guessed) ++stats_.predicted_right;
+      guessed = 0;
       const int s = where_[size_t(layer)][size_t(e)];
       if (s >= 0 && slots_[size_t(s)].state == Slot::Ready) {
-        ++slots_[size_t(s)].pins;
+        Slot& slot = slots_[size_t(s)];
+        ++slot.pins;
         ready_.push_back(s);
         ++stats_.hits;
+        if (slot.read_ahead) ++stats_.prefetch_hits;
+        slot.read_ahead = false;
+      } else if (s >= 0 && slots_[size_t(s)].state == Slot::Loading && !slots_[size_t(s)].wanted) {
+        Slot& slot = slots_[size_t(s)];  // read ahead, still in flight: on_read hands it out
+        slot.pins = 1;
+        slot.wanted = true;
+        slot.read_ahead = false;
+        ++stats_.misses;
+        ++stats_.prefetch_hits;
       } else {
         pending_.push_back(e);
         ++stats_.misses;
       }
     }
+    for (auto& g : guessed_[size_t(layer)]) g = 0;  // guesses the layer did not choose
+    start_loads();
+  }
+
+  bool wants_prefetch() const override { return lookahead_ && max_slots_ < total_experts_; }
+
+  void prefetch(int layer, std::span<const int> experts) override {
+    std::lock_guard lock(mu_);
+    if (!lookahead_ || layer < 0 || size_t(layer) >= pack_.layers.size()) return;
+    prefetch_queue_.clear();
+    prefetch_layer_ = layer;
+    for (int e : experts) {
+      if (e < 0 || size_t(e) >= where_[size_t(layer)].size()) continue;
+      ++stats_.predicted;
+      guessed_[size_t(layer)][size_t(e)] = 1;
+      if (where_[size_t(layer)][size_t(e)] < 0) prefetch_queue_.push_back(e);
+    }
+    if (remaining_ == 0) return;  // between requests: the next request's own reads go first
     start_loads();
   }
 
@@ -124,7 +161,9 @@ class StreamingExpertStore final : public ExpertStore {
       if (outstanding_ == 0)
         fail("expert store: no slot free for layer ", layer_, " (release each expert before asking for the next)");
       auto t0 = clock_type::now();
-      cv_.wait(lock, [&] { return error_ || !ready_.empty(); });
+      // Also woken by a read ahead finishing: its slot may be the one a pending load waits for.
+      const uint64_t done = reads_done_;
+      cv_.wait(lock, [&] { return error_ || !ready_.empty() || reads_done_ != done; });
       stats_.wait_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
     }
   }
@@ -150,6 +189,8 @@ class StreamingExpertStore final : public ExpertStore {
     std::unique_ptr<char, HostFree> mem;
     int layer = -1, expert = -1;
     int pins = 0;
+    bool wanted = false;      // Loading for the current request (else a read ahead)
+    bool read_ahead = false;  // brought in by prefetch() and not asked for since
     MlpWeights weights;  // views into mem, valid while Ready
   };
 
@@ -164,30 +205,55 @@ class StreamingExpertStore final : public ExpertStore {
   // out. Experts that were read correctly stay cached; a failed one left no trace.
   void abandon(std::unique_lock<std::mutex>& lock) {
     cv_.wait(lock, [&] { return outstanding_ == 0; });
-    for (Slot& s : slots_) s.pins = 0;
+    for (Slot& s : slots_) {
+      s.pins = 0;
+      s.wanted = false;
+    }
     pending_.clear();
+    prefetch_queue_.clear();
     ready_.clear();
     remaining_ = 0;
     error_.reset();
   }
 
-  // Starts reads for pending experts while slots can be found. Called with mu_ held.
+  // Starts reads for pending experts while slots can be found, then, once all of them have
+  // started, the reads ahead. Called with mu_ held.
   void start_loads() {
     while (!pending_.empty()) {
       const int s = acquire_slot();
       if (s < 0) return;
       const int e = pending_.front();
       pending_.pop_front();
-      Slot& slot = slots_[size_t(s)];
-      slot.state = Slot::Loading;
-      slot.layer = layer_;
-      slot.expert = e;
-      slot.pins = 1;
-      where_[size_t(layer_)][size_t(e)] = s;
-      const PackedExpert& pe = pack_.expert(layer_, e);
-      if (outstanding_++ == 0) busy_since_ = clock_type::now();
-      reader_->submit(pe.file, pe.offset, pe.size, slot.mem.get(), uint64_t(s));
+      start_read(s, layer_, e, true);
     }
+    while (!prefetch_queue_.empty()) {
+      const int e = prefetch_queue_.front();
+      if (where_[size_t(prefetch_layer_)][size_t(e)] >= 0) {  // arrived meanwhile
+        prefetch_queue_.pop_front();
+        continue;
+      }
+      const int s = acquire_slot();
+      if (s < 0) return;
+      prefetch_queue_.pop_front();
+      // As recent as the request that made the guess, so the policy keeps it until it is used.
+      use_[size_t(prefetch_layer_)][size_t(e)].last_use = tick_;
+      ++stats_.prefetch_reads;
+      start_read(s, prefetch_layer_, e, false);
+    }
+  }
+
+  void start_read(int s, int layer, int e, bool wanted) {
+    Slot& slot = slots_[size_t(s)];
+    slot.state = Slot::Loading;
+    slot.layer = layer;
+    slot.expert = e;
+    slot.pins = wanted ? 1 : 0;
+    slot.wanted = wanted;
+    slot.read_ahead = !wanted;
+    where_[size_t(layer)][size_t(e)] = s;
+    const PackedExpert& pe = pack_.expert(layer, e);
+    if (outstanding_++ == 0) busy_since_ = clock_type::now();
+    reader_->submit(pe.file, pe.offset, pe.size, slot.mem.get(), uint64_t(s));
   }
 
   // A free slot, a new one while under the bound, or the cached expert of lowest priority.
@@ -216,6 +282,8 @@ class StreamingExpertStore final : public ExpertStore {
       Slot& s = slots_[size_t(victim)];
       where_[size_t(s.layer)][size_t(s.expert)] = -1;
       s.state = Slot::Free;
+      if (s.read_ahead) ++stats_.prefetch_wasted;
+      s.read_ahead = false;
     }
     return victim;
   }
@@ -246,18 +314,23 @@ class StreamingExpertStore final : public ExpertStore {
     }
     {
       std::lock_guard lock(mu_);
+      ++reads_done_;
       if (--outstanding_ == 0)
         stats_.io_busy_seconds += std::chrono::duration<double>(clock_type::now() - busy_since_).count();
       if (d.bytes > 0) stats_.bytes_read += uint64_t(d.bytes);
       if (err) {
-        if (!error_) error_ = *err;
+        // A read ahead that failed is forgotten: the request that asks for it reads it again
+        // and reports the error then.
+        if (slot.wanted && !error_) error_ = *err;
         where_[size_t(slot.layer)][size_t(slot.expert)] = -1;
         slot.state = Slot::Free;
         slot.pins = 0;
+        slot.read_ahead = false;
       } else {
         slot.state = Slot::Ready;
-        ready_.push_back(int(d.tag));
+        if (slot.wanted) ready_.push_back(int(d.tag));
       }
+      slot.wanted = false;
     }
     cv_.notify_all();
   }
@@ -293,6 +366,8 @@ class StreamingExpertStore final : public ExpertStore {
   std::unique_ptr<AsyncReader> reader_;
   uint64_t slot_bytes_ = 0;
   size_t max_slots_ = 0;
+  uint64_t total_experts_ = 0;
+  bool lookahead_ = false;
   int moe_layers_ = 0;
 
   mutable std::mutex mu_;
@@ -305,7 +380,11 @@ class StreamingExpertStore final : public ExpertStore {
   size_t remaining_ = 0;                    // experts of the request not yet handed out
   std::deque<int> pending_;                 // experts of the request waiting for a slot
   std::deque<int> ready_;                   // slots ready to hand out
+  std::deque<int> prefetch_queue_;          // guessed experts of prefetch_layer_ not started yet
+  int prefetch_layer_ = -1;
+  std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
   int outstanding_ = 0;                     // reads in flight
+  uint64_t reads_done_ = 0;
   clock_type::time_point busy_since_;
   std::optional<std::string> error_;
   ExpertStats stats_;

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <string>
 
 #include "backend/backend.h"
@@ -20,6 +21,7 @@ struct ExpertStoreOptions {
   std::string io = "pread";    // pread | uring
   bool direct_io = false;      // O_DIRECT reads into aligned buffers
   int io_threads = 4;          // reads in flight
+  bool lookahead = false;      // accept prefetch() (the model's guesses of the next layer's experts)
 };
 
 struct ExpertStats {
@@ -29,6 +31,11 @@ struct ExpertStats {
   double wait_seconds = 0;        // time compute spent waiting for a read
   uint64_t cache_bytes = 0;       // memory held for expert slots (allocated so far)
   uint64_t budget_bytes = 0;      // the configured bound (0 = unbounded)
+  // Lookahead (prefetch): experts guessed, how many of them the layer then chose, reads started
+  // for guesses not in memory, guesses read ahead that the layer then asked for, and guesses read
+  // ahead but evicted before any use (their bytes were wasted).
+  uint64_t predicted = 0, predicted_right = 0;
+  uint64_t prefetch_reads = 0, prefetch_hits = 0, prefetch_wasted = 0;
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0; }
   double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
 };
@@ -36,6 +43,13 @@ struct ExpertStats {
 class ExpertStore : public ExpertProvider {
  public:
   virtual ExpertStats stats() const = 0;
+  // Whether prefetch() can help: lookahead is on and the cache cannot hold every expert.
+  virtual bool wants_prefetch() const = 0;
+  // A guess of the experts `layer` will request next. Reads for those not in memory start once
+  // the current request has started all of its own reads (so they queue behind them), into slots
+  // the eviction policy frees; a guess replaces the previous one. Guesses never fail a request:
+  // a failed read ahead is forgotten and retried when the expert is asked for.
+  virtual void prefetch(int layer, std::span<const int> experts) = 0;
 };
 
 // The store over a pack's expert files, with a cache bounded by options.cache_mb.

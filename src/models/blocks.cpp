@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
 
 #include "backend/backend_factory.h"
 #include "core/error.h"
@@ -345,8 +346,28 @@ void fail_truncate(int64_t n, int64_t n_past) {
        " (restore a snapshot taken at that length instead)");
 }
 
+void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const Buffer& xn,
+                        const MoeFeedForward& next, int next_layer) {
+  if (xn.rows != 1 || !next.moe || !experts.wants_prefetch() || be.name().rfind("cpu", 0) != 0) return;
+  ScopedTimer timer(be.times().routing);
+  const int64_t E = next.router.rows;
+  const int k = std::min<int>(next.routing.top_k, int(E));
+  if (ws.lookahead.cols < E) ws.lookahead = be.alloc(1, E);
+  Buffer logits{ws.lookahead.data, 1, E};
+  be.linear(xn, next.router, nullptr, logits);
+  ws.lookahead_host.resize(size_t(E));
+  be.to_host(logits, ws.lookahead_host.data());
+  std::vector<int> ids(static_cast<size_t>(E));
+  std::iota(ids.begin(), ids.end(), 0);
+  const std::vector<float>& v = ws.lookahead_host;
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
+                    [&](int a, int b) { return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b); });
+  ids.resize(size_t(k));
+  experts.prefetch(next_layer, ids);
+}
+
 void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
-                             Buffer& x) const {
+                             Buffer& x, const MoeFeedForward* next, int next_layer) const {
   const int64_t T = x.rows;
   Buffer out = ws.ffn_out.rows_view(0, T);
   if (!moe) {
@@ -358,6 +379,7 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
   MoeParams p = routing;
   p.layer = l;
   p.router_bias = router_bias ? &router_bias : nullptr;
+  if (next) guess_next_experts(be, experts, ws, xn, *next, next_layer);
   be.moe(xn, router, experts, p, out);
   if (!shared.gate) {
     be.add(x, out);

@@ -67,6 +67,8 @@ struct Workspace {
   Buffer q, k, v;                   // [max_batch, heads * head_dim], [max_batch, kv_dim] x2
   Buffer logits;                    // [max_batch, vocab]
   Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
+  Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
+  std::vector<float> lookahead_host;
 };
 
 // Variants of GqaAttention that a family's config selects.
@@ -159,9 +161,27 @@ struct MoeFeedForward {
   MlpWeights dense;     //                                                      (dense layers)
 
   // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out, ws.attn_out (shared expert) and
-  // ws.shared_gate are scratch.
-  void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x) const;
+  // ws.shared_gate are scratch. `next`, the feed-forward of the next MoE layer (next_layer), lets
+  // the store read ahead while this layer computes (guess_next_experts).
+  void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x,
+               const MoeFeedForward* next = nullptr, int next_layer = -1) const;
 };
+
+// Lookahead: for one decode token on the CPU backend, with a store that cannot hold every expert,
+// the next MoE layer's router applied to this layer's normalized input xn guesses that layer's
+// top-k experts, and the store reads them ahead (ExpertStore::prefetch) behind this layer's own
+// reads. The router's logits alone (no bias, no group limits) make the guess. On CUDA the tier
+// asks the store only for VRAM misses, so reading ahead into host slots is left to it (not yet).
+void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const Buffer& xn,
+                        const MoeFeedForward& next, int next_layer);
+
+// The index of the first layer after l whose feed-forward is MoE (layers[i].ffn), or -1.
+template <class Layers>
+int next_moe_layer(const Layers& layers, int l) {
+  for (size_t i = size_t(l) + 1; i < layers.size(); ++i)
+    if (layers[i].ffn.moe) return int(i);
+  return -1;
+}
 
 // Routed experts alone (no shared experts): router [n_experts, hidden] and optional logit bias.
 MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias = {});

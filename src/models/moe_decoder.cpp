@@ -44,7 +44,8 @@ void MoeDecoder::run_layer(int l, int64_t T, SequenceState& state) {
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
   attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
   backend_->rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x);
+  const int next = next_moe_layer(layers_, l);
+  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
 }
 
 
