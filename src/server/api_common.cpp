@@ -175,7 +175,9 @@ SamplingParams request_sampling(const ServedModel& m, const ojson& body, double 
   p.seed = uint64_t(field::integer(body, "seed", 0, INT64_MIN, INT64_MAX));
   p.presence_penalty = float(field::number(body, "presence_penalty", 0.0, -2.0, 2.0));
   p.frequency_penalty = float(field::number(body, "frequency_penalty", 0.0, -2.0, 2.0));
-  p.logit_bias = field::logit_bias(body, m.model->info().vocab_size);
+  // The output head's rows (the fuzz targets' ServedModel has only a tokenizer).
+  const int64_t vocab = m.model ? m.model->info().vocab_size : m.tokenizer ? m.tokenizer->vocab_size() : INT32_MAX;
+  p.logit_bias = field::logit_bias(body, vocab);
   return p;
 }
 
