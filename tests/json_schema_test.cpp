@@ -155,7 +155,7 @@ TEST(JsonSchema, ToolCallGrammarForcesTheMarkup) {
   // get_time's schema uses 'pattern': its arguments are any object.
   EXPECT_TRUE(ok(all, "<tool_call>\n{\"name\": \"get_time\", \"arguments\": {\"any\": [1]}}\n</tool_call>"));
   EXPECT_FALSE(ok(all, "Sure! <tool_call>"));
-  auto named = tool_call_grammar(tools, "get_time", "</think>\n\n");
+  auto named = tool_call_grammar(tools, "get_time", "</think>\n\n<tool_call>\n");
   EXPECT_FALSE(ok(named, "</think>\n\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"P\"}}\n</tool_call>"));
   EXPECT_TRUE(ok(named, "</think>\n\n<tool_call>\n{\"name\": \"get_time\", \"arguments\": {}}\n</tool_call>"));
   for (uint64_t seed = 1; seed <= 50; ++seed) {
@@ -170,6 +170,38 @@ TEST(JsonSchema, ToolCallGrammarForcesTheMarkup) {
       EXPECT_TRUE(call["arguments"]["city"].is_string()) << text;
     }
   }
+}
+
+TEST(JsonSchema, TriggeredConstraintIsFreeUntilACallOpens) {
+  const json tools = json::parse(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
+      "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false}}}])");
+  auto vocab = std::make_shared<TokenBytes>();
+  vocab->bytes = {"hi ", "<tool_call>", "\n{\"name\": \"f\", \"arguments\": ", "{\"a\": ", "7", "}",
+                  "}\n</tool_call>", "<tool_call>\nzz", "<tool_", "call>", "", "\"x\""};
+  vocab->eos = {10};
+  TriggeredConstraint c(vocab, "<tool_call>", tool_call_grammar(tools, "", "\n"));
+  auto allowed = [&] {
+    std::vector<float> logits(vocab->bytes.size(), 1.0f);
+    c.mask(logits);
+    std::string ids;
+    for (size_t i = 0; i < logits.size(); ++i)
+      if (logits[i] > -1e30f) ids += char(i < 10 ? '0' + i : 'a' + (i - 10));
+    return ids;
+  };
+  EXPECT_EQ(allowed(), "012345689ab");  // free text: all but a call opened wrongly (7)
+  c.accept(0);
+  c.accept(8);  // "<tool_"
+  EXPECT_EQ(allowed(), "012345689ab");  // "call>" completes the trigger with nothing after it: fine
+  c.accept(9);
+  EXPECT_TRUE(c.inside());
+  EXPECT_EQ(allowed(), "2");
+  for (int t : {2, 3, 4}) c.accept(t);
+  EXPECT_EQ(allowed(), "45");  // more digits, or close the arguments
+  c.accept(5);
+  EXPECT_EQ(allowed(), "56");  // the rest of the call's markup
+  c.accept(6);
+  EXPECT_FALSE(c.inside());  // free again, the end of sequence included
+  EXPECT_EQ(allowed(), "012345689ab");
 }
 
 }  // namespace

@@ -390,6 +390,41 @@ TEST(ServerApi, ToolChoiceForcesACall) {
   EXPECT_EQ(e["error"]["param"], "tool_choice");
 }
 
+TEST(ServerApi, StrictToolsConstrainTheCallsTheModelChoosesToMake) {
+  Served s;
+  const json& c = ref()["cases"][3];
+  json tools = c["tools"];
+  tools[0]["function"]["strict"] = true;
+  tools[0]["function"]["parameters"]["properties"]["city"]["maxLength"] = 24;  // keeps noise short
+  const json params = tools[0]["function"]["parameters"];
+  const auto tok = Tokenizer::load(model_dir());
+  const auto open = tok->encode("<tool_call>");
+  ASSERT_EQ(open.size(), 1u);
+  // tool_choice auto: the model decides; a bias makes it open a call, and the grammar makes the
+  // call well-formed from there, whatever the noise.
+  for (int seed = 1; seed <= 2; ++seed) {
+    json body = {{"messages", c["messages"]}, {"tools", tools}, {"max_tokens", 600}, {"temperature", 1}, {"seed", seed},
+                 {"logit_bias", {{std::to_string(open[0]), 100}}}, {"parallel_tool_calls", false}};
+    json r = post(s, "/v1/chat/completions", body);
+    const json& ch = r["choices"][0];
+    ASSERT_EQ(ch["finish_reason"], "tool_calls") << r.dump();
+    ASSERT_EQ(ch["message"]["tool_calls"].size(), 1u) << r.dump();
+    const json& fn = ch["message"]["tool_calls"][0]["function"];
+    EXPECT_EQ(fn["name"], "get_weather");
+    EXPECT_EQ(test::schema_violation(params, json::parse(fn["arguments"].get<std::string>())), "") << fn.dump();
+  }
+  // Without a bias this model writes text: nothing is forced.
+  json plain = post(s, "/v1/chat/completions", {{"messages", c["messages"]}, {"tools", tools}, {"max_tokens", 16},
+                                               {"temperature", 0}});
+  EXPECT_EQ(plain["choices"][0]["finish_reason"], "length");
+  EXPECT_FALSE(plain["choices"][0]["message"].contains("tool_calls"));
+  EXPECT_EQ(plain["usage"]["completion_tokens"], 16);
+  // A strict tool whose schema cannot be enforced is refused, naming the keyword.
+  tools[0]["function"]["parameters"]["properties"]["city"]["format"] = "city";
+  json e = post(s, "/v1/chat/completions", {{"messages", c["messages"]}, {"tools", tools}}, 400);
+  EXPECT_EQ(e["error"]["param"], "tools[0].function.parameters.properties.city.format");
+}
+
 TEST(ServerApi, CountTokensEqualsThePromptsTokens) {
   Served s;
   for (const json& c : ref()["cases"]) {

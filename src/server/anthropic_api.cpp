@@ -126,8 +126,9 @@ void write_event(httplib::DataSink& sink, const std::string& name, const ojson& 
   sink.write(s.data(), s.size());
 }
 
-// The prompt of a messages body (also what count_tokens counts); sets the tool fields of o.
-std::string messages_prompt(ServedModel& m, const ojson& body, GenerateOptions& o) {
+// The prompt of a messages body (also what count_tokens counts); sets the tool fields of o (and,
+// when generating, the grammar of a forced call).
+std::string messages_prompt(ServedModel& m, const ojson& body, GenerateOptions& o, bool generating = true) {
   ojson messages = template_messages(body);
   ojson tools = request_tools(body);
   bool parse_tools = !tools.is_null();
@@ -164,7 +165,7 @@ std::string messages_prompt(ServedModel& m, const ojson& body, GenerateOptions& 
   o.parse_tools = parse_tools;
   o.in_reasoning = prompt_opens_reasoning(prompt);
   o.single_tool_call = parse_tools && (single_call || !forced.empty());
-  if (!forced.empty())
+  if (!forced.empty() && generating)
     o.grammar = forced_tool_call(m, tools, forced == "any" ? "" : forced, o.in_reasoning, "tool_choice");
   return prompt;
 }
@@ -175,7 +176,7 @@ void count_tokens(ServerContext& ctx, const httplib::Request& req, httplib::Resp
   field::known_only(body, {"model", "messages", "system", "tools", "tool_choice", "thinking"});
   field::string(body, "model", m.id);
   GenerateOptions o;
-  messages_prompt(m, body, o);
+  messages_prompt(m, body, o, false);
   res.set_content(ojson{{"input_tokens", o.prompt.size()}}.dump(), "application/json");
 }
 

@@ -75,6 +75,10 @@ std::shared_ptr<const JsonGrammar> response_format_grammar(const ojson& body, bo
 std::shared_ptr<const JsonGrammar> forced_tool_call(const ServedModel& m, const ojson& tools, const std::string& name,
                                                     bool in_reasoning, const std::string& param);
 
+// tool_choice "auto" with tools marked strict: the grammar a call the model opens must follow
+// (nullptr when no tool is strict). 400 naming the schema keyword or the markup it cannot force.
+std::shared_ptr<const JsonGrammar> strict_tool_calls(const ServedModel& m, const ojson& tools);
+
 // Logprobs in OpenAI's chat form ({"content": [...], "refusal": null}) and legacy completions
 // form ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}); text_offset counts from
 // `offset` bytes.

@@ -42,6 +42,35 @@ std::shared_ptr<const JsonGrammar> response_format_grammar(const ojson& body, bo
   }
 }
 
+namespace {
+// Tools marked strict: true must have schemas the grammar enforces.
+bool check_strict_tools(const ojson& tools) {
+  bool any = false;
+  for (size_t i = 0; i < tools.size(); ++i) {
+    const ojson& fn = tools[i]["function"];
+    if (!fn.contains("strict") || !fn["strict"].is_boolean() || !fn["strict"].get<bool>()) continue;
+    any = true;
+    const std::string at = "tools[" + std::to_string(i) + "].function.parameters";
+    try {
+      schema_grammar(fn.value("parameters", ojson::object()));
+    } catch (const SchemaError& e) {
+      const std::string where = at + (e.where.empty() ? "" : "." + e.where);
+      throw ApiError(400, where, "'" + where + "': " + e.what() + " (a strict tool's schema is enforced, and this keyword cannot be)");
+    }
+  }
+  return any;
+}
+
+// The grammar writes Qwen3's (Hermes') JSON markup; other families' markup is not forced yet.
+void check_markup(const ServedModel& m, const std::string& param) {
+  const std::string& source = m.chat_template ? m.chat_template->source() : std::string();
+  if (m.syntax != OutputSyntax::tagged || source.find("<tool_call>") == std::string::npos ||
+      source.find("<function=") != std::string::npos)
+    throw ApiError(400, param, "'" + param + "': forcing tool calls is supported for models with Qwen3's "
+                               "<tool_call>{\"name\", \"arguments\"}</tool_call> markup only");
+}
+}  // namespace
+
 std::shared_ptr<const JsonGrammar> forced_tool_call(const ServedModel& m, const ojson& tools, const std::string& name,
                                                     bool in_reasoning, const std::string& param) {
   if (tools.is_null() || tools.empty())
@@ -51,13 +80,15 @@ std::shared_ptr<const JsonGrammar> forced_tool_call(const ServedModel& m, const 
     for (const auto& t : tools) found = found || t["function"]["name"] == name;
     if (!found) throw ApiError(400, param, "'" + param + "' names '" + name + "', which is not among the tools");
   }
-  // The grammar writes Qwen3's (Hermes') JSON markup; other families' markup is not forced yet.
-  const std::string& source = m.chat_template ? m.chat_template->source() : std::string();
-  if (m.syntax != OutputSyntax::tagged || source.find("<tool_call>") == std::string::npos ||
-      source.find("<function=") != std::string::npos)
-    throw ApiError(400, param, "'" + param + "': forcing a tool call is supported for models with Qwen3's "
-                               "<tool_call>{\"name\", \"arguments\"}</tool_call> markup only; use \"auto\"");
-  return tool_call_grammar(tools, name, in_reasoning ? "</think>\n\n" : "");
+  check_strict_tools(tools);
+  check_markup(m, param);
+  return tool_call_grammar(tools, name, std::string(in_reasoning ? "</think>\n\n" : "") + "<tool_call>\n");
+}
+
+std::shared_ptr<const JsonGrammar> strict_tool_calls(const ServedModel& m, const ojson& tools) {
+  if (tools.is_null() || !check_strict_tools(tools)) return nullptr;
+  check_markup(m, "tools");
+  return tool_call_grammar(tools, "", "\n");
 }
 
 namespace {

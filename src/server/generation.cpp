@@ -118,6 +118,8 @@ Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std:
   request.logprobs = o_.logprobs;
   if (o_.grammar) request.constraint = std::make_shared<GrammarConstraint>(m.token_bytes(), o_.grammar);
   else if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
+  else if (o_.tool_call_grammar)
+    request.constraint = std::make_shared<TriggeredConstraint>(m.token_bytes(), "<tool_call>", o_.tool_call_grammar);
   job_ = m.engine->submit(std::move(request));
 }
 

@@ -55,6 +55,9 @@ struct GenerateOptions {
   std::vector<std::string> stop;  // stop strings (not included in the output)
   bool json_object = false;       // constrain the output to a JSON object
   std::shared_ptr<const JsonGrammar> grammar;  // or to this grammar (json_schema, a forced tool call)
+  // Or: free text, but what follows a "<tool_call>" the model writes follows this grammar
+  // (tool_choice auto with strict tools).
+  std::shared_ptr<const JsonGrammar> tool_call_grammar;
   int logprobs = -1;              // -1: none; else report logprobs with this many alternatives
   bool chat = false;              // split reasoning and tool calls out of the text
   bool parse_tools = false;

@@ -427,4 +427,45 @@ void GrammarConstraint::accept(int32_t token) {
   if (size_t(token) < vocab_->bytes.size()) state_.feed(std::string_view(vocab_->bytes[size_t(token)]));
 }
 
+TriggeredConstraint::TriggeredConstraint(std::shared_ptr<const TokenBytes> vocab, std::string trigger,
+                                         std::shared_ptr<const JsonGrammar> grammar)
+    : vocab_(std::move(vocab)), trigger_(std::move(trigger)), grammar_(std::move(grammar)) {
+  for (size_t id = 0; id < vocab_->bytes.size(); ++id)
+    if (vocab_->bytes[id].find(trigger_.back()) != std::string::npos) may_complete_.push_back(int32_t(id));
+}
+
+bool TriggeredConstraint::free_ok(const std::string& bytes) const {
+  const std::string text = recent_ + bytes;
+  const size_t at = text.find(trigger_);
+  if (at == std::string::npos) return true;
+  JsonMatcher m(grammar_);
+  return m.feed(std::string_view(text).substr(at + trigger_.size()));
+}
+
+void TriggeredConstraint::mask(std::span<float> logits) {
+  if (active_) return active_->mask(logits);
+  const float off = -std::numeric_limits<float>::infinity();
+  for (int32_t id : may_complete_)
+    if (size_t(id) < logits.size() && !free_ok(vocab_->bytes[size_t(id)])) logits[size_t(id)] = off;
+}
+
+void TriggeredConstraint::accept(int32_t token) {
+  if (size_t(token) >= vocab_->bytes.size()) return;
+  const std::string& bytes = vocab_->bytes[size_t(token)];
+  if (active_) {
+    active_->accept(token);
+    if (active_->state().complete()) active_.reset(), recent_.clear();
+    return;
+  }
+  const std::string text = recent_ + bytes;
+  const size_t at = text.find(trigger_);
+  if (at == std::string::npos) {
+    recent_ = text.substr(text.size() - std::min(text.size(), trigger_.size() - 1));
+    return;
+  }
+  active_.emplace(vocab_, grammar_);
+  active_->feed(std::string_view(text).substr(at + trigger_.size()));
+  if (active_->state().complete()) active_.reset(), recent_.clear();
+}
+
 }  // namespace moestream

@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -115,10 +116,35 @@ class GrammarConstraint : public TokenConstraint {
   void mask(std::span<float> logits) override;
   void accept(int32_t token) override;
   const JsonMatcher& state() const { return state_; }
+  void feed(std::string_view bytes) { state_.feed(bytes); }  // text written without a token
 
  private:
   std::shared_ptr<const TokenBytes> vocab_;
   JsonMatcher state_;
+};
+
+// Free text, until the model writes `trigger` (the opening of a tool call): from there the text
+// must follow the grammar to its end, then it is free again. tool_choice "auto" with strict tools:
+// the model decides whether to call, but a call it makes has well-formed arguments.
+class TriggeredConstraint : public TokenConstraint {
+ public:
+  TriggeredConstraint(std::shared_ptr<const TokenBytes> vocab, std::string trigger,
+                      std::shared_ptr<const JsonGrammar> grammar);
+  void mask(std::span<float> logits) override;
+  void accept(int32_t token) override;
+  bool inside() const { return active_.has_value(); }
+
+ private:
+  // Whether free text followed by `bytes` is fine: if it completes the trigger, what follows the
+  // trigger in `bytes` must start the grammar.
+  bool free_ok(const std::string& bytes) const;
+
+  std::shared_ptr<const TokenBytes> vocab_;
+  std::string trigger_;
+  std::shared_ptr<const JsonGrammar> grammar_;
+  std::vector<int32_t> may_complete_;  // tokens holding the trigger's last byte
+  std::optional<GrammarConstraint> active_;  // inside a triggered part
+  std::string recent_;                 // the end of the free text (shorter than the trigger)
 };
 
 // response_format {"type": "json_object"}.

@@ -162,7 +162,7 @@ std::shared_ptr<const JsonGrammar> tool_call_grammar(const ojson& tools, const s
         // Not enforceable: the arguments are any JSON object (the call itself is still forced).
       }
     }
-    call.texts.push_back(prefix + "<tool_call>\n{\"name\": " + ojson(name).dump() + ", \"arguments\": ");
+    call.texts.push_back(prefix + "{\"name\": " + ojson(name).dump() + ", \"arguments\": ");
     call.alts.push_back(args);
     if (call.texts.size() == JsonGrammar::kMaxLiterals) break;
   }

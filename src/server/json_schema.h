@@ -27,11 +27,11 @@ int add_schema(JsonGrammar& g, const nlohmann::ordered_json& schema);
 std::shared_ptr<const JsonGrammar> schema_grammar(const nlohmann::ordered_json& schema);
 
 // A tool call in Qwen3's (Hermes') markup, one of `tools` (OpenAI form: [{"type": "function",
-// "function": {"name", "parameters"}}]), all when `only` is empty, after `prefix`:
-//   PREFIX<tool_call>\n{"name": "NAME", "arguments": ARGS}\n</tool_call>
-// ARGS follow the tool's parameters schema, or are any JSON object when the schema uses a keyword
-// the grammar does not support.
+// "function": {"name", "parameters"}}]), all when `only` is empty:
+//   PREFIX{"name": "NAME", "arguments": ARGS}\n</tool_call>
+// where PREFIX is "<tool_call>\n" for a whole call. ARGS follow the tool's parameters schema, or
+// are any JSON object when the schema uses a keyword the grammar does not support.
 std::shared_ptr<const JsonGrammar> tool_call_grammar(const nlohmann::ordered_json& tools, const std::string& only,
-                                                      const std::string& prefix = "");
+                                                      const std::string& prefix = "<tool_call>\n");
 
 }  // namespace moestream

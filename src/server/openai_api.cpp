@@ -345,6 +345,12 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
     if (c.options.grammar || c.options.json_object)
       throw ApiError(400, "tool_choice", "'tool_choice' cannot force a tool call together with a JSON response_format");
     c.options.grammar = forced_tool_call(m, tools, forced == "required" ? "" : forced, c.options.in_reasoning, "tool_choice");
+  } else if (parse_tools) {
+    // Strict tools: a call the model chooses to make has arguments that follow the schema.
+    auto strict = strict_tool_calls(m, tools);
+    if (strict && (c.options.grammar || c.options.json_object))
+      throw ApiError(400, "tools", "strict tools cannot be combined with a JSON response_format");
+    c.options.tool_call_grammar = strict;
   }
 
   auto gens = start_choices(m, c.options, c.n);
