@@ -171,6 +171,7 @@ std::string messages_prompt(ServedModel& m, const ojson& body, GenerateOptions& 
 }
 
 void count_tokens(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
+  const auto t0 = std::chrono::steady_clock::now();
   ServedModel& m = ctx.model;
   const ojson body = parse_body(req.body);
   field::known_only(body, {"model", "messages", "system", "tools", "tool_choice", "thinking"});
@@ -178,6 +179,9 @@ void count_tokens(ServerContext& ctx, const httplib::Request& req, httplib::Resp
   GenerateOptions o;
   messages_prompt(m, body, o, false);
   res.set_content(ojson{{"input_tokens", o.prompt.size()}}.dump(), "application/json");
+  GenerateResult counted;
+  counted.prompt_tokens = int64_t(o.prompt.size());
+  log_request(ctx, "/v1/messages/count_tokens", "", 200, {&counted}, since(t0));
 }
 
 void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {

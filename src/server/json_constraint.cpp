@@ -69,7 +69,7 @@ JsonMatcher::JsonMatcher(std::shared_ptr<const JsonGrammar> grammar) : g_(std::m
 
 JsonMatcher& JsonMatcher::operator=(const JsonMatcher& o) {
   if (this == &o) return *this;
-  g_ = o.g_;
+  if (g_ != o.g_) g_ = o.g_;  // the constraint's trial copies share one grammar: no refcount traffic
   depth_ = o.depth_;
   space_run_ = o.space_run_;
   done_ = o.done_;
@@ -403,8 +403,9 @@ void GrammarConstraint::mask(std::span<float> logits) {
   const float off = -std::numeric_limits<float>::infinity();
   // Most tokens fail on their first byte; the 256 first bytes are tried once.
   std::array<bool, 256> first{};
+  JsonMatcher next = state_;
   for (int b = 0; b < 256; ++b) {
-    JsonMatcher next = state_;
+    next = state_;
     first[size_t(b)] = next.feed((unsigned char)b);
   }
   for (size_t id = 0; id < logits.size(); ++id) {
@@ -412,7 +413,7 @@ void GrammarConstraint::mask(std::span<float> logits) {
     if (id < vocab_->bytes.size()) {
       const std::string& bytes = vocab_->bytes[id];
       if (!bytes.empty() && first[(unsigned char)bytes[0]]) {
-        JsonMatcher next = state_;
+        next = state_;
         ok = next.feed(std::string_view(bytes));
       }
     }
