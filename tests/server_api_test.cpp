@@ -453,6 +453,7 @@ TEST(ServerApi, UnhonouredFieldsAre400NamingThem) {
       {"/v1/chat/completions", {{"messages", msgs}, {"audio", json::object()}}, "audio"},
       {"/v1/chat/completions", {{"messages", msgs}, {"stream_options", {{"include_obfuscation", true}}}}, "stream_options.include_obfuscation"},
       {"/v1/chat/completions", {{"messages", msgs}, {"response_format", {{"type", "json_object"}, {"x", 1}}}}, "response_format.x"},
+      {"/v1/chat/completions", {{"messages", msgs}, {"modalities", {"text", "audio"}}}, "modalities"},
       {"/v1/completions", {{"prompt", "hi"}, {"best_of", 3}}, "best_of"},
       {"/v1/completions", {{"prompt", "hi"}, {"echo", true}}, "echo"},
       {"/v1/completions", {{"prompt", "hi"}, {"guided_json", json::object()}}, "guided_json"},
@@ -461,6 +462,8 @@ TEST(ServerApi, UnhonouredFieldsAre400NamingThem) {
     json r = post(s, c.path, c.body, 400);
     EXPECT_EQ(r["error"]["param"], c.param) << r.dump();
   }
+  // null is "not set"; text is the one modality.
+  post(s, "/v1/chat/completions", {{"messages", msgs}, {"max_tokens", 1}, {"functions", nullptr}, {"modalities", {"text"}}});
   json a = post(s, "/v1/messages", {{"max_tokens", 2}, {"messages", msgs}, {"mcp_servers", json::array()}}, 400);
   EXPECT_NE(a["error"]["message"].get<std::string>().find("'mcp_servers'"), std::string::npos) << a.dump();
 }

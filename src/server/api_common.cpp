@@ -122,6 +122,7 @@ std::vector<std::pair<int32_t, float>> logit_bias(const ojson& body, int64_t voc
 
 void known_only(const ojson& body, std::initializer_list<const char*> known, const std::string& where) {
   for (const auto& [k, v] : body.items()) {
+    if (v.is_null()) continue;  // null is "not set": nothing to honour
     if (std::find_if(known.begin(), known.end(), [&](const char* n) { return k == n; }) != known.end()) continue;
     const std::string name = where.empty() ? k : where + "." + k;
     throw ApiError(400, name, "'" + name + "' is not supported by this server");

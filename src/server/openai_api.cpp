@@ -176,6 +176,8 @@ Common common_fields(const ServedModel& m, const ojson& body) {
   if (field::boolean(body, "store", false))
     throw ApiError(400, "store", "'store': true is not supported (this server keeps no completions)");
   field::string_map(body, "metadata");
+  if (body.contains("modalities") && !body["modalities"].is_null() && body["modalities"] != ojson::array({"text"}))
+    throw ApiError(400, "modalities", "'modalities' must be [\"text\"]: this server writes text only");
   return c;
 }
 
@@ -293,7 +295,8 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
                            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stream",
                            "stream_options", "n", "logprobs", "top_logprobs", "response_format", "tools",
                            "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
-                           "max_tokens", "max_completion_tokens", "user", "service_tier", "store", "metadata"});
+                           "max_tokens", "max_completion_tokens", "user", "service_tier", "store", "metadata",
+                           "modalities"});
   Common c = common_fields(m, body);
   const bool logprobs = field::boolean(body, "logprobs", false);
   const int64_t top_logprobs = field::integer(body, "top_logprobs", -1, 0, 20);
