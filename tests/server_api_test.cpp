@@ -220,6 +220,22 @@ TEST(ServerApi, LogprobsAreLogSoftmaxOfTheModelsLogits) {
     EXPECT_EQ(lp["top_logprobs"][i].size(), 2u);
   }
   EXPECT_EQ(lp["text_offset"][1], lp["tokens"][0].get<std::string>().size());
+  // Streamed completions: the same tokens and offsets, chunk by chunk.
+  auto cs = s.client().Post("/v1/completions",
+                            json{{"prompt", c["prompt_ids"]}, {"max_tokens", 3}, {"temperature", 0}, {"logprobs", 2},
+                                 {"stream", true}}.dump(),
+                            "application/json");
+  ASSERT_TRUE(cs);
+  json tokens = json::array(), offsets = json::array();
+  for (const json& e : sse(cs->body))
+    for (const json& ch : e["choices"])
+      if (!ch["logprobs"].is_null())
+        for (size_t i = 0; i < ch["logprobs"]["tokens"].size(); ++i) {
+          tokens.push_back(ch["logprobs"]["tokens"][i]);
+          offsets.push_back(ch["logprobs"]["text_offset"][i]);
+        }
+  EXPECT_EQ(tokens, lp["tokens"]);
+  EXPECT_EQ(offsets, lp["text_offset"]);
   post(s, "/v1/chat/completions", {{"messages", c["messages"]}, {"top_logprobs", 2}}, 400);  // needs logprobs
 }
 
