@@ -172,6 +172,22 @@ TEST(JsonSchema, ToolCallGrammarForcesTheMarkup) {
   }
 }
 
+TEST(JsonSchema, AfterATextTheGrammarFollows) {
+  // A prompt that opened a reasoning block: the reply closes it, then the value.
+  auto g = JsonGrammar::after("</think>\n\n", schema_grammar(json{{"type", "integer"}}));
+  JsonMatcher m(g);
+  EXPECT_FALSE(JsonMatcher(m).feed(std::string_view("12")));
+  EXPECT_TRUE(m.feed(std::string_view("</think>\n\n")));
+  EXPECT_FALSE(m.complete());
+  EXPECT_TRUE(m.feed(std::string_view("-12")));
+  EXPECT_TRUE(m.complete());  // a number may end here, inside the call with nothing after it
+  EXPECT_FALSE(JsonMatcher(m).feed(std::string_view(" ")));
+  JsonMatcher o(JsonGrammar::after("</think>\n\n", JsonGrammar::any_object()));
+  EXPECT_TRUE(o.feed(std::string_view("</think>\n\n{\"a\": [1]}")));
+  EXPECT_TRUE(o.complete());
+  EXPECT_FALSE(JsonMatcher(o).feed(std::string_view("x")));
+}
+
 TEST(JsonSchema, TriggeredConstraintIsFreeUntilACallOpens) {
   const json tools = json::parse(R"([{"type": "function", "function": {"name": "f", "parameters": {"type": "object",
       "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false}}}])");

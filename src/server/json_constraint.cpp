@@ -56,6 +56,12 @@ int JsonGrammar::add(Node n) {
   return int(nodes.size() - 1);
 }
 
+std::shared_ptr<const JsonGrammar> JsonGrammar::after(const std::string& text, std::shared_ptr<const JsonGrammar> g) {
+  auto out = std::make_shared<JsonGrammar>(*g);
+  out->root = out->add({.kind = Kind::call, .texts = {text}, .alts = {g->root}});
+  return out;
+}
+
 std::shared_ptr<const JsonGrammar> JsonGrammar::any_object() {
   static const std::shared_ptr<const JsonGrammar> g = [] {
     auto g = std::make_shared<JsonGrammar>();
@@ -83,22 +89,34 @@ bool JsonMatcher::push(Frame f) {
   return true;
 }
 
-// The top value is complete: the container below it already moved to its next phase.
+// The top value is complete: the container below it already moved to its next phase (a call
+// with nothing after its node is complete too).
 void JsonMatcher::pop() {
-  if (--depth_ == 0) done_ = true;
+  if (--depth_ == 0) {
+    done_ = true;
+    return;
+  }
+  const Frame& f = frames_[depth_ - 1];
+  if (f.kind == f_call && f.phase == c_tail && g_->nodes[f.node].tail.empty()) pop();
 }
 
 bool JsonMatcher::complete() const {
   if (depth_ == 0) return done_;
-  if (depth_ != 1) return false;
-  const Frame& f = frames_[0];
-  if (f.kind == f_number) return number_accepting(f.phase);
+  // The top value may end here (a number, or a literal that is whole), and each frame below it
+  // is a call whose text after its node is written (an empty one).
+  const Frame& f = frames_[depth_ - 1];
+  bool ends = false;
+  if (f.kind == f_number) ends = number_accepting(f.phase);
   if (f.kind == f_literals) {
     const auto& texts = g_->nodes[f.node].texts;
     for (size_t i = 0; i < texts.size(); ++i)
-      if ((f.alive & bit(i)) && texts[i].size() == f.pos) return true;
+      if ((f.alive & bit(i)) && texts[i].size() == f.pos) ends = true;
   }
-  return false;
+  for (int i = depth_ - 2; ends && i >= 0; --i) {
+    const Frame& below = frames_[i];
+    ends = below.kind == f_call && below.phase == c_tail && g_->nodes[below.node].tail.size() == below.pos;
+  }
+  return ends;
 }
 
 // Starts a value of `node` whose first byte is c.

@@ -46,7 +46,7 @@ struct JsonGrammar {
     uint32_t min = 0, max = 0;       // array: items; string: characters
     std::vector<std::string> texts;  // literals: compact JSON texts; call: the text before each node
     std::vector<int> alts;           // choice: alternatives (told apart by first byte); call: nodes
-    std::string tail;                // call: the text after the node (not empty)
+    std::string tail;                // call: the text after the node
   };
   // Nodes every grammar has, at these indices.
   enum Builtin : int { kAny, kAnyObject, kAnyString, kKeyString, kAnyArray, kNumber, kTrueFalseNull, kBoolean, kNull, kBuiltins };
@@ -58,6 +58,8 @@ struct JsonGrammar {
   int add(Node n);
   // {"type": "json_object"}: any object.
   static std::shared_ptr<const JsonGrammar> any_object();
+  // `text`, then what g matches (a prompt that opened a reasoning block: "</think>\n\n" first).
+  static std::shared_ptr<const JsonGrammar> after(const std::string& text, std::shared_ptr<const JsonGrammar> g);
 };
 
 // An incremental recognizer over bytes: feed() says whether a byte can continue the text.

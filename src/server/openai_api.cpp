@@ -355,6 +355,11 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
       throw ApiError(400, "tools", "strict tools cannot be combined with a JSON response_format");
     c.options.tool_call_grammar = strict;
   }
+  if (c.options.in_reasoning && forced.empty() && (c.options.grammar || c.options.json_object)) {
+    // The template opened a reasoning block: close it first, so the JSON is the answer.
+    c.options.grammar = JsonGrammar::after("</think>\n\n", c.options.grammar ? c.options.grammar : JsonGrammar::any_object());
+    c.options.json_object = false;
+  }
 
   auto gens = start_choices(m, c.options, c.n);
   const std::string id = random_id("chatcmpl-");
