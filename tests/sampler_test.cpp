@@ -29,6 +29,39 @@ TEST(Sampler, RepetitionPenaltyAppliesOncePerDistinctToken) {
   EXPECT_FLOAT_EQ(l[2], -2.0f);  // negative logits are multiplied
 }
 
+TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
+  SamplingParams p;
+  p.presence_penalty = 0.5f;
+  p.frequency_penalty = 0.25f;
+  Sampler s(p);
+  auto l = logits_of({1.0f, 2.0f, 3.0f, 0.0f});
+  const std::vector<int32_t> context = {3, 3, 3, 2, 2, 1}, generated = {2, 2, 1};
+  s.sample(l, context, generated);
+  // Token 2 twice: 3 - 0.25 * 2 - 0.5; token 1 once: 2 - 0.25 - 0.5; token 3 only in the prompt.
+  EXPECT_FLOAT_EQ(l[2], 2.0f);
+  EXPECT_FLOAT_EQ(l[1], 1.25f);
+  EXPECT_FLOAT_EQ(l[3], 0.0f);
+  EXPECT_FLOAT_EQ(l[0], 1.0f);
+}
+
+TEST(Sampler, LogitBiasShiftsAndBans) {
+  SamplingParams p;
+  p.logit_bias = {{1, -100.0f}, {3, 2.5f}};
+  Sampler s(p);
+  auto l = logits_of({1.0f, 5.0f, 3.0f, 0.0f});
+  EXPECT_EQ(s.sample(l, {}), 2);  // 1 is banned; 3 rises to 2.5, below 2's 3
+  EXPECT_FLOAT_EQ(l[3], 2.5f);
+  p.logit_bias = {{0, 100.0f}};
+  Sampler t(p);
+  l = logits_of({1.0f, 5.0f, 3.0f, 0.0f});
+  EXPECT_EQ(t.sample(l, {}), 0);
+  p.logit_bias = {{0, 101.0f}};
+  EXPECT_THROW(Sampler{p}, Error);
+  p.logit_bias = {};
+  p.presence_penalty = 2.5f;
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
 TEST(Sampler, TopKOneIsGreedy) {
   SamplingParams p;
   p.temperature = 5.0f;

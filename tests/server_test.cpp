@@ -210,7 +210,7 @@ TEST(Server, BadRequestsGetJsonErrors) {
   expect_error("/v1/chat/completions", "{" + msgs + R"(, "max_tokens": -3})", 400, "max_tokens");
   expect_error("/v1/chat/completions", "{" + msgs + R"(, "max_tokens": 100000})", 400, "max_tokens");
   expect_error("/v1/chat/completions", "{" + msgs + R"(, "stream": "yes"})", 400, "stream");
-  expect_error("/v1/chat/completions", "{" + msgs + R"(, "n": 3})", 400, "n");
+  expect_error("/v1/chat/completions", "{" + msgs + R"(, "n": 9})", 400, "n");
   expect_error("/v1/chat/completions", "{" + msgs + R"(, "tools": [{"type": "function"}]})", 400, "tools[0]");
   std::string long_text(6000, 'x');
   for (size_t i = 0; i < long_text.size(); i += 2) long_text[i] = ' ';

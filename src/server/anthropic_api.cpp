@@ -2,6 +2,8 @@
 // streamed (message_start, content_block_start/delta/stop, message_delta, message_stop).
 #include <httplib.h>
 
+#include <chrono>
+
 #include "core/error.h"
 #include "server/api.h"
 
@@ -115,29 +117,36 @@ ojson tool_use_block(const ToolCall& c) {
   return {{"type", "tool_use"}, {"id", "toolu_" + c.id.substr(5)}, {"name", c.name}, {"input", input}};
 }
 
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 void write_event(httplib::DataSink& sink, const std::string& name, const ojson& data) {
   const std::string s = "event: " + name + "\ndata: " + data.dump(-1, ' ', false, ojson::error_handler_t::replace) + "\n\n";
   sink.write(s.data(), s.size());
 }
 
-void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
-  ServedModel& m = ctx.model;
-  const ojson body = parse_body(req.body);
-  if (!body.contains("max_tokens")) throw ApiError(400, "max_tokens", "'max_tokens' is required");
-  const int64_t max_tokens = field::integer(body, "max_tokens", 0, 1, INT32_MAX);
-  GenerateOptions o;
-  o.sampling = request_sampling(m, body, 1.0);
-  o.stop = field::string_or_list(body, "stop_sequences", 16);
-  const bool stream = field::boolean(body, "stream", false);
+// The prompt of a messages body (also what count_tokens counts); sets the tool fields of o (and,
+// when generating, the grammar of a forced call).
+std::string messages_prompt(ServedModel& m, const ojson& body, GenerateOptions& o, bool generating = true) {
   ojson messages = template_messages(body);
   ojson tools = request_tools(body);
   bool parse_tools = !tools.is_null();
+  std::string forced;  // "any" or the tool's name
+  bool single_call = false;
   if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
     const ojson& tc = body["tool_choice"];
     const std::string type = string_member(tc, "type");
     if (type != "auto" && type != "any" && type != "tool" && type != "none")
       throw ApiError(400, "tool_choice", "'tool_choice' must be an object with a 'type' of auto, any, tool or none");
+    field::known_only(tc, {"type", "name", "disable_parallel_tool_use"}, "tool_choice");
+    single_call = field::boolean(tc, "disable_parallel_tool_use", false);
     if (type == "none") tools = nullptr, parse_tools = false;
+    if (type == "any") forced = "any";
+    if (type == "tool") {
+      forced = field::member(tc, "name", "tool_choice.name", "");
+      if (forced.empty()) throw ApiError(400, "tool_choice.name", "'tool_choice.name' is required with type tool");
+    }
   }
   ojson kwargs = ojson::object();
   if (body.contains("thinking") && !body["thinking"].is_null()) {
@@ -145,17 +154,56 @@ void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response
     const std::string type = string_member(th, "type");
     if (type != "enabled" && type != "disabled")
       throw ApiError(400, "thinking", "'thinking' must be an object with a 'type' of enabled or disabled");
+    field::known_only(th, {"type", "budget_tokens"}, "thinking");
+    // The budget is advisory in Anthropic's API too; the model's template decides how to think.
     field::integer(th, "budget_tokens", 0, 0, INT32_MAX);
     kwargs["enable_thinking"] = type == "enabled";
   }
-  field::string_map(body, "metadata");
-  field::string(body, "service_tier", "");
   const std::string prompt = render_chat(m, messages, tools, kwargs);
   o.prompt = m.encode_chat(prompt);
-  o.max_tokens = resolve_max_tokens(m, int64_t(o.prompt.size()), max_tokens, "max_tokens", max_tokens);
   o.chat = true;
   o.parse_tools = parse_tools;
   o.in_reasoning = prompt_opens_reasoning(prompt);
+  o.single_tool_call = parse_tools && (single_call || !forced.empty());
+  if (!forced.empty() && generating)
+    o.grammar = forced_tool_call(m, tools, forced == "any" ? "" : forced, o.in_reasoning, "tool_choice");
+  return prompt;
+}
+
+void count_tokens(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ServedModel& m = ctx.model;
+  const ojson body = parse_body(req.body);
+  field::known_only(body, {"model", "messages", "system", "tools", "tool_choice", "thinking"});
+  field::string(body, "model", m.id);
+  GenerateOptions o;
+  messages_prompt(m, body, o, false);
+  res.set_content(ojson{{"input_tokens", o.prompt.size()}}.dump(), "application/json");
+  GenerateResult counted;
+  counted.prompt_tokens = int64_t(o.prompt.size());
+  log_request(ctx, "/v1/messages/count_tokens", "", 200, {&counted}, since(t0));
+}
+
+void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
+  const auto t0 = std::chrono::steady_clock::now();
+  ServedModel& m = ctx.model;
+  const ojson body = parse_body(req.body);
+  // Anthropic's fields, and the OpenAI-named sampling extensions request_sampling reads.
+  field::known_only(body, {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
+                           "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "service_tier",
+                           "min_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty",
+                           "logit_bias"});
+  if (!body.contains("max_tokens")) throw ApiError(400, "max_tokens", "'max_tokens' is required");
+  const int64_t max_tokens = field::integer(body, "max_tokens", 0, 1, INT32_MAX);
+  GenerateOptions o;
+  o.sampling = request_sampling(m, body, 1.0);
+  o.stop = field::string_or_list(body, "stop_sequences", 16);
+  const bool stream = field::boolean(body, "stream", false);
+  field::string(body, "model", m.id);
+  field::string_map(body, "metadata");
+  field::string(body, "service_tier", "");
+  messages_prompt(m, body, o);
+  o.max_tokens = resolve_max_tokens(m, int64_t(o.prompt.size()), max_tokens, "max_tokens", max_tokens);
 
   auto gen = std::make_shared<Generation>(m, o);
   const std::string id = random_id("msg_");
@@ -177,10 +225,12 @@ void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response
                             {"cache_read_input_tokens", r.cached_tokens},
                             {"output_tokens", r.completion_tokens}}}};
     res.set_content(out.dump(-1, ' ', false, ojson::error_handler_t::replace), "application/json");
+    log_request(ctx, "/v1/messages", id, 200, {&r}, since(t0));
     return;
   }
 
   res.set_header("Cache-Control", "no-cache");
+  ServerContext* context = &ctx;
   res.set_chunked_content_provider("text/event-stream", [=](size_t, httplib::DataSink& sink) {
     try {
       write_event(sink, "message_start",
@@ -224,7 +274,10 @@ void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response
             return sink.is_writable();
           },
           [&] { return sink.is_writable(); });
-      if (r.finish_reason == "cancelled") return false;
+      if (r.finish_reason == "cancelled") {
+        log_request(*context, "/v1/messages", id, 499, {&r}, since(t0));
+        return false;
+      }
       close();
       write_event(sink, "message_delta",
                   {{"type", "message_delta"},
@@ -232,38 +285,52 @@ void messages(ServerContext& ctx, const httplib::Request& req, httplib::Response
                               {"stop_sequence", r.stop_sequence.empty() ? ojson(nullptr) : ojson(r.stop_sequence)}}},
                    {"usage", {{"output_tokens", r.completion_tokens}}}});
       write_event(sink, "message_stop", {{"type", "message_stop"}});
+      log_request(*context, "/v1/messages", id, 200, {&r}, since(t0));
     } catch (const std::exception& e) {
       write_event(sink, "error", error_body("api_error", e.what()));
+      log_request(*context, "/v1/messages", id, 500, {}, since(t0));
     }
     sink.done();
     return true;
   });
 }
 
+// Runs a handler, turning every failure into an Anthropic-style JSON error.
+template <typename F>
+void guarded(ServerContext& ctx, const std::string& endpoint, const httplib::Request& req, httplib::Response& res,
+             F&& handle) {
+  try {
+    handle(ctx, req, res);
+  } catch (const ApiError& e) {
+    res.status = e.status;
+    res.set_content(error_body(e.status == 401 ? "authentication_error" : "invalid_request_error", e.what()).dump(),
+                    "application/json");
+  } catch (const nlohmann::json::exception&) {
+    // A field read without its own check met a value of another type: still the client's error.
+    res.status = 400;
+    res.set_content(error_body("invalid_request_error", "a field of the request has the wrong type").dump(),
+                    "application/json");
+  } catch (const QueueFull& e) {
+    res.status = 503;
+    res.set_header("Retry-After", "1");
+    res.set_content(error_body("overloaded_error", e.what()).dump(), "application/json");
+  } catch (const std::exception& e) {
+    res.status = 500;
+    res.set_content(error_body("api_error", e.what()).dump(), "application/json");
+  }
+  const int status = res.status == -1 ? 200 : res.status;  // httplib sets 200 after the handler
+  ctx.count(endpoint, status);
+  if (status != 200) log_request(ctx, endpoint, "", status, {}, 0);  // successes log their own line
+}
+
 }  // namespace
 
 void add_anthropic_routes(httplib::Server& svr, ServerContext& ctx) {
   svr.Post("/v1/messages", [&ctx](const httplib::Request& req, httplib::Response& res) {
-    try {
-      messages(ctx, req, res);
-    } catch (const ApiError& e) {
-      res.status = e.status;
-      res.set_content(error_body(e.status == 401 ? "authentication_error" : "invalid_request_error", e.what()).dump(),
-                      "application/json");
-    } catch (const nlohmann::json::exception&) {
-      // A field read without its own check met a value of another type: still the client's error.
-      res.status = 400;
-      res.set_content(error_body("invalid_request_error", "a field of the request has the wrong type").dump(),
-                      "application/json");
-    } catch (const QueueFull& e) {
-      res.status = 503;
-      res.set_header("Retry-After", "1");
-      res.set_content(error_body("overloaded_error", e.what()).dump(), "application/json");
-    } catch (const std::exception& e) {
-      res.status = 500;
-      res.set_content(error_body("api_error", e.what()).dump(), "application/json");
-    }
-    ctx.count("/v1/messages", res.status == -1 ? 200 : res.status);  // httplib sets 200 after the handler
+    guarded(ctx, "/v1/messages", req, res, messages);
+  });
+  svr.Post("/v1/messages/count_tokens", [&ctx](const httplib::Request& req, httplib::Response& res) {
+    guarded(ctx, "/v1/messages/count_tokens", req, res, count_tokens);
   });
 }
 

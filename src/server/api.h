@@ -12,6 +12,7 @@
 #include <string_view>
 
 #include "server/generation.h"
+#include "server/json_schema.h"
 
 namespace httplib {
 class Server;
@@ -34,6 +35,7 @@ struct ApiError : std::runtime_error {
 struct ServerContext {
   ServedModel& model;
   std::string api_key;
+  bool log_requests = true;  // one line per request on stderr
 
   // /metrics counters
   std::mutex mu;
@@ -58,10 +60,35 @@ std::string member(const ojson& object, const std::string& key, const std::strin
 std::string choice(const ojson& body, const std::string& key, std::initializer_list<const char*> allowed);
 // An object whose values are all strings (OpenAI's and Anthropic's `metadata`).
 void string_map(const ojson& body, const std::string& key);
-// Refuses logit_bias: a map of token ids to numbers in [-100, 100] is the right shape, but a
-// non-empty one is not supported.
-void logit_bias(const ojson& body);
+// logit_bias: an object mapping token ids (as strings, below `vocab`) to numbers in [-100, 100].
+std::vector<std::pair<int32_t, float>> logit_bias(const ojson& body, int64_t vocab);
+// Refuses any member of `body` not in `known` (400 naming it): a field the server does not
+// honour is an error, never silently ignored.
+void known_only(const ojson& body, std::initializer_list<const char*> known, const std::string& where = "");
 }  // namespace field
+
+// A request's constraint on the output: response_format json_object / json_schema, or a forced
+// tool call. 400 naming the field (and the schema keyword) when it cannot be enforced.
+std::shared_ptr<const JsonGrammar> response_format_grammar(const ojson& body, bool& json_object);
+// tool_choice "required" (name empty) or a named function: the grammar of one call to it in the
+// model's markup. tools is the OpenAI-form list that goes to the template; `param` names the field.
+std::shared_ptr<const JsonGrammar> forced_tool_call(const ServedModel& m, const ojson& tools, const std::string& name,
+                                                    bool in_reasoning, const std::string& param);
+
+// tool_choice "auto" with tools marked strict: the grammar a call the model opens must follow
+// (nullptr when no tool is strict). 400 naming the schema keyword or the markup it cannot force.
+std::shared_ptr<const JsonGrammar> strict_tool_calls(const ServedModel& m, const ojson& tools);
+
+// Logprobs in OpenAI's chat form ({"content": [...], "refusal": null}) and legacy completions
+// form ({"tokens", "token_logprobs", "top_logprobs", "text_offset"}); text_offset counts from
+// `offset` bytes.
+ojson chat_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps);
+ojson completion_logprobs(const Tokenizer& tok, const std::vector<TokenLogprob>& lps, size_t& offset);
+
+// One line on stderr for a finished request: id, endpoint, status, tokens, time to first token,
+// speed. r is null for requests that generated nothing (errors).
+void log_request(ServerContext& ctx, const std::string& endpoint, const std::string& id, int status,
+                 const std::vector<const GenerateResult*>& results, double seconds, const std::string& user = "");
 
 // obj[key] when obj is an object holding a string there, else "" (to dispatch on a "type" member;
 // any other value then falls through to the caller's error that names the field).
@@ -83,8 +110,9 @@ int json_depth(std::string_view text);
 // ApiError when it nests too deep.
 std::optional<ojson> parse_nested_json(const std::string& text, const std::string& param);
 
-// Sampling parameters: the model's defaults overridden by the request's fields (OpenAI names;
-// temperature_max: 2 for OpenAI, 1 for Anthropic).
+// Sampling parameters: the model's defaults overridden by the request's fields (OpenAI names,
+// presence / frequency penalties and logit_bias included; temperature_max: 2 for OpenAI, 1 for
+// Anthropic).
 SamplingParams request_sampling(const ServedModel& m, const ojson& body, double temperature_max);
 
 // max_tokens for a prompt of n tokens: the request's value (checked against the context) or, when

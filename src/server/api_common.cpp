@@ -102,17 +102,31 @@ void string_map(const ojson& body, const std::string& key) {
     if (!x.is_string()) throw ApiError(400, key + "." + k, "'" + key + "." + k + "' must be a string");
 }
 
-void logit_bias(const ojson& body) {
+std::vector<std::pair<int32_t, float>> logit_bias(const ojson& body, int64_t vocab) {
   const ojson* v = get(body, "logit_bias");
-  if (!v) return;
+  std::vector<std::pair<int32_t, float>> out;
+  if (!v) return out;
   if (!v->is_object())
     throw ApiError(400, "logit_bias", "'logit_bias' must be an object mapping token ids to numbers");
   for (const auto& [k, x] : v->items()) {
-    const bool id = !k.empty() && k.size() <= 10 && k.find_first_not_of("0123456789") == std::string::npos;
-    if (!id || !x.is_number() || x.get<double>() < -100 || x.get<double>() > 100)
-      throw ApiError(400, "logit_bias", "'logit_bias' must map token ids to numbers between -100 and 100");
+    const bool digits = !k.empty() && k.size() <= 10 && k.find_first_not_of("0123456789") == std::string::npos;
+    if (!digits || std::stoll(k) >= vocab)
+      throw ApiError(400, "logit_bias", "'logit_bias' has key '" + k + "'; keys must be token ids in [0, " +
+                                            std::to_string(vocab) + ")");
+    if (!x.is_number() || !(x.get<double>() >= -100 && x.get<double>() <= 100))
+      throw ApiError(400, "logit_bias", "'logit_bias' for token " + k + " must be a number between -100 and 100, got " + x.dump());
+    out.emplace_back(int32_t(std::stoll(k)), float(x.get<double>()));
   }
-  if (!v->empty()) throw ApiError(400, "logit_bias", "'logit_bias' is not supported");
+  return out;
+}
+
+void known_only(const ojson& body, std::initializer_list<const char*> known, const std::string& where) {
+  for (const auto& [k, v] : body.items()) {
+    if (v.is_null()) continue;  // null is "not set": nothing to honour
+    if (std::find_if(known.begin(), known.end(), [&](const char* n) { return k == n; }) != known.end()) continue;
+    const std::string name = where.empty() ? k : where + "." + k;
+    throw ApiError(400, name, "'" + name + "' is not supported by this server");
+  }
 }
 
 }  // namespace field
@@ -160,9 +174,11 @@ SamplingParams request_sampling(const ServedModel& m, const ojson& body, double 
   p.min_p = float(field::number(body, "min_p", p.min_p, 0.0, 1.0));
   p.repetition_penalty = float(field::number(body, "repetition_penalty", p.repetition_penalty, 1e-3, 100.0));
   p.seed = uint64_t(field::integer(body, "seed", 0, INT64_MIN, INT64_MAX));
-  for (const char* k : {"presence_penalty", "frequency_penalty"})
-    if (field::number(body, k, 0.0, -2.0, 2.0) != 0.0)
-      throw ApiError(400, k, std::string("'") + k + "' is not supported (use repetition_penalty)");
+  p.presence_penalty = float(field::number(body, "presence_penalty", 0.0, -2.0, 2.0));
+  p.frequency_penalty = float(field::number(body, "frequency_penalty", 0.0, -2.0, 2.0));
+  // The output head's rows (the fuzz targets' ServedModel has only a tokenizer).
+  const int64_t vocab = m.model ? m.model->info().vocab_size : m.tokenizer ? m.tokenizer->vocab_size() : INT32_MAX;
+  p.logit_bias = field::logit_bias(body, vocab);
   return p;
 }
 

@@ -1,6 +1,8 @@
 #include "server/engine.h"
 
 #include <algorithm>
+#include <cmath>
+#include <limits>
 
 #include "backend/backend.h"
 #include "core/error.h"
@@ -9,12 +11,37 @@ namespace moestream {
 
 using clock_type = std::chrono::steady_clock;
 
-FinishReason Job::take(std::vector<int32_t>& out, std::chrono::milliseconds timeout) {
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top) {
+  float mx = -std::numeric_limits<float>::infinity();
+  for (float x : logits) mx = std::max(mx, x);
+  double sum = 0;
+  for (float x : logits) sum += std::exp(double(x - mx));
+  const float lse = mx + float(std::log(sum));
+  TokenLogprob t;
+  t.token = token;
+  t.logprob = logits[size_t(token)] - lse;
+  if (top > 0) {
+    std::vector<int32_t> ids(logits.size());
+    for (size_t i = 0; i < ids.size(); ++i) ids[i] = int32_t(i);
+    const size_t k = std::min(ids.size(), size_t(top));
+    std::partial_sort(ids.begin(), ids.begin() + long(k), ids.end(), [&](int32_t a, int32_t b) {
+      return logits[size_t(a)] > logits[size_t(b)] || (logits[size_t(a)] == logits[size_t(b)] && a < b);
+    });
+    for (size_t i = 0; i < k; ++i) t.top.emplace_back(ids[i], logits[size_t(ids[i])] - lse);
+  }
+  return t;
+}
+
+FinishReason Job::take(std::vector<int32_t>& out, std::chrono::milliseconds timeout,
+                       std::vector<TokenLogprob>* logprobs) {
   std::unique_lock lock(mu_);
   if (pending_.empty() && reason_ == FinishReason::running)
     cv_.wait_for(lock, timeout, [&] { return !pending_.empty() || reason_ != FinishReason::running; });
   out.insert(out.end(), pending_.begin(), pending_.end());
   pending_.clear();
+  if (logprobs)
+    for (auto& l : pending_logprobs_) logprobs->push_back(std::move(l));
+  pending_logprobs_.clear();
   return reason_;
 }
 
@@ -23,10 +50,14 @@ std::string Job::error() const {
   return error_;
 }
 
-void Job::push(int32_t token) {
+void Job::push(int32_t token, TokenLogprob* logprob) {
+  if (first_token_seconds_.load() == 0)
+    first_token_seconds_.store(
+        std::max(1e-9, std::chrono::duration<double>(std::chrono::steady_clock::now() - submitted_).count()));
   {
     std::lock_guard lock(mu_);
     pending_.push_back(token);
+    if (logprob) pending_logprobs_.push_back(std::move(*logprob));
   }
   cv_.notify_all();
 }
@@ -126,6 +157,7 @@ void Engine::start(Slot& s) {
   const int64_t reused = cache_.restore(r.prompt, *s.state);
   s.tokens.assign(r.prompt.begin(), r.prompt.begin() + reused);
   s.context = r.prompt;
+  s.generated_ids.clear();
   s.prompt_done = reused;
   s.generated = 0;
   s.next = -1;
@@ -171,19 +203,27 @@ void Engine::step(Slot& s) {
 void Engine::sample_and_emit(Slot& s) {
   Job& job = *s.job;
   const JobRequest& r = job.request();
+  // The model's distribution for logprobs is kept before anything changes the logits.
+  if (r.logprobs >= 0) raw_logits_ = logits_;
   if (r.constraint) r.constraint->mask(logits_);
   int32_t next;
   {
     ScopedTimer timer(model_.backend().times().sampling);
-    next = s.sampler->sample(logits_, s.context);
+    next = s.sampler->sample(logits_, s.context, s.generated_ids);
   }
   const auto& eos = model_.info().eos_token_ids;
   if (std::find(eos.begin(), eos.end(), next) != eos.end()) return finish(s, FinishReason::eos);
   if (r.constraint) r.constraint->accept(next);
   s.next = next;
   s.context.push_back(next);
+  s.generated_ids.push_back(next);
   ++s.generated;
-  job.push(next);
+  if (r.logprobs >= 0) {
+    TokenLogprob lp = token_logprob(raw_logits_, next, r.logprobs);
+    job.push(next, &lp);
+  } else {
+    job.push(next, nullptr);
+  }
   {
     std::lock_guard lock(mu_);
     ++stats_.generated_tokens;

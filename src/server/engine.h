@@ -32,12 +32,25 @@ class TokenConstraint {
   virtual void accept(int32_t token) = 0;
 };
 
+// The log-probability of a generated token and of the most likely alternatives at its position:
+// log-softmax of the model's own logits, before penalties, logit bias, constraints and temperature
+// (what OpenAI reports: the model's distribution, not the sampler's).
+struct TokenLogprob {
+  int32_t token = -1;
+  float logprob = 0;
+  std::vector<std::pair<int32_t, float>> top;  // most likely first
+};
+
 struct JobRequest {
   std::vector<int32_t> prompt;
   SamplingParams sampling;
   int max_tokens = 0;                           // >= 1
   std::shared_ptr<TokenConstraint> constraint;  // optional
+  int logprobs = -1;                            // -1: none; else also this many alternatives (<= 20)
 };
+
+// Log-probabilities at one position from the model's logits (see TokenLogprob); `top` alternatives.
+TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top);
 
 enum class FinishReason { running, eos, length, cancelled, failed };
 
@@ -49,7 +62,8 @@ class Job {
 
   // Moves newly generated tokens into `out` (appending). Waits up to `timeout` when there are
   // none yet. Returns the finish reason (running while more may come).
-  FinishReason take(std::vector<int32_t>& out, std::chrono::milliseconds timeout);
+  FinishReason take(std::vector<int32_t>& out, std::chrono::milliseconds timeout,
+                    std::vector<TokenLogprob>* logprobs = nullptr);
   // Stops generation at the next step (client gone, stop string found). Idempotent.
   void cancel() { cancelled_.store(true); }
   bool cancelled() const { return cancelled_.load(); }
@@ -58,19 +72,23 @@ class Job {
   int64_t cached_tokens() const { return cached_tokens_.load(); }  // prompt tokens reused
   double prefill_seconds() const { return prefill_seconds_.load(); }
   double decode_seconds() const { return decode_seconds_.load(); }
+  // Seconds from submit() to the first generated token (0 until there is one).
+  double first_token_seconds() const { return first_token_seconds_.load(); }
 
  private:
   friend class Engine;
-  void push(int32_t token);
+  void push(int32_t token, TokenLogprob* logprob);
   void finish(FinishReason reason, std::string error = {});
 
   JobRequest request_;
   std::atomic<bool> cancelled_{false};
   std::atomic<int64_t> cached_tokens_{0};
-  std::atomic<double> prefill_seconds_{0}, decode_seconds_{0};
+  std::atomic<double> prefill_seconds_{0}, decode_seconds_{0}, first_token_seconds_{0};
+  std::chrono::steady_clock::time_point submitted_ = std::chrono::steady_clock::now();
   mutable std::mutex mu_;
   std::condition_variable cv_;
   std::vector<int32_t> pending_;
+  std::vector<TokenLogprob> pending_logprobs_;
   FinishReason reason_ = FinishReason::running;
   std::string error_;
 };
@@ -119,6 +137,7 @@ class Engine {
     std::shared_ptr<Job> job;
     std::vector<int32_t> tokens;  // tokens whose state is in `state` (n_past of them)
     std::vector<int32_t> context; // prompt + generated, for the repetition penalty
+    std::vector<int32_t> generated_ids;  // for the presence and frequency penalties
     std::unique_ptr<Sampler> sampler;
     int64_t prompt_done = 0;      // prompt tokens processed
     int generated = 0;
@@ -136,6 +155,7 @@ class Engine {
   PrefixCache cache_;
   std::vector<Slot> slots_;
   std::vector<float> logits_;
+  std::vector<float> raw_logits_;  // the model's, for logprobs
 
   mutable std::mutex mu_;
   std::condition_variable cv_;

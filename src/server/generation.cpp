@@ -115,7 +115,11 @@ Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std:
   request.prompt = o_.prompt;
   request.sampling = o_.sampling;
   request.max_tokens = o_.max_tokens;
-  if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
+  request.logprobs = o_.logprobs;
+  if (o_.grammar) request.constraint = std::make_shared<GrammarConstraint>(m.token_bytes(), o_.grammar);
+  else if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
+  else if (o_.tool_call_grammar)
+    request.constraint = std::make_shared<TriggeredConstraint>(m.token_bytes(), "<tool_call>", o_.tool_call_grammar);
   job_ = m.engine->submit(std::move(request));
 }
 
@@ -159,29 +163,40 @@ GenerateResult Generation::run(const std::function<bool(const ParsedOutput&)>& o
   };
 
   std::vector<int32_t> tokens;
+  std::vector<TokenLogprob> logprobs;
+  const bool want_logprobs = o.logprobs >= 0;
   FinishReason reason = FinishReason::running;
   bool client_gone = false;
+  bool one_call = false;  // single_tool_call and the call is complete
   while (reason == FinishReason::running) {
     tokens.clear();
-    reason = job->take(tokens, std::chrono::milliseconds(100));
-    for (int32_t id : tokens) {
+    logprobs.clear();
+    reason = job->take(tokens, std::chrono::milliseconds(100), want_logprobs ? &logprobs : nullptr);
+    for (size_t i = 0; i < tokens.size(); ++i) {
+      const int32_t id = tokens[i];
       ++r.completion_tokens;
+      if (i < logprobs.size()) {
+        r.logprobs.push_back(logprobs[i]);
+        pending_logprobs_.push_back(std::move(logprobs[i]));
+      }
       if (!deliver(decoder.push(id), false)) client_gone = true;
-      if (client_gone || !stop.hit.empty()) break;
+      if (o.single_tool_call && !r.output.tool_calls.empty()) one_call = true;
+      if (client_gone || !stop.hit.empty() || one_call) break;
     }
     if (!client_gone && alive && !alive()) client_gone = true;
-    if (client_gone || !stop.hit.empty()) {
+    if (client_gone || !stop.hit.empty() || one_call) {
       job->cancel();
       while (job->take(tokens, std::chrono::milliseconds(100)) == FinishReason::running) tokens.clear();
       break;
     }
   }
   if (reason == FinishReason::failed) fail("generation failed: ", job->error());
-  if (!client_gone && stop.hit.empty()) deliver(decoder.flush(), true);
+  if (!client_gone && stop.hit.empty() && !one_call) deliver(decoder.flush(), true);
 
   r.cached_tokens = job->cached_tokens();
   r.prefill_seconds = job->prefill_seconds();
   r.decode_seconds = job->decode_seconds();
+  r.first_token_seconds = job->first_token_seconds();
   r.stop_sequence = stop.hit;
   if (client_gone) r.finish_reason = "cancelled";
   else if (!r.output.tool_calls.empty()) r.finish_reason = "tool_calls";

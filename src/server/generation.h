@@ -8,6 +8,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "io/hf_config.h"
@@ -53,8 +54,14 @@ struct GenerateOptions {
   int max_tokens = 16;
   std::vector<std::string> stop;  // stop strings (not included in the output)
   bool json_object = false;       // constrain the output to a JSON object
+  std::shared_ptr<const JsonGrammar> grammar;  // or to this grammar (json_schema, a forced tool call)
+  // Or: free text, but what follows a "<tool_call>" the model writes follows this grammar
+  // (tool_choice auto with strict tools).
+  std::shared_ptr<const JsonGrammar> tool_call_grammar;
+  int logprobs = -1;              // -1: none; else report logprobs with this many alternatives
   bool chat = false;              // split reasoning and tool calls out of the text
   bool parse_tools = false;
+  bool single_tool_call = false;  // end the reply after its first tool call
   bool in_reasoning = false;      // the prompt ends inside an open reasoning block
 };
 
@@ -64,6 +71,8 @@ struct GenerateResult {
   std::string stop_sequence;       // the stop string that ended it, if one did
   int64_t prompt_tokens = 0, completion_tokens = 0, cached_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
+  double first_token_seconds = 0;  // from queueing to the first generated token
+  std::vector<TokenLogprob> logprobs;  // of every generated token, when asked for
 };
 
 // One request. The constructor queues it (throws QueueFull when the queue is full, Error when it
@@ -80,11 +89,15 @@ class Generation {
   // polled while waiting and may do the same. Throws Error when generation failed.
   GenerateResult run(const std::function<bool(const ParsedOutput&)>& on_delta,
                      const std::function<bool()>& alive = {});
+  // The logprobs of the tokens delivered since the last call (from inside on_delta: those of the
+  // piece it got, and of tokens whose text is still held back).
+  std::vector<TokenLogprob> take_logprobs() { return std::exchange(pending_logprobs_, {}); }
 
  private:
   ServedModel& m_;
   GenerateOptions o_;
   std::shared_ptr<Job> job_;
+  std::vector<TokenLogprob> pending_logprobs_;
 };
 
 // Sampling parameters from generation_config.json (greedy unless it says do_sample).

@@ -85,7 +85,7 @@ TransportOptions transport_options(const ServeOptions& o, const EngineOptions& e
 struct HttpServer::Impl {
   Impl(ServedModel& m, const ServeOptions& o)
       : options(o),
-        ctx{m, o.api_key},
+        ctx{m, o.api_key, o.log_requests},
         transport(transport_options(o, m.engine->options()), [this](const Exchange& x) { return answer(x); }) {}
   bool answer(const Exchange& x) {
     RequestStream stream(x, options.write_timeout_s, stopping);
@@ -133,6 +133,7 @@ std::string metrics_text(ServerContext& ctx, const TransportStats& t) {
          s.prefill_seconds > 0 ? double(s.prompt_tokens - s.cached_prompt_tokens) / s.prefill_seconds : 0.0);
   metric("moestream_requests_active", "gauge", "Generations in flight.", s.active);
   metric("moestream_requests_queued", "gauge", "Generations waiting for a slot.", s.queued);
+  metric("moestream_batch_size", "gauge", "Sequences the engine is generating for (each has a turn per step).", s.active);
   metric("moestream_prefix_cache_entries", "gauge", "Sequence states held by the prefix cache.", s.cache.entries);
   metric("moestream_expert_hits_total", "counter", "Expert lookups served from the cache.", double(s.experts.hits));
   metric("moestream_expert_misses_total", "counter", "Expert lookups read from disk.", double(s.experts.misses));
@@ -211,7 +212,8 @@ HttpServer::HttpServer(ServedModel& model, const ServeOptions& options)
     const EngineStats s = ctx.model.engine->stats();
     const EngineOptions& o = ctx.model.engine->options();
     ojson h = {{"status", s.requests_failed ? "degraded" : "ok"}, {"model", ctx.model.id},
-               {"slots_total", o.parallel}, {"slots_busy", s.active}, {"queued", s.queued},
+               {"slots_total", o.parallel}, {"slots_busy", s.active}, {"active_requests", s.active},
+               {"batch_size", s.active}, {"queued", s.queued},
                {"prefix_cache_entries", s.cache.entries}, {"failed_requests", s.requests_failed},
                {"connections", impl_->transport.stats().open}};
     if (s.requests_failed) h["last_error"] = s.last_error;

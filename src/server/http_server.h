@@ -15,6 +15,7 @@ struct ServeOptions {
   int port = 8080;              // 0: any free port (see HttpServer::port)
   std::string api_key;          // non-empty: /v1/* requires "Authorization: Bearer KEY" or "x-api-key"
   size_t max_body_bytes = 16u << 20;
+  bool log_requests = true;     // one line per request on stderr (id, endpoint, tokens, timing)
   // Slow or abusive clients (see server/transport.h): deadlines for a request's whole head and
   // whole body, for an idle kept-alive connection and for a stalled write; connection limits.
   double header_timeout_s = 10;

@@ -2,6 +2,7 @@
 // (server-sent events ending with "data: [DONE]").
 #include <httplib.h>
 
+#include <chrono>
 #include <functional>
 
 #include "core/error.h"
@@ -38,7 +39,9 @@ void guarded(ServerContext& ctx, const std::string& endpoint, const httplib::Req
     res.status = 500;
     res.set_content(error_body(e.what(), "server_error", "", 500).dump(), "application/json");
   }
-  ctx.count(endpoint, res.status == -1 ? 200 : res.status);  // httplib sets 200 after the handler
+  const int status = res.status == -1 ? 200 : res.status;  // httplib sets 200 after the handler
+  ctx.count(endpoint, status);
+  if (status != 200) log_request(ctx, endpoint, "", status, {}, 0);  // successes log their own line
 }
 
 std::string text_of_content(const ojson& content, const std::string& where) {
@@ -144,9 +147,13 @@ ojson usage_json(const GenerateResult& r) {
 
 bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
 
+constexpr int kMaxChoices = 8;  // n
+
 struct Common {
   GenerateOptions options;
   bool stream = false, include_usage = false;
+  int n = 1;
+  std::string user;
 };
 
 // The fields /v1/chat/completions and /v1/completions share.
@@ -157,29 +164,34 @@ Common common_fields(const ServedModel& m, const ojson& body) {
   c.stream = field::boolean(body, "stream", false);
   if (body.contains("stream_options") && !body["stream_options"].is_null()) {
     if (!body["stream_options"].is_object()) throw ApiError(400, "stream_options", "'stream_options' must be an object");
+    field::known_only(body["stream_options"], {"include_usage"}, "stream_options");
     c.include_usage = field::boolean(body["stream_options"], "include_usage", false);
   }
-  if (field::integer(body, "n", 1, 1, 1) != 1) throw ApiError(400, "n", "only n = 1 is supported");
-  if (field::boolean(body, "logprobs", false)) throw ApiError(400, "logprobs", "'logprobs' is not supported");
-  if (body.contains("response_format") && !body["response_format"].is_null()) {
-    const ojson& rf = body["response_format"];
-    const std::string type = string_member(rf, "type");
-    if (type == "json_object" || type == "json_schema") c.options.json_object = true;
-    else if (type != "text")
-      throw ApiError(400, "response_format", "'response_format.type' must be text, json_object or json_schema");
-  }
+  c.n = int(field::integer(body, "n", 1, 1, kMaxChoices));
+  c.options.grammar = response_format_grammar(body, c.options.json_object);
   const std::string model = field::string(body, "model", m.id);
   (void)model;  // one model is served; any name addresses it
-  // Fields that change nothing here, checked so that a wrong type is an error, not ignored.
-  field::logit_bias(body);
-  if (field::integer(body, "top_logprobs", 0, 0, 20) > 0)
-    throw ApiError(400, "top_logprobs", "'top_logprobs' is not supported");
-  field::string(body, "user", "");
-  field::string(body, "service_tier", "");
-  field::boolean(body, "parallel_tool_calls", true);
-  field::boolean(body, "store", false);
+  c.user = field::string(body, "user", "");  // shown in the request's log line
+  field::string(body, "service_tier", "");    // one tier here
+  if (field::boolean(body, "store", false))
+    throw ApiError(400, "store", "'store': true is not supported (this server keeps no completions)");
   field::string_map(body, "metadata");
+  if (body.contains("modalities") && !body["modalities"].is_null() && body["modalities"] != ojson::array({"text"}))
+    throw ApiError(400, "modalities", "'modalities' must be [\"text\"]: this server writes text only");
   return c;
+}
+
+// The n generations of a request, queued at once (the engine runs them side by side). Choice i
+// samples with its own seed derived from the request's, so sampled choices differ and a seeded
+// request repeats exactly; greedy choices are identical.
+std::vector<std::shared_ptr<Generation>> start_choices(ServedModel& m, const GenerateOptions& o, int n) {
+  std::vector<std::shared_ptr<Generation>> gens;
+  for (int i = 0; i < n; ++i) {
+    GenerateOptions oi = o;
+    oi.sampling.seed = o.sampling.seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
+    gens.push_back(std::make_shared<Generation>(m, oi));
+  }
+  return gens;
 }
 
 std::optional<int64_t> requested_max_tokens(const ojson& body, std::string& param) {
@@ -199,37 +211,74 @@ void write_event(httplib::DataSink& sink, const ojson& j) {
   sink.write(s.data(), s.size());
 }
 
-// Streams a generation as server-sent events. Each event is `envelope` (id, object, created, model)
-// with "choices": first_choice (if any), then the choices pieces() makes of each piece of output,
-// then last() of the result; then the usage event when asked for, and "data: [DONE]".
-void stream_events(httplib::Response& res, std::shared_ptr<Generation> gen, ojson envelope, bool include_usage,
-                   ojson first_choice, std::function<ojson(const ParsedOutput&)> pieces,
-                   std::function<ojson(const GenerateResult&)> last) {
+ojson usage_json(const std::vector<GenerateResult>& rs) {
+  GenerateResult sum = rs.at(0);
+  for (size_t i = 1; i < rs.size(); ++i) sum.completion_tokens += rs[i].completion_tokens;
+  return usage_json(sum);
+}
+
+std::vector<const GenerateResult*> pointers(const std::vector<GenerateResult>& rs) {
+  std::vector<const GenerateResult*> out;
+  for (const auto& r : rs) out.push_back(&r);
+  return out;
+}
+
+double since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct StreamSpec {
+  ojson envelope;                                                    // id, object, created, model
+  std::function<ojson(size_t)> first;                                // a choice opening choice i, or null
+  std::function<ojson(size_t, Generation&, const ParsedOutput&)> pieces;  // choices for a piece
+  std::function<ojson(size_t, Generation&, const GenerateResult&)> last;  // choice i's closing choice
+};
+
+// Streams the choices' generations, one after another, as server-sent events: each event is the
+// envelope with "choices" holding one choice (its "index" tells them apart); then the usage event
+// when asked for, and "data: [DONE]". Logs the request when it ends.
+void stream_events(ServerContext& ctx, const std::string& endpoint, httplib::Response& res,
+                   std::vector<std::shared_ptr<Generation>> gens, bool include_usage, StreamSpec spec,
+                   std::string user, std::chrono::steady_clock::time_point t0) {
   res.set_header("Cache-Control", "no-cache");
+  ServerContext* context = &ctx;
   res.set_chunked_content_provider("text/event-stream", [=](size_t, httplib::DataSink& sink) {
-    auto event = [&](ojson choices) {
-      ojson e = envelope;
-      e["choices"] = std::move(choices);
+    const std::string id = spec.envelope["id"];
+    auto event = [&](ojson choice) {
+      ojson e = spec.envelope;
+      e["choices"] = ojson::array({std::move(choice)});
       write_event(sink, e);
     };
+    std::vector<GenerateResult> results;
     try {
-      if (!first_choice.is_null()) event(ojson::array({first_choice}));
-      GenerateResult r = gen->run(
-          [&](const ParsedOutput& piece) {
-            for (ojson& c : pieces(piece)) event(ojson::array({std::move(c)}));
-            return sink.is_writable();
-          },
-          [&] { return sink.is_writable(); });
-      if (r.finish_reason == "cancelled") return false;
-      event(ojson::array({last(r)}));
+      for (size_t i = 0; i < gens.size(); ++i) {
+        ojson first = spec.first ? spec.first(i) : ojson();
+        if (!first.is_null()) event(std::move(first));
+        Generation& gen = *gens[i];
+        GenerateResult r = gen.run(
+            [&](const ParsedOutput& piece) {
+              for (ojson& c : spec.pieces(i, gen, piece)) event(std::move(c));
+              return sink.is_writable();
+            },
+            [&] { return sink.is_writable(); });
+        if (r.finish_reason == "cancelled") {
+          results.push_back(std::move(r));
+          log_request(*context, endpoint, id, 499, pointers(results), since(t0), user);
+          return false;
+        }
+        event(spec.last(i, gen, r));
+        results.push_back(std::move(r));
+      }
       if (include_usage) {
-        ojson e = envelope;
+        ojson e = spec.envelope;
         e["choices"] = ojson::array();
-        e["usage"] = usage_json(r);
+        e["usage"] = usage_json(results);
         write_event(sink, e);
       }
+      log_request(*context, endpoint, id, 200, pointers(results), since(t0), user);
     } catch (const std::exception& e) {
       write_event(sink, error_body(e.what(), "server_error", "", 500));
+      log_request(*context, endpoint, id, 500, pointers(results), since(t0), user);
     }
     const std::string done = "data: [DONE]\n\n";
     sink.write(done.data(), done.size());
@@ -239,12 +288,25 @@ void stream_events(httplib::Response& res, std::shared_ptr<Generation> gen, ojso
 }
 
 void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
+  const auto t0 = std::chrono::steady_clock::now();
   ServedModel& m = ctx.model;
   const ojson body = parse_body(req.body);
+  field::known_only(body, {"model", "messages", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stream",
+                           "stream_options", "n", "logprobs", "top_logprobs", "response_format", "tools",
+                           "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
+                           "max_tokens", "max_completion_tokens", "user", "service_tier", "store", "metadata",
+                           "modalities"});
   Common c = common_fields(m, body);
+  const bool logprobs = field::boolean(body, "logprobs", false);
+  const int64_t top_logprobs = field::integer(body, "top_logprobs", -1, 0, 20);
+  if (top_logprobs >= 0 && !logprobs)
+    throw ApiError(400, "top_logprobs", "'top_logprobs' needs 'logprobs': true");
+  c.options.logprobs = logprobs ? int(std::max<int64_t>(top_logprobs, 0)) : -1;
   ojson messages = template_messages(body);
   ojson tools = request_tools(body);
   bool parse_tools = !tools.is_null();
+  std::string forced;  // "required", or the function's name
   if (body.contains("tool_choice") && !body["tool_choice"].is_null()) {
     const ojson& tc = body["tool_choice"];
     if (tc.is_string()) {
@@ -252,10 +314,17 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
       if (s != "none" && s != "auto" && s != "required")
         throw ApiError(400, "tool_choice", "'tool_choice' must be none, auto, required or a function");
       if (s == "none") tools = nullptr, parse_tools = false;
-    } else if (!tc.is_object()) {
+      if (s == "required") forced = s;
+    } else if (tc.is_object()) {
+      if (string_member(tc, "type") != "function" || !tc.contains("function") || !tc["function"].is_object())
+        throw ApiError(400, "tool_choice", "'tool_choice' must be {\"type\": \"function\", \"function\": {\"name\": …}}");
+      forced = field::member(tc["function"], "name", "tool_choice.function.name", "");
+      if (forced.empty()) throw ApiError(400, "tool_choice.function.name", "'tool_choice.function.name' is required");
+    } else {
       throw ApiError(400, "tool_choice", "'tool_choice' must be a string or an object");
     }
   }
+  const bool parallel_calls = field::boolean(body, "parallel_tool_calls", true);
   ojson kwargs = ojson::object();
   if (body.contains("chat_template_kwargs") && !body["chat_template_kwargs"].is_null()) {
     if (!body["chat_template_kwargs"].is_object())
@@ -273,50 +342,90 @@ void chat_completions(ServerContext& ctx, const httplib::Request& req, httplib::
   c.options.chat = true;
   c.options.parse_tools = parse_tools;
   c.options.in_reasoning = prompt_opens_reasoning(prompt);
+  // A forced call is one call; otherwise parallel_tool_calls false ends the reply after its first.
+  c.options.single_tool_call = parse_tools && (!parallel_calls || !forced.empty());
+  if (!forced.empty()) {
+    if (c.options.grammar || c.options.json_object)
+      throw ApiError(400, "tool_choice", "'tool_choice' cannot force a tool call together with a JSON response_format");
+    c.options.grammar = forced_tool_call(m, tools, forced == "required" ? "" : forced, c.options.in_reasoning, "tool_choice");
+  } else if (parse_tools) {
+    // Strict tools: a call the model chooses to make has arguments that follow the schema.
+    auto strict = strict_tool_calls(m, tools);
+    if (strict && (c.options.grammar || c.options.json_object))
+      throw ApiError(400, "tools", "strict tools cannot be combined with a JSON response_format");
+    c.options.tool_call_grammar = strict;
+  }
+  if (c.options.in_reasoning && forced.empty() && (c.options.grammar || c.options.json_object)) {
+    // The template opened a reasoning block: close it first, so the JSON is the answer.
+    c.options.grammar = JsonGrammar::after("</think>\n\n", c.options.grammar ? c.options.grammar : JsonGrammar::any_object());
+    c.options.json_object = false;
+  }
 
-  auto gen = std::make_shared<Generation>(m, c.options);
+  auto gens = start_choices(m, c.options, c.n);
   const std::string id = random_id("chatcmpl-");
   const int64_t created = unix_time();
   const std::string model_id = m.id;
+  const Tokenizer* tok = m.tokenizer.get();
 
   if (!c.stream) {
-    GenerateResult r = gen->run(nullptr);
-    ojson message = {{"role", "assistant"}};
-    const bool calls = !r.output.tool_calls.empty();
-    message["content"] = calls && is_blank(r.output.content) ? ojson(nullptr) : ojson(r.output.content);
-    if (!r.output.reasoning.empty()) message["reasoning_content"] = r.output.reasoning;
-    if (calls) message["tool_calls"] = tool_calls_json(r.output.tool_calls, 0, false);
+    std::vector<GenerateResult> results;
+    ojson choices = ojson::array();
+    for (size_t i = 0; i < gens.size(); ++i) {
+      GenerateResult r = gens[i]->run(nullptr);
+      ojson message = {{"role", "assistant"}};
+      const bool calls = !r.output.tool_calls.empty();
+      message["content"] = calls && is_blank(r.output.content) ? ojson(nullptr) : ojson(r.output.content);
+      if (!r.output.reasoning.empty()) message["reasoning_content"] = r.output.reasoning;
+      if (calls) message["tool_calls"] = tool_calls_json(r.output.tool_calls, 0, false);
+      choices.push_back({{"index", i}, {"message", message},
+                         {"logprobs", logprobs ? chat_logprobs(*tok, r.logprobs) : ojson(nullptr)},
+                         {"finish_reason", r.finish_reason}});
+      results.push_back(std::move(r));
+    }
     ojson out = {{"id", id}, {"object", "chat.completion"}, {"created", created}, {"model", model_id},
-                 {"choices", ojson::array({{{"index", 0}, {"message", message}, {"logprobs", nullptr},
-                                            {"finish_reason", r.finish_reason}}})},
-                 {"usage", usage_json(r)}};
+                 {"choices", choices}, {"usage", usage_json(results)}};
     res.set_content(out.dump(-1, ' ', false, ojson::error_handler_t::replace), "application/json");
+    log_request(ctx, "/v1/chat/completions", id, 200, pointers(results), since(t0), c.user);
     return;
   }
 
-  auto choice = [](ojson delta, ojson finish) {
-    return ojson{{"index", 0}, {"delta", std::move(delta)}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}};
+  auto choice = [](size_t i, ojson delta, ojson finish, ojson lp) {
+    return ojson{{"index", i}, {"delta", std::move(delta)}, {"logprobs", std::move(lp)}, {"finish_reason", std::move(finish)}};
   };
-  auto n_calls = std::make_shared<size_t>(0);
-  stream_events(
-      res, gen, {{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", model_id}},
-      c.include_usage, choice({{"role", "assistant"}, {"content", ""}}, nullptr),
-      [=](const ParsedOutput& piece) {
-        ojson out = ojson::array();
-        if (!piece.reasoning.empty()) out.push_back(choice({{"reasoning_content", piece.reasoning}}, nullptr));
-        if (!piece.content.empty()) out.push_back(choice({{"content", piece.content}}, nullptr));
-        if (!piece.tool_calls.empty()) {
-          out.push_back(choice({{"tool_calls", tool_calls_json(piece.tool_calls, *n_calls, true)}}, nullptr));
-          *n_calls += piece.tool_calls.size();
-        }
-        return out;
-      },
-      [=](const GenerateResult& r) { return choice(ojson::object(), r.finish_reason); });
+  auto lp_of = [logprobs, tok](Generation& gen) {
+    if (!logprobs) return ojson(nullptr);
+    std::vector<TokenLogprob> lps = gen.take_logprobs();
+    return lps.empty() ? ojson(nullptr) : chat_logprobs(*tok, lps);
+  };
+  auto n_calls = std::make_shared<std::vector<size_t>>(gens.size(), 0);
+  StreamSpec spec;
+  spec.envelope = {{"id", id}, {"object", "chat.completion.chunk"}, {"created", created}, {"model", model_id}};
+  spec.first = [=](size_t i) { return choice(i, {{"role", "assistant"}, {"content", ""}}, nullptr, nullptr); };
+  spec.pieces = [=](size_t i, Generation& gen, const ParsedOutput& piece) {
+    ojson out = ojson::array();
+    if (!piece.reasoning.empty()) out.push_back(choice(i, {{"reasoning_content", piece.reasoning}}, nullptr, nullptr));
+    if (!piece.content.empty()) out.push_back(choice(i, {{"content", piece.content}}, nullptr, nullptr));
+    if (!piece.tool_calls.empty()) {
+      out.push_back(choice(i, {{"tool_calls", tool_calls_json(piece.tool_calls, (*n_calls)[i], true)}}, nullptr, nullptr));
+      (*n_calls)[i] += piece.tool_calls.size();
+    }
+    if (!out.empty()) out[0]["logprobs"] = lp_of(gen);  // the tokens of this piece
+    return out;
+  };
+  spec.last = [=](size_t i, Generation& gen, const GenerateResult& r) {
+    return choice(i, ojson::object(), r.finish_reason, lp_of(gen));
+  };
+  stream_events(ctx, "/v1/chat/completions", res, std::move(gens), c.include_usage, std::move(spec), c.user, t0);
 }
 
 void completions(ServerContext& ctx, const httplib::Request& req, httplib::Response& res) {
+  const auto t0 = std::chrono::steady_clock::now();
   ServedModel& m = ctx.model;
   const ojson body = parse_body(req.body);
+  field::known_only(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
+                           "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
+                           "stop", "stream", "stream_options", "n", "best_of", "logprobs", "echo", "suffix",
+                           "response_format", "user", "service_tier", "store", "metadata"});
   Common c = common_fields(m, body);
   if (!body.contains("prompt") || body["prompt"].is_null()) throw ApiError(400, "prompt", "'prompt' is required");
   const ojson& p = body["prompt"];
@@ -336,30 +445,52 @@ void completions(ServerContext& ctx, const httplib::Request& req, httplib::Respo
   }
   if (c.options.prompt.empty()) throw ApiError(400, "prompt", "'prompt' is empty");
   if (field::boolean(body, "echo", false)) throw ApiError(400, "echo", "'echo' is not supported");
-  if (body.contains("suffix") && !body["suffix"].is_null()) throw ApiError(400, "suffix", "'suffix' is not supported");
+  if (!field::string(body, "suffix", "").empty()) throw ApiError(400, "suffix", "'suffix' is not supported");
+  if (field::integer(body, "best_of", c.n, 1, kMaxChoices) != c.n)
+    throw ApiError(400, "best_of", "'best_of' must equal 'n' (choices are not ranked here)");
+  const int64_t logprobs = field::integer(body, "logprobs", -1, 0, 20);
+  c.options.logprobs = int(logprobs);
   std::string param;
   const auto requested = requested_max_tokens(body, param);
   c.options.max_tokens = resolve_max_tokens(m, int64_t(c.options.prompt.size()), requested, param, 16);
 
-  auto gen = std::make_shared<Generation>(m, c.options);
+  auto gens = start_choices(m, c.options, c.n);
   const std::string id = random_id("cmpl-");
   const int64_t created = unix_time();
   const std::string model_id = m.id;
-  auto choice = [](const std::string& text, ojson finish) {  // a list of one choice
-    return ojson::array({{{"text", text}, {"index", 0}, {"logprobs", nullptr}, {"finish_reason", std::move(finish)}}});
+  const Tokenizer* tok = m.tokenizer.get();
+  auto choice = [](size_t i, const std::string& text, ojson finish, ojson lp) {
+    return ojson{{"text", text}, {"index", i}, {"logprobs", std::move(lp)}, {"finish_reason", std::move(finish)}};
   };
   if (!c.stream) {
-    GenerateResult r = gen->run(nullptr);
+    std::vector<GenerateResult> results;
+    ojson choices = ojson::array();
+    for (size_t i = 0; i < gens.size(); ++i) {
+      GenerateResult r = gens[i]->run(nullptr);
+      size_t offset = 0;
+      choices.push_back(choice(i, r.output.content, r.finish_reason,
+                               logprobs >= 0 ? completion_logprobs(*tok, r.logprobs, offset) : ojson(nullptr)));
+      results.push_back(std::move(r));
+    }
     ojson out = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model_id},
-                 {"choices", choice(r.output.content, r.finish_reason)}, {"usage", usage_json(r)}};
+                 {"choices", choices}, {"usage", usage_json(results)}};
     res.set_content(out.dump(-1, ' ', false, ojson::error_handler_t::replace), "application/json");
+    log_request(ctx, "/v1/completions", id, 200, pointers(results), since(t0), c.user);
     return;
   }
-  stream_events(
-      res, gen, {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model_id}},
-      c.include_usage, nullptr,
-      [=](const ParsedOutput& piece) { return choice(piece.content, nullptr); },
-      [=](const GenerateResult& r) { return choice("", r.finish_reason)[0]; });
+  auto offsets = std::make_shared<std::vector<size_t>>(gens.size(), 0);
+  auto lp_of = [=](size_t i, Generation& gen) {
+    if (logprobs < 0) return ojson(nullptr);
+    std::vector<TokenLogprob> lps = gen.take_logprobs();
+    return lps.empty() ? ojson(nullptr) : completion_logprobs(*tok, lps, (*offsets)[i]);
+  };
+  StreamSpec spec;
+  spec.envelope = {{"id", id}, {"object", "text_completion"}, {"created", created}, {"model", model_id}};
+  spec.pieces = [=](size_t i, Generation& gen, const ParsedOutput& piece) {
+    return ojson::array({choice(i, piece.content, nullptr, lp_of(i, gen))});
+  };
+  spec.last = [=](size_t i, Generation& gen, const GenerateResult& r) { return choice(i, "", r.finish_reason, lp_of(i, gen)); };
+  stream_events(ctx, "/v1/completions", res, std::move(gens), c.include_usage, std::move(spec), c.user, t0);
 }
 
 }  // namespace

@@ -17,6 +17,14 @@ void validate(const SamplingParams& p) {
   if (!(p.min_p >= 0 && p.min_p <= 1)) fail("min_p must be in [0, 1], got ", p.min_p);
   if (!(p.repetition_penalty > 0))
     fail("repetition_penalty must be > 0, got ", p.repetition_penalty);
+  if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
+    fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
+  if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
+    fail("frequency_penalty must be in [-2, 2], got ", p.frequency_penalty);
+  for (const auto& [id, bias] : p.logit_bias) {
+    if (id < 0) fail("logit_bias: token id ", id, " is negative");
+    if (!(bias >= -100 && bias <= 100)) fail("logit_bias for token ", id, " must be in [-100, 100], got ", bias);
+  }
 }
 
 Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.seed) {
@@ -45,7 +53,8 @@ void check_logits(std::span<const float> logits) {
   if (all_masked) fail("all logits are -inf (of ", logits.size(), "): no token can be sampled");
 }
 
-int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> context) {
+int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> context,
+                        std::span<const int32_t> generated) {
   check_logits(logits);
   const int32_t n = int32_t(logits.size());
   if (params_.repetition_penalty != 1.0f) {
@@ -59,6 +68,19 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> contex
       l = l > 0 ? l / pen : l * pen;
     }
   }
+  if (params_.presence_penalty != 0.0f || params_.frequency_penalty != 0.0f) {
+    counts_.assign(size_t(n), 0);
+    for (int32_t id : generated)
+      if (id >= 0 && id < n) ++counts_[size_t(id)];
+    for (int32_t id : generated) {
+      if (id < 0 || id >= n || counts_[size_t(id)] == 0) continue;
+      logits[size_t(id)] -= params_.frequency_penalty * float(counts_[size_t(id)]) + params_.presence_penalty;
+      counts_[size_t(id)] = 0;  // once per distinct token
+    }
+  }
+  // -100 bans a token in practice; a masked (-inf) token stays masked whatever its bias.
+  for (const auto& [id, bias] : params_.logit_bias)
+    if (id < n) logits[size_t(id)] += bias;
   if (params_.temperature <= 0) {
     return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
   }

@@ -1,6 +1,7 @@
 // End-to-end: the official `openai` npm client against `moestream serve` on the serve fixture.
 // With temperature 0 the replies must equal transformers' greedy continuations (ref.json), plain
-// and streamed; bad requests must surface as the client's typed 4xx errors.
+// and streamed; bad requests must surface as the client's typed 4xx errors. n choices, logprobs, a
+// json_schema reply and a forced tool call come back in the shapes the client parses.
 //
 //   node tests/e2e/openai_client.mjs path/to/moestream
 import assert from 'node:assert/strict';
@@ -50,6 +51,83 @@ try {
   assert.equal(completion.choices[0].text, ref.cases[0].reply);
   checks++;
 
+  // n choices with logprobs, plain and streamed.
+  const c0 = ref.cases[0];
+  const multi = await client.chat.completions.create({
+    model: 'tiny', messages: c0.messages, temperature: 0, max_tokens: 16, n: 2, logprobs: true, top_logprobs: 2 });
+  assert.equal(multi.choices.length, 2);
+  for (const [i, ch] of multi.choices.entries()) {
+    assert.equal(ch.index, i);
+    assert.equal(ch.message.content, c0.reply, `choice ${i}`);
+    assert.equal(ch.logprobs.content.length, c0.greedy_ids.length);
+    for (const t of ch.logprobs.content) {
+      assert.ok(t.logprob <= 0 && Number.isFinite(t.logprob));
+      assert.equal(t.top_logprobs.length, 2);
+      assert.equal(t.top_logprobs[0].logprob, t.logprob);  // greedy: the most likely token
+      assert.ok(Array.isArray(t.bytes));
+    }
+  }
+  checks++;
+  const multiStream = await client.chat.completions.create({
+    model: 'tiny', messages: c0.messages, temperature: 0, max_tokens: 16, n: 2, logprobs: true, stream: true });
+  const texts = ['', ''];
+  const streamedLogprobs = [0, 0];
+  for await (const chunk of multiStream) {
+    for (const ch of chunk.choices) {
+      texts[ch.index] += ch.delta.content ?? '';
+      streamedLogprobs[ch.index] += ch.logprobs?.content?.length ?? 0;
+    }
+  }
+  assert.deepEqual(texts, [c0.reply, c0.reply]);
+  assert.deepEqual(streamedLogprobs, [c0.greedy_ids.length, c0.greedy_ids.length]);
+  checks++;
+
+  // A json_schema reply, parsed by the client (constrained decoding makes even this random
+  // model's output match the schema).
+  const schema = {
+    type: 'object',
+    properties: {
+      city: { type: 'string', maxLength: 20 },
+      days: { type: 'integer' },
+      unit: { type: 'string', enum: ['c', 'f'] },
+      temps: { type: 'array', items: { type: 'number' }, maxItems: 3 },
+    },
+    required: ['city', 'days', 'unit', 'temps'],
+    additionalProperties: false,
+  };
+  const parsed = await client.beta.chat.completions.parse({
+    model: 'tiny', messages: c0.messages, temperature: 0, max_tokens: 1000,
+    response_format: { type: 'json_schema', json_schema: { name: 'forecast', strict: true, schema } } });
+  const forecast = parsed.choices[0].message.parsed;
+  assert.equal(parsed.choices[0].finish_reason, 'stop');
+  assert.equal(typeof forecast.city, 'string');
+  assert.ok(forecast.city.length <= 20);
+  assert.ok(Number.isInteger(forecast.days));
+  assert.ok(['c', 'f'].includes(forecast.unit));
+  assert.ok(Array.isArray(forecast.temps) && forecast.temps.length <= 3 && forecast.temps.every(Number.isFinite));
+  assert.deepEqual(Object.keys(forecast).sort(), ['city', 'days', 'temps', 'unit']);
+  checks++;
+
+  // tool_choice "required": the reply is a call, its arguments parsed by the client.
+  const toolCase = ref.cases.find((c) => c.tools);
+  const strictTools = toolCase.tools.map((t) => ({ ...t, function: { ...t.function, strict: true } }));
+  for (const tool_choice of ['required', { type: 'function', function: { name: 'get_weather' } }]) {
+    const called = await client.beta.chat.completions.parse({
+      model: 'tiny', messages: toolCase.messages, tools: strictTools, tool_choice, temperature: 0, max_tokens: 600 });
+    const choice = called.choices[0];
+    assert.equal(choice.finish_reason, 'tool_calls');
+    assert.equal(choice.message.tool_calls.length, 1);
+    const call = choice.message.tool_calls[0];
+    assert.equal(call.function.name, 'get_weather');
+    assert.equal(typeof call.function.parsed_arguments.city, 'string');
+    if ('unit' in call.function.parsed_arguments) assert.ok(['c', 'f'].includes(call.function.parsed_arguments.unit));
+    checks++;
+  }
+
+  await assert.rejects(
+    client.chat.completions.create({ model: 'tiny', messages: c0.messages, n: 9 }),
+    (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && e.param === 'n');
+  checks++;
   await assert.rejects(
     client.chat.completions.create({ model: 'tiny', messages: ref.cases[0].messages, temperature: 'hot' }),
     (e) => e instanceof OpenAI.BadRequestError && e.status === 400 && /temperature/.test(e.message));
