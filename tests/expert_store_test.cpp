@@ -2,6 +2,7 @@
 // I/O mode; bounded memory; clear errors for damaged packs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -114,6 +115,77 @@ INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::m
                          [](const auto& info) { return fs::path(info.param).filename().string(); });
 INSTANTIATE_TEST_SUITE_P(MlxFixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures("mlx")),
                          [](const auto& info) { return fs::path(info.param).filename().string(); });
+
+// A usage profile pins its hottest experts: read before the first token (--warmup), never
+// evicted, so every request for them hits; the logits stay bit-identical.
+TEST(ExpertStore, ProfilePinsTheHottestExperts) {
+  const std::string dir = test::fixture("models/qwen3moe_gqa_tied");
+  ModelOptions base;
+  base.threads = 2;
+  auto unbounded = load_model(dir, base);
+  const std::vector<float> reference = run_loaded(*unbounded, tokens_of(dir));
+  const std::vector<std::vector<uint64_t>> usage = unbounded->expert_usage();
+  std::vector<std::vector<double>> profile;
+  std::vector<std::pair<uint64_t, std::pair<int, int>>> ranked;
+  for (size_t l = 0; l < usage.size(); ++l) {
+    profile.emplace_back(usage[l].begin(), usage[l].end());
+    for (size_t e = 0; e < usage[l].size(); ++e)
+      if (usage[l][e]) ranked.push_back({usage[l][e], {int(l), int(e)}});
+  }
+  ASSERT_GT(ranked.size(), 6u);
+  std::stable_sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+
+  const PackManifest pack = PackManifest::load(ensure_pack(dir, ""));
+  ModelOptions opt = base;
+  opt.experts.cache_mb = 8.5 * pack.max_expert_size() / 1e6;  // 8 slots, 4 of them pinned
+  opt.experts.profile = profile;
+  opt.experts.warmup = true;
+  ExpertStats s;
+  const std::vector<float> got = run_model(dir, opt, &s);
+  EXPECT_EQ(got, reference);
+  EXPECT_EQ(s.pinned, 4u);
+  uint64_t pinned_uses = 0;
+  for (size_t i = 0; i < 4; ++i) pinned_uses += ranked[i].first;
+  EXPECT_GE(s.hits, pinned_uses) << "every request for a pinned expert is a hit";
+
+  opt.experts.profile = {{1.0}};  // one layer of one count: not this model's shape
+  try {
+    load_model(dir, opt);
+    ADD_FAILURE() << "a profile of another shape was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("profile: 1 layers of counts"), std::string::npos) << e.what();
+  }
+}
+
+// --profile-out writes the run's usage (one count per request, each layer's experts); --profile
+// reads it back, and a file that is not a profile is named in a one-line error.
+TEST(ExpertStore, CliProfileOutAndIn) {
+  const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");
+  const std::string out = (fs::temp_directory_path() / "moestream-profile-test.json").string();
+  fs::remove(out);
+  auto r = test::run_cli("run -m " + dir + " --tokens 1,2,3 -n 8 --temp 0 --ids --profile-out " + out);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(test::read_file(out));
+  const PackManifest pack = PackManifest::load(ensure_pack(dir, ""));
+  ASSERT_EQ(j["counts"].size(), pack.layers.size());
+  uint64_t total = 0;
+  for (size_t l = 0; l < pack.layers.size(); ++l) {
+    ASSERT_EQ(j["counts"][l].size(), pack.layers[l].size());
+    for (const auto& c : j["counts"][l]) total += c.get<uint64_t>();
+  }
+  EXPECT_GT(total, 0u);
+  r = test::run_cli("run -m " + dir + " --tokens 1,2,3 -n 8 --temp 0 --ids --expert-cache-mb 0.05 --warmup --profile " + out);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  const std::string bad = out + ".bad";
+  {
+    std::ofstream(bad) << "{\"counts\": 3}";
+  }
+  r = test::run_cli("run -m " + dir + " --tokens 1,2,3 -n 8 --profile " + bad);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find(bad + ": not a profile"), std::string::npos) << r.err;
+  fs::remove(out);
+  fs::remove(bad);
+}
 
 TEST(ExpertStore, CliGreedyTokensIdenticalWithTinyBudget) {
   const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");

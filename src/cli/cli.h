@@ -51,6 +51,8 @@ struct ModelFlags {
   ModelOptions options;
   int64_t ctx = 0;  // -c/--ctx-size: context length in tokens; 0 = the command's default
   bool stats = false, timing = false;
+  std::string profile_in;   // --profile: read into options.experts.profile when parsed
+  std::string profile_out;  // --profile-out: the run's expert usage, written by report()
   void add_to(CLI::App& cmd, bool required = true);
 };
 

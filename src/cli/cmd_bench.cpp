@@ -189,7 +189,6 @@ void add_bench(CLI::App& app) {
     double raw_mb = 1024;
     int repetitions = 1;
     bool json = false;
-    bool warmup = false;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("bench", "Measure prefill/decode speed and expert streaming against the disk");
@@ -200,8 +199,6 @@ void add_bench(CLI::App& app) {
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test; t/s is their mean +- standard deviation (default 1)")
       ->check(kPositive);
   cmd->add_flag("--json", f->json, "Print the results as one JSON object");
-  cmd->add_flag("--warmup", f->warmup,
-                "Run one untimed prefill first, so that pp measures warm expert tiers (GPU: everything loaded and pinned)");
   cmd->callback([f] {
     ModelOptions opt = f->model.options;
     const std::string pack_dir = ensure_pack(f->model.dir, opt.cache_dir);
@@ -239,7 +236,7 @@ void add_bench(CLI::App& app) {
     if (f->n_prompt > 0) {
       std::vector<int32_t> prompt(size_t(f->n_prompt));
       for (auto& t : prompt) t = token(rng);
-      if (f->warmup) {
+      if (opt.experts.warmup) {  // --warmup (ModelFlags): also an untimed prefill before pp
         auto t0 = clock_type::now();
         auto warm = model->new_sequence(f->n_prompt);
         model->forward(prompt, *warm, logits);

@@ -5,11 +5,13 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "backend/backend_factory.h"
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/files.h"
 
 namespace moestream::cli {
 
@@ -33,6 +35,40 @@ std::vector<int32_t> parse_token_list(const std::string& text, const std::string
   return ids;
 }
 
+namespace {
+
+// counts[layer][expert] of a profile file (--profile-out's, or a model's routing_profile.json).
+bool read_profile(const std::string& path, std::vector<std::vector<double>>& counts, std::string& why) {
+  const std::optional<std::string> text = try_read_file(path);
+  if (!text) {
+    why = "cannot read the file";
+    return false;
+  }
+  const nlohmann::json j = nlohmann::json::parse(*text, nullptr, false);
+  if (j.is_discarded() || !j.is_object() || !j.contains("counts") || !j["counts"].is_array()) {
+    why = "not a profile (a JSON object with counts[layer][expert])";
+    return false;
+  }
+  counts.clear();
+  for (const auto& layer : j["counts"]) {
+    if (!layer.is_array()) {
+      why = "counts must be an array per layer";
+      return false;
+    }
+    std::vector<double>& row = counts.emplace_back();
+    for (const auto& c : layer) {
+      if (!c.is_number() || c.get<double>() < 0) {
+        why = "counts must be numbers >= 0";
+        return false;
+      }
+      row.push_back(c.get<double>());
+    }
+  }
+  return true;
+}
+
+}  // namespace
+
 void ModelFlags::add_to(CLI::App& cmd, bool required) {
   auto* m = cmd.add_option("-m,--model", dir,
                            "Model: a pack, a Hugging Face directory (packed into the cache on first use), or a repo id "
@@ -55,7 +91,7 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   ExpertStoreOptions& e = options.experts;
   cmd.add_option("--expert-cache-mb", e.cache_mb, "Memory for expert weights in MB (default: unbounded)")
       ->check(kNonNegative);
-  cmd.add_option("--cache-policy", e.policy, "Expert cache eviction: lru | lfu | lcp (default lru)")
+  cmd.add_option("--cache-policy", e.policy, "Expert cache eviction: lru | lfu | lcp (default lcp)")
       ->check(CLI::IsMember({"lru", "lfu", "lcp"}));
   cmd.add_option("--io", e.io, "Expert reads: pread | uring (default pread)")
       ->check(CLI::IsMember({"pread", "uring"}));
@@ -64,6 +100,24 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_flag("--lookahead,!--no-lookahead", e.lookahead,
                "CPU decode with a bounded expert cache: read the next layer's guessed experts ahead (default off: "
                "docs/PERFORMANCE.md)");
+  cmd.add_option("--profile", profile_in,
+                 "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "
+                 "--expert-cache-mb, its hottest experts are never evicted")
+      ->check(CLI::Validator(
+          [&e](std::string& path) {
+            std::string why;
+            if (!read_profile(path, e.profile, why)) return path + ": " + why;
+            return std::string();
+          },
+          "FILE"));
+  cmd.add_option("--pin-share", e.pin_share, "Share of the expert cache the profile may pin (default 0.5)")
+      ->check(CLI::Range(0.0, 1.0));
+  cmd.add_flag("--warmup", e.warmup,
+               "Read the profile's pinned experts before the first token (bench: also run one untimed "
+               "prefill first, so that pp measures warm expert tiers; GPU: everything loaded and pinned)");
+  cmd.add_option("--profile-out", profile_out,
+                 "Write how often each expert was used to FILE at the end (JSON counts[layer][expert]; run, "
+                 "perplexity, logits)");
   options.device = "auto";
   cmd.add_option("--device", options.device, "Where to compute: auto (the GPU when there is one) | cuda | cpu")
       ->check(CLI::IsMember({"auto", "cuda", "cpu"}));
@@ -111,6 +165,20 @@ uint64_t peak_rss_bytes() {
 
 void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
   const ExpertStats s = model.expert_stats();
+  if (!flags.profile_out.empty()) {
+    const nlohmann::json j = {{"note", "counts[layer][expert]: how often each expert was requested (moestream --profile-out)"},
+                              {"tokens", c.prompt_tokens + c.generated_tokens},
+                              {"counts", model.expert_usage()}};
+    const std::string tmp = flags.profile_out + ".tmp";
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out << j.dump() << "\n";
+      if (!out.flush()) fail(flags.profile_out, ": cannot write the profile");
+    }
+    std::error_code ec;
+    std::filesystem::rename(tmp, flags.profile_out, ec);
+    if (ec) fail(flags.profile_out, ": cannot write the profile: ", ec.message());
+  }
   if (flags.stats) {
     nlohmann::json j = {
         {"tokens", c.generated_tokens},

@@ -9,6 +9,7 @@
 
 #include <xxhash.h>
 
+#include <algorithm>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -61,6 +62,7 @@ class StreamingExpertStore final : public ExpertStore {
       use_[l].resize(pack.layers[l].size());
       guessed_[l].assign(pack.layers[l].size(), 0);
     }
+    pin_hottest(o);
     std::vector<std::string> paths;
     for (const auto& f : pack.expert_files) paths.push_back(pack.dir + "/" + f);
     ReaderOptions ro;
@@ -68,6 +70,7 @@ class StreamingExpertStore final : public ExpertStore {
     ro.direct = o.direct_io;
     ro.threads = o.io_threads;
     reader_ = make_async_reader(paths, ro, [this](const ReadDone& d) { on_read(d); });
+    if (o.warmup) read_pinned();
   }
 
   ~StreamingExpertStore() override {
@@ -122,6 +125,14 @@ class StreamingExpertStore final : public ExpertStore {
   }
 
   bool wants_prefetch() const override { return lookahead_ && max_slots_ < total_experts_; }
+
+  std::vector<std::vector<uint64_t>> usage() const override {
+    std::lock_guard lock(mu_);
+    std::vector<std::vector<uint64_t>> u(use_.size());
+    for (size_t l = 0; l < use_.size(); ++l)
+      for (const ExpertUse& e : use_[l]) u[l].push_back(e.uses);
+    return u;
+  }
 
   void prefetch(int layer, std::span<const int> experts) override {
     std::lock_guard lock(mu_);
@@ -191,8 +202,54 @@ class StreamingExpertStore final : public ExpertStore {
     int pins = 0;
     bool wanted = false;      // Loading for the current request (else a read ahead)
     bool read_ahead = false;  // brought in by prefetch() and not asked for since
+    bool hot = false;         // pinned by the profile: never evicted
     MlpWeights weights;  // views into mem, valid while Ready
   };
+
+  // The profile's hottest experts, up to pin_share of the slots, marked in hot_ (a bounded
+  // cache only: an unbounded one keeps everything anyway). At least one slot stays unpinned.
+  void pin_hottest(const ExpertStoreOptions& o) {
+    hot_.resize(pack_.layers.size());
+    for (size_t l = 0; l < pack_.layers.size(); ++l) hot_[l].assign(pack_.layers[l].size(), 0);
+    if (o.profile.empty() || o.cache_mb < 0) return;
+    if (o.profile.size() != pack_.layers.size())
+      fail("profile: ", o.profile.size(), " layers of counts, the model has ", pack_.layers.size());
+    struct Hot {
+      double count;
+      int layer, expert;
+    };
+    std::vector<Hot> all;
+    for (size_t l = 0; l < o.profile.size(); ++l) {
+      if (o.profile[l].size() != pack_.layers[l].size())
+        fail("profile: layer ", l, " has ", o.profile[l].size(), " counts, the model ", pack_.layers[l].size(),
+             " experts");
+      for (size_t e = 0; e < o.profile[l].size(); ++e)
+        if (o.profile[l][e] > 0) all.push_back({o.profile[l][e], int(l), int(e)});
+    }
+    std::stable_sort(all.begin(), all.end(), [](const Hot& a, const Hot& b) { return a.count > b.count; });
+    const size_t n = std::min({all.size(), size_t(std::clamp(o.pin_share, 0.0, 1.0) * double(max_slots_)),
+                               max_slots_ - 1});
+    for (size_t i = 0; i < n; ++i) hot_[size_t(all[i].layer)][size_t(all[i].expert)] = 1;
+    stats_.pinned = n;
+  }
+
+  // Reads every pinned expert now (layer by layer, through the usual request protocol).
+  void read_pinned() {
+    for (size_t l = 0; l < hot_.size(); ++l) {
+      std::vector<int> ids;
+      for (size_t e = 0; e < hot_[l].size(); ++e)
+        if (hot_[l][e]) ids.push_back(int(e));
+      if (ids.empty()) continue;
+      request(int(l), ids);
+      int e;
+      MlpWeights w;
+      while (next(e, w)) release(e);
+    }
+    std::lock_guard lock(mu_);
+    for (auto& layer : use_)  // the warm-up is no use by the model
+      for (ExpertUse& u : layer) u = ExpertUse{};
+    stats_.hits = stats_.misses = 0;
+  }
 
   bool held() const {
     for (const Slot& s : slots_)
@@ -250,6 +307,7 @@ class StreamingExpertStore final : public ExpertStore {
     slot.pins = wanted ? 1 : 0;
     slot.wanted = wanted;
     slot.read_ahead = !wanted;
+    slot.hot = hot_[size_t(layer)][size_t(e)] != 0;
     where_[size_t(layer)][size_t(e)] = s;
     const PackedExpert& pe = pack_.expert(layer, e);
     if (outstanding_++ == 0) busy_since_ = clock_type::now();
@@ -271,7 +329,7 @@ class StreamingExpertStore final : public ExpertStore {
     const double ticks_per_token = std::max(1, moe_layers_);
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
-      if (s.state != Slot::Ready || s.pins > 0) continue;
+      if (s.state != Slot::Ready || s.pins > 0 || s.hot) continue;
       const double p = policy_->priority(use_[size_t(s.layer)][size_t(s.expert)], tick_, ticks_per_token);
       if (victim < 0 || p < best) {
         victim = int(i);
@@ -383,6 +441,7 @@ class StreamingExpertStore final : public ExpertStore {
   std::deque<int> prefetch_queue_;          // guessed experts of prefetch_layer_ not started yet
   int prefetch_layer_ = -1;
   std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
+  std::vector<std::vector<char>> hot_;      // [layer][expert]: pinned by the profile
   int outstanding_ = 0;                     // reads in flight
   uint64_t reads_done_ = 0;
   clock_type::time_point busy_since_;

@@ -7,6 +7,7 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/expert_provider.h"
@@ -17,11 +18,17 @@ struct PackManifest;
 
 struct ExpertStoreOptions {
   double cache_mb = -1;        // memory for expert weights in MB (1e6 bytes); < 0: unbounded
-  std::string policy = "lru";  // eviction: lru | lfu | lcp
+  std::string policy = "lcp";  // eviction: lru | lfu | lcp (lcp measured best: docs/PERFORMANCE.md)
   std::string io = "pread";    // pread | uring
   bool direct_io = false;      // O_DIRECT reads into aligned buffers
   int io_threads = 4;          // reads in flight
   bool lookahead = false;      // accept prefetch() (the model's guesses of the next layer's experts)
+  // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
+  // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
+  // `warmup` reads them when the store is made, before the first token.
+  std::vector<std::vector<double>> profile;
+  double pin_share = 0.5;
+  bool warmup = false;
 };
 
 struct ExpertStats {
@@ -36,6 +43,7 @@ struct ExpertStats {
   // ahead but evicted before any use (their bytes were wasted).
   uint64_t predicted = 0, predicted_right = 0;
   uint64_t prefetch_reads = 0, prefetch_hits = 0, prefetch_wasted = 0;
+  uint64_t pinned = 0;  // experts the profile pins (read or not yet)
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0; }
   double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
 };
@@ -50,6 +58,8 @@ class ExpertStore : public ExpertProvider {
   // the eviction policy frees; a guess replaces the previous one. Guesses never fail a request:
   // a failed read ahead is forgotten and retried when the expert is asked for.
   virtual void prefetch(int layer, std::span<const int> experts) = 0;
+  // How often each (layer, expert) was requested so far: usage()[layer][expert].
+  virtual std::vector<std::vector<uint64_t>> usage() const = 0;
 };
 
 // The store over a pack's expert files, with a cache bounded by options.cache_mb.

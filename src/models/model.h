@@ -75,6 +75,8 @@ class Model {
   virtual Backend& backend() = 0;
   virtual std::unique_ptr<SequenceState> new_sequence(int64_t capacity) = 0;
   virtual ExpertStats expert_stats() const = 0;
+  // How often each routed expert was requested so far: [layer][expert] (ExpertStore::usage).
+  virtual std::vector<std::vector<uint64_t>> expert_usage() const = 0;
 
   // Processes tokens at positions state.n_past.. and advances state.n_past. Writes the logits of
   // every token (logits.size() == tokens.size() * vocab) or, when logits.size() == vocab, of the

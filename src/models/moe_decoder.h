@@ -26,6 +26,7 @@ class DecoderModel : public Model {
   const ModelInfo& info() const override { return info_; }
   Backend& backend() override { return *backend_; }
   ExpertStats expert_stats() const override { return experts_->stats(); }
+  std::vector<std::vector<uint64_t>> expert_usage() const override { return experts_->usage(); }
   void forward(std::span<const int32_t> tokens, SequenceState& state,
                std::span<float> logits) override;
 
