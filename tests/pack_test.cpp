@@ -94,6 +94,19 @@ TEST(Pack, MlxCheckpointRequantizesAndStreams) {
   for (float v : low) ASSERT_TRUE(std::isfinite(v));
 }
 
+// Experts are converted by several threads and written in order: the expert files are the same
+// bytes whatever the thread count.
+TEST(Pack, ThreadCountDoesNotChangeTheBytes) {
+  const std::string src = test::fixture("models/qwen3moe_mlx_q4_router8");
+  const std::string one = pack(src, "threads-1", "--quant q3 -t 1");
+  const std::string many = pack(src, "threads-3", "--quant q3 -t 3");
+  const PackManifest m = PackManifest::load(one);
+  ASSERT_FALSE(m.expert_files.empty());
+  for (const std::string& f : m.expert_files)
+    EXPECT_EQ(test::read_file(one + "/" + f), test::read_file(many + "/" + f)) << f;
+  EXPECT_EQ(test::read_file(one + "/weights.safetensors"), test::read_file(many + "/weights.safetensors"));
+}
+
 TEST(Pack, MixedGroupSizesInOneExpert) {
   const std::string src = test::fixture("models/qwen3moe_mlx_g32");
   const std::string kept = pack(src, "mlx-g32", "");

@@ -25,6 +25,8 @@ void add_pack(CLI::App& app) {
   cmd->add_option("--group-size", f->options.group_size, "Quantization group size: 32 | 64 | 128 (default 64)");
   cmd->add_flag("--quant-all", f->options.quant_all, "Also quantize the other linear layers and the embedding (routers at 8 bits)");
   cmd->add_flag("--clip-search", f->options.clip_search, "Choose per-group clipping by least squared error (for 2-bit)");
+  cmd->add_option("-t,--threads", f->options.threads, "Experts converted at once (default: all hardware threads)")
+      ->check(kNonNegative);
   cmd->callback([f] {
     const HfConfig config = HfConfig::load(f->src + "/config.json").text();
     const Architecture& arch = find_architecture(config.model_type(), config.path());

@@ -120,6 +120,7 @@ struct PackOptions {
   bool quant_all = false;      // also quantize the other linear layers and the embedding
   bool clip_search = false;    // per-group clipping by least squared error
   bool progress = true;        // progress on stderr: a bar on a terminal, else a line every few seconds
+  int threads = 0;             // experts converted at once; <= 0: one per hardware thread (same bytes)
   // Checkpoint tensors the architecture never reads (a multimodal checkpoint's vision tower,
   // multi-token-prediction layers), left out of the pack; empty: keep every tensor.
   std::function<bool(const std::string& name)> skip;

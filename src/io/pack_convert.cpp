@@ -10,15 +10,18 @@
 #include <chrono>
 #include <cstdio>
 #include <deque>
+#include <exception>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <set>
 #include <tuple>
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
 #include "core/quant.h"
+#include "core/thread_pool.h"
 #include "io/pack.h"
 #include "io/pack_tensors.h"
 #include "io/safetensors.h"
@@ -37,7 +40,8 @@ namespace {
 class Progress {
  public:
   Progress(bool enabled, uint64_t total) : on_(enabled), tty_(isatty(2)), total_(total) {}
-  void add(uint64_t bytes) {
+  void add(uint64_t bytes) {  // from any thread
+    std::lock_guard lock(mu_);
     done_ += bytes;
     if (!on_) return;
     const auto now = std::chrono::steady_clock::now();
@@ -62,6 +66,7 @@ class Progress {
   }
 
  private:
+  std::mutex mu_;
   bool on_, tty_;
   uint64_t total_, done_ = 0;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
@@ -494,11 +499,35 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   write_safetensors(writer.tmp_dir() + "/weights.safetensors", resident, {{"format", "pt"}});
   converter.release_resident();
 
+  // Experts are converted several at a time (quantizing is most of the work) and written in
+  // order, so the pack's bytes do not depend on the thread count.
+  struct Item {
+    int layer;
+    const ExpertParts* parts;
+  };
+  std::vector<Item> items;
   for (const auto& [layer, list] : sorted.experts)
-    for (const auto& [e, parts] : list) {
-      const ExpertBlock block = converter.expert(layer, parts, progress);
-      writer.add_expert(layer, block.format(), block.parts);
+    for (const auto& [e, parts] : list) items.push_back({layer, &parts});
+  ThreadPool pool(options.threads);
+  const size_t batch = size_t(2 * pool.size());
+  for (size_t i0 = 0; i0 < items.size(); i0 += batch) {
+    const size_t n = std::min(batch, items.size() - i0);
+    std::vector<ExpertBlock> blocks(n);
+    std::vector<std::exception_ptr> errors(n);
+    pool.parallel_for(n, [&](size_t begin, size_t end) {
+      for (size_t i = begin; i < end; ++i) {
+        try {
+          blocks[i] = converter.expert(items[i0 + i].layer, *items[i0 + i].parts, progress);
+        } catch (...) {
+          errors[i] = std::current_exception();
+        }
+      }
+    });
+    for (size_t i = 0; i < n; ++i) {
+      if (errors[i]) std::rethrow_exception(errors[i]);
+      writer.add_expert(items[i0 + i].layer, blocks[i].format(), blocks[i].parts);
     }
+  }
 
   copy_side_files(src, writer.tmp_dir());
   rewrite_config(checkpoint.config, converter, writer.tmp_dir());
