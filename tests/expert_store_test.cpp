@@ -187,6 +187,25 @@ TEST(ExpertStore, CliProfileOutAndIn) {
   fs::remove(bad);
 }
 
+// `moestream profile` runs a text one token at a time: each token counts its top-k experts in
+// every MoE layer (the demo model: 8 layers, 4 of 32 experts).
+TEST(ExpertStore, CliProfileCountsEveryTokensExperts) {
+  const std::string model = test::source_dir() + "/models/pystd-moe-20m-q4";
+  const std::string out = (fs::temp_directory_path() / "moestream-profile-cmd.json").string();
+  fs::remove(out);
+  auto r = test::run_cli("profile -m " + model + " -f " + model + "/heldout.txt -o " + out + " --max-tokens 25");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(test::read_file(out));
+  ASSERT_EQ(j["counts"].size(), 8u);
+  for (const auto& layer : j["counts"]) {
+    ASSERT_EQ(layer.size(), 32u);
+    uint64_t sum = 0;
+    for (const auto& c : layer) sum += c.get<uint64_t>();
+    EXPECT_EQ(sum, 25u * 4u);
+  }
+  fs::remove(out);
+}
+
 TEST(ExpertStore, CliGreedyTokensIdenticalWithTinyBudget) {
   const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");
   auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));

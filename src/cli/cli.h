@@ -21,6 +21,7 @@ void add_synth(CLI::App& app);
 void add_verify(CLI::App& app);  // check a pack against its checksums
 void add_bench(CLI::App& app);
 void add_perplexity(CLI::App& app);
+void add_profile(CLI::App& app);   // expert usage on a text, for --profile
 void add_template(CLI::App& app);  // render a conversation with the chat template
 void add_serve(CLI::App& app);
 void add_chat(CLI::App& app);

@@ -19,6 +19,7 @@ int main(int argc, char** argv) {
   moestream::cli::add_verify(app);
   moestream::cli::add_bench(app);
   moestream::cli::add_perplexity(app);
+  moestream::cli::add_profile(app);
   moestream::cli::add_template(app);
   moestream::cli::add_serve(app);
   moestream::cli::add_chat(app);
