@@ -206,6 +206,34 @@ TEST(ExpertStore, CliProfileCountsEveryTokensExperts) {
   fs::remove(out);
 }
 
+// --moe-top-k (lossy): each decode token asks each MoE layer for K experts; K at or above the
+// model's top k changes nothing.
+TEST(ExpertStore, MoeTopKRoutesEachTokenToKExperts) {
+  const std::string dir = test::fixture("models/qwen3moe_gqa_tied");
+  const std::vector<int32_t> ids = tokens_of(dir);
+  ModelOptions base;
+  base.threads = 2;
+  const std::vector<float> reference = run_model(dir, base);
+  ModelOptions same = base;
+  same.moe_top_k = 64;
+  EXPECT_EQ(run_model(dir, same), reference);
+
+  ModelOptions one = base;
+  one.moe_top_k = 1;
+  auto model = load_model(dir, one);
+  std::vector<float> logits(size_t(model->info().vocab_size));
+  auto seq = model->new_sequence(8);
+  for (int i = 0; i < 5; ++i) model->forward(std::span(ids).subspan(size_t(i), 1), *seq, logits);
+  for (const auto& layer : model->expert_usage()) {
+    uint64_t sum = 0;
+    for (uint64_t c : layer) sum += c;
+    if (sum) {
+      EXPECT_EQ(sum, 5u);
+    }
+  }
+  EXPECT_NE(run_model(dir, one), reference);
+}
+
 TEST(ExpertStore, CliGreedyTokensIdenticalWithTinyBudget) {
   const std::string dir = test::fixture("models/qwen3moe_odd_sparse_step");
   auto j = nlohmann::json::parse(test::read_file(dir + "/ref.json"));

@@ -97,6 +97,9 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       ->check(CLI::IsMember({"pread", "uring"}));
   cmd.add_flag("--direct-io", e.direct_io, "Read experts with O_DIRECT (bypass the page cache)");
   cmd.add_option("--io-threads", e.io_threads, "Expert reads in flight (default 4)")->check(kPositive);
+  cmd.add_option("--moe-top-k", options.moe_top_k,
+                 "Lossy: route each token to at most K experts, their weights renormalized (default: the model's)")
+      ->check(kPositive);
   cmd.add_flag("--lookahead,!--no-lookahead", e.lookahead,
                "CPU decode with a bounded expert cache: read the next layer's guessed experts ahead (default off: "
                "docs/PERFORMANCE.md)");

@@ -351,7 +351,8 @@ void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const 
   if (xn.rows != 1 || !next.moe || !experts.wants_prefetch() || be.name().rfind("cpu", 0) != 0) return;
   ScopedTimer timer(be.times().routing);
   const int64_t E = next.router.rows;
-  const int k = std::min<int>(next.routing.top_k, int(E));
+  int k = std::min<int>(next.routing.top_k, int(E));
+  if (ws.moe_top_k > 0) k = std::min(k, ws.moe_top_k);
   if (ws.lookahead.cols < E) ws.lookahead = be.alloc(1, E);
   Buffer logits{ws.lookahead.data, 1, E};
   be.linear(xn, next.router, nullptr, logits);
@@ -379,6 +380,10 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
   MoeParams p = routing;
   p.layer = l;
   p.router_bias = router_bias ? &router_bias : nullptr;
+  if (ws.moe_top_k > 0 && ws.moe_top_k < p.top_k) {  // --moe-top-k: fewer experts, renormalized
+    p.top_k = ws.moe_top_k;
+    p.norm_topk_prob = true;
+  }
   if (next) guess_next_experts(be, experts, ws, xn, *next, next_layer);
   be.moe(xn, router, experts, p, out);
   if (!shared.gate) {

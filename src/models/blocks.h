@@ -68,6 +68,7 @@ struct Workspace {
   Buffer logits;                    // [max_batch, vocab]
   Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
   Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
+  int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
   std::vector<float> lookahead_host;
 };
 

@@ -20,6 +20,9 @@ struct ModelOptions {
   ExpertStoreOptions experts;  // expert cache budget, eviction policy, I/O method
   std::string device = "cpu";  // auto | cuda | cpu; gpu_expert_mb: VRAM expert slots (< 0: free VRAM minus a reserve)
   double gpu_expert_mb = -1;
+  // Lossy: > 0 routes each token to at most this many experts (the model's top k at most), their
+  // weights renormalized to sum to 1 (--moe-top-k; docs/PERFORMANCE.md has its quality).
+  int moe_top_k = 0;
   std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
 };
 

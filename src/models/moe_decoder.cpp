@@ -95,6 +95,7 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
   check_pack_experts(pack_, moe_layers, n_experts, info_.hidden_size, expert_size,
                      [&](int l, int e, const std::string& role) { return expert_tensor_name(naming, l, e, role, model); });
   experts_ = make_expert_store(pack_, *backend_, options.experts);
+  ws_.moe_top_k = options.moe_top_k;
 }
 
 void DecoderModel::init_workspace(int64_t q_dim, int64_t kv_dim) {
