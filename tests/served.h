@@ -5,11 +5,13 @@
 #include <httplib.h>
 
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <thread>
 
 #include "server/generation.h"
 #include "server/http_server.h"
+#include "test_util.h"
 
 namespace moestream::test {
 
@@ -40,5 +42,13 @@ class ServedServer {
   int port_ = 0;
   std::thread thread_;
 };
+
+// transformers' greedy replies on the serve fixture (tests/fixtures/serve/qwen3_tiny_chat/ref.json),
+// in its key order.
+inline const nlohmann::ordered_json& serve_ref() {
+  static const nlohmann::ordered_json r =
+      nlohmann::ordered_json::parse(read_file(fixture("serve/qwen3_tiny_chat/ref.json")));
+  return r;
+}
 
 }  // namespace moestream::test

@@ -26,10 +26,7 @@ const std::string& model_dir() {
   return dir;
 }
 
-const json& ref() {
-  static const json r = json::parse(test::read_file(test::fixture("serve/qwen3_tiny_chat/ref.json")));
-  return r;
-}
+const json& ref() { return test::serve_ref(); }
 
 class Served : public test::ServedServer {
  public:
