@@ -85,39 +85,6 @@ MS_AVX512 void axpy(float a, const float* x, float* y, int64_t n) {
   }
 }
 
-// Several tokens times a few float rows: y[t * ldy + j] = dot(rows[j * rs ..], x[t * xs ..])
-// over n values, j < nrows, t < T. Four rows at a time share each load of x, so a block of
-// rows stays in L1 while the tokens stream past it once.
-MS_AVX512 void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x,
-                                 int64_t xs, int64_t T, int64_t n, float* y, int64_t ldy) {
-  int64_t j = 0;
-  for (; j + 4 <= nrows; j += 4) {
-    const float* w0 = rows + j * rs;
-    const float* w1 = w0 + rs;
-    const float* w2 = w1 + rs;
-    const float* w3 = w2 + rs;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* xt = x + t * xs;
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-        const __m512 xv = _mm512_maskz_loadu_ps(m, xt + i);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w3 + i), xv, a3);
-      }
-      y[t * ldy + j] = _mm512_reduce_add_ps(a0);
-      y[t * ldy + j + 1] = _mm512_reduce_add_ps(a1);
-      y[t * ldy + j + 2] = _mm512_reduce_add_ps(a2);
-      y[t * ldy + j + 3] = _mm512_reduce_add_ps(a3);
-    }
-  }
-  for (; j < nrows; ++j)
-    for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_f32(rows + j * rs, x + t * xs, n);
-}
-
 MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
   int64_t i = 0;
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
@@ -502,7 +469,9 @@ struct Avx512 {
   static constexpr auto dot_f32 = &detail::dot_f32;
   static constexpr auto axpy = &detail::axpy;
   static constexpr auto quantize_activations = &detail::quantize_activations;
-  static constexpr auto rows_times_tokens = &detail::rows_times_tokens;
+  static constexpr int64_t kPanelRows = 32, kPackRows = 16;
+  static constexpr auto pack_rows = &pack_rows_avx512;
+  static constexpr auto panel_times_tokens = &panel_times_tokens_avx512;
   static constexpr auto dot_plain_row = &detail::dot_plain_row;
   static constexpr auto plain_row_to_f32 = &detail::plain_row_to_f32;
 

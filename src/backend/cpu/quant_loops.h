@@ -6,8 +6,10 @@
 //                  (Isa::dot_plain_row, Isa::dot_int8_row, Isa::dot_precise_row);
 //   several tokens each row unpacked (int8 path: Isa::unpack_row into Isa::unpacked_bytes(cols)
 //                  bytes, then Isa::dot_int8_unpacked per token) or dequantized / converted to
-//                  float, four rows at a time (Isa::dequantize_row, Isa::plain_row_to_f32, rows
-//                  Isa::dequantized_stride apart), then Isa::rows_times_tokens.
+//                  float (Isa::dequantize_row, Isa::plain_row_to_f32, rows
+//                  Isa::dequantized_stride apart), Isa::kPackRows at a time, transposed into
+//                  panels of Isa::kPanelRows (Isa::pack_rows) and multiplied by the tokens
+//                  (Isa::panel_times_tokens; see gemm.h).
 //
 // Row functions are templates over BITS (2, 3, 4, 6, 8), GS (32, 64, 128) and MX (MXFP4, which
 // runs as 4-bit groups of 32 through core/quant.h's affine view). The loops themselves carry no
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/cpu/gemm.h"
 #include "backend/cpu/quant_kernels.h"
 
 namespace moestream::cpu::detail {
@@ -45,13 +48,8 @@ struct QuantLoops {
       }
       return;
     }
-    thread_local std::vector<float> rows;
-    rows.resize(size_t(4 * w.cols));
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t n = std::min<int64_t>(4, r1 - r);
-      for (int64_t j = 0; j < n; ++j) Isa::plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
-      Isa::rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
-    }
+    panels(r0, r1, w.cols, w.cols, in.x, in.cols, in.T, y, ldy,
+           [&](int64_t r, float* dst) { Isa::plain_row_to_f32(w, r, dst); });
   }
 
   template <int BITS, int GS, bool MX>
@@ -86,13 +84,32 @@ struct QuantLoops {
       }
       return;
     }
-    const int64_t stride = Isa::dequantized_stride(w, in);
-    thread_local std::vector<float> rows;
-    rows.resize(size_t(4 * stride));
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t n = std::min<int64_t>(4, r1 - r);
-      for (int64_t j = 0; j < n; ++j) Isa::template dequantize_row<BITS, GS, MX>(w, r + j, rows.data() + j * stride);
-      Isa::rows_times_tokens(rows.data(), stride, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
+    // Columns past w.cols are padding (zero activations), left out of the product.
+    panels(r0, r1, Isa::dequantized_stride(w, in), w.cols, in.xf.data(), in.stride, in.T, y, ldy,
+           [&](int64_t r, float* dst) { Isa::template dequantize_row<BITS, GS, MX>(w, r, dst); });
+  }
+
+  // Several tokens (gemm.h): rows [r0, r1) converted to float by row(r, dst) (rs floats each),
+  // kPackRows at a time, transposed into panels of kPanelRows, times the tokens x[t * xs ..]
+  // over K columns.
+  template <class Row>
+  static void panels(int64_t r0, int64_t r1, int64_t rs, int64_t K, const float* x, int64_t xs,
+                     int64_t T, float* y, int64_t ldy, Row&& row) {
+    constexpr int64_t P = Isa::kPanelRows, H = Isa::kPackRows;
+    // Rows one cache line more than rs apart: at a power-of-two stride the H rows read together
+    // by the transposition would share one L1 set.
+    const int64_t ns = rs + 16;
+    thread_local std::vector<float> natural, panel;
+    natural.resize(size_t(H * ns));
+    panel.resize(size_t(P * K));
+    for (int64_t r = r0; r < r1; r += P) {
+      const int64_t n = std::min(P, r1 - r);
+      for (int64_t h = 0; h < n; h += H) {
+        const int64_t m = std::min(H, n - h);
+        for (int64_t j = 0; j < m; ++j) row(r + h + j, natural.data() + j * ns);
+        Isa::pack_rows(natural.data(), ns, m, K, panel.data() + h, P);
+      }
+      Isa::panel_times_tokens(panel.data(), n, K, x, xs, T, y + r, ldy);
     }
   }
 
