@@ -42,49 +42,42 @@ MS_AVX2 inline void transpose8(__m256 r[8]) {
   }
 }
 
-// MR panel vectors (8 rows each) times NT tokens over all K columns.
+// MR panel vectors (8 rows each) times NT tokens over K (<= kBlockColumns) columns; the sums
+// are stored in y, or added to it (add).
 template <int MR, int NT>
 MS_AVX2 void tile(const float* panel, int64_t K, const float* x, int64_t xs, float* y, int64_t ldy,
-                  int64_t n) {
-  alignas(32) float part[NT][MR][8] = {};  // zeros when K = 0
+                  int64_t n, bool add) {
   const float* xt[NT];
   for (int t = 0; t < NT; ++t) xt[t] = x + t * xs;
-  for (int64_t k0 = 0; k0 < K; k0 += kSumColumns) {
-    const int64_t k1 = std::min(K, k0 + kSumColumns);
-    __m256 acc[NT][MR];
+  __m256 acc[NT][MR];
 #pragma GCC unroll 16
-    for (int t = 0; t < NT; ++t)
+  for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_setzero_ps();
 #pragma GCC unroll 2
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* p = panel + k * kPanel;
-      __m256 w[MR];
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * kPanel;
+    __m256 w[MR];
 #pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) w[m] = _mm256_loadu_ps(p + 8 * m);
+    for (int m = 0; m < MR; ++m) w[m] = _mm256_loadu_ps(p + 8 * m);
 #pragma GCC unroll 16
-      for (int t = 0; t < NT; ++t) {
-        const __m256 xb = _mm256_broadcast_ss(xt[t] + k);
+    for (int t = 0; t < NT; ++t) {
+      const __m256 xb = _mm256_broadcast_ss(xt[t] + k);
 #pragma GCC unroll 2
-        for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_fmadd_ps(w[m], xb, acc[t][m]);
-      }
+      for (int m = 0; m < MR; ++m) acc[t][m] = _mm256_fmadd_ps(w[m], xb, acc[t][m]);
     }
-#pragma GCC unroll 16
-    for (int t = 0; t < NT; ++t)
-#pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) {
-        const __m256 s = k0 == 0 ? acc[t][m] : _mm256_add_ps(_mm256_load_ps(part[t][m]), acc[t][m]);
-        _mm256_store_ps(part[t][m], s);
-      }
   }
-  const auto m0 = first8(n), m1 = first8(n - 8);
+  const auto mask0 = first8(n), mask1 = first8(n - 8);
+#pragma GCC unroll 16
   for (int t = 0; t < NT; ++t) {
-    _mm256_maskstore_ps(y + t * ldy, m0, _mm256_load_ps(part[t][0]));
-    if constexpr (MR == 2) _mm256_maskstore_ps(y + t * ldy + 8, m1, _mm256_load_ps(part[t][1]));
+    float* yt = y + t * ldy;
+    _mm256_maskstore_ps(yt, mask0, add ? _mm256_add_ps(_mm256_maskload_ps(yt, mask0), acc[t][0]) : acc[t][0]);
+    if constexpr (MR == 2)
+      _mm256_maskstore_ps(yt + 8, mask1, add ? _mm256_add_ps(_mm256_maskload_ps(yt + 8, mask1), acc[t][1]) : acc[t][1]);
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
 template <int MR, size_t... NT>
 constexpr std::array<TileFn, sizeof...(NT)> tiles(std::index_sequence<NT...>) {
   return {&tile<MR, int(NT) + 1>...};
@@ -107,13 +100,13 @@ MS_AVX2 void pack_rows_avx2(const float* rows, int64_t rs, int64_t n, int64_t K,
 }
 
 MS_AVX2 void panel_times_tokens_avx2(const float* panel, int64_t n, int64_t K, const float* x,
-                                     int64_t xs, int64_t T, float* y, int64_t ldy) {
+                                     int64_t xs, int64_t T, float* y, int64_t ldy, bool add) {
   const auto& tiles = n > 8 ? kTiles2 : kTiles1;
   // Token blocks of nearly equal size: 7 tokens run as 4 + 3 rather than 6 + 1.
   const int64_t blocks = (T + kTokens - 1) / kTokens;
   for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
     const int64_t nt = (T - t0) / (blocks - b) + ((T - t0) % (blocks - b) != 0);
-    tiles[size_t(nt - 1)](panel, K, x + t0 * xs, xs, y + t0 * ldy, ldy, n);
+    tiles[size_t(nt - 1)](panel, K, x + t0 * xs, xs, y + t0 * ldy, ldy, n, add);
     t0 += nt;
   }
 }

@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "backend/cpu/gemm.h"
+#include "backend/cpu/transpose_avx512.h"
 
 #define MS_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma")))
 
@@ -26,76 +27,42 @@ MS_AVX512 inline __mmask16 first16(int64_t n) {
   return n >= 16 ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
 }
 
-// r[i] (row i, 16 columns) -> r[c] (column c, 16 rows).
-MS_AVX512 inline void transpose16(__m512 r[16]) {
-  __m512 a[16], b[16];
-  for (int i = 0; i < 8; ++i) {  // per 128-bit lane, rows 2i and 2i+1 interleaved
-    a[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {  // b[4i + c], lane l: rows 4i .. 4i+3 at column 4l + c
-    const __m512d lo0 = _mm512_castps_pd(a[4 * i]), lo1 = _mm512_castps_pd(a[4 * i + 2]);
-    const __m512d hi0 = _mm512_castps_pd(a[4 * i + 1]), hi1 = _mm512_castps_pd(a[4 * i + 3]);
-    b[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(lo0, lo1));
-    b[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(lo0, lo1));
-    b[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(hi0, hi1));
-    b[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(hi0, hi1));
-  }
-  for (int c = 0; c < 4; ++c) {  // a 4x4 transpose of 128-bit lanes
-    const __m512 u0 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0x44);
-    const __m512 u1 = _mm512_shuffle_f32x4(b[c], b[4 + c], 0xee);
-    const __m512 u2 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0x44);
-    const __m512 u3 = _mm512_shuffle_f32x4(b[8 + c], b[12 + c], 0xee);
-    r[c] = _mm512_shuffle_f32x4(u0, u2, 0x88);
-    r[4 + c] = _mm512_shuffle_f32x4(u0, u2, 0xdd);
-    r[8 + c] = _mm512_shuffle_f32x4(u1, u3, 0x88);
-    r[12 + c] = _mm512_shuffle_f32x4(u1, u3, 0xdd);
-  }
-}
-
-// MR panel vectors (16 rows each) times NT tokens over all K columns.
+// MR panel vectors (16 rows each) times NT tokens over K (<= kBlockColumns) columns; the sums
+// are stored in y, or added to it (add).
 template <int MR, int NT>
-MS_AVX512 void tile(const float* panel, int64_t K, const float* x, int64_t xs, float* y,
-                    int64_t ldy, int64_t n) {
-  alignas(64) float part[NT][MR][16] = {};  // zeros when K = 0
+MS_AVX512 void tile(const float* panel, int64_t K, const float* x, int64_t xs, float* y, int64_t ldy,
+                    int64_t n, bool add) {
   const float* xt[NT];
   for (int t = 0; t < NT; ++t) xt[t] = x + t * xs;
-  for (int64_t k0 = 0; k0 < K; k0 += kSumColumns) {
-    const int64_t k1 = std::min(K, k0 + kSumColumns);
-    __m512 acc[NT][MR];
+  __m512 acc[NT][MR];
 #pragma GCC unroll 16
-    for (int t = 0; t < NT; ++t)
+  for (int t = 0; t < NT; ++t)
 #pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
+    for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_setzero_ps();
 #pragma GCC unroll 2
-    for (int64_t k = k0; k < k1; ++k) {
-      const float* p = panel + k * kPanel;
-      __m512 w[MR];
+  for (int64_t k = 0; k < K; ++k) {
+    const float* p = panel + k * kPanel;
+    __m512 w[MR];
 #pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) w[m] = _mm512_loadu_ps(p + 16 * m);
+    for (int m = 0; m < MR; ++m) w[m] = _mm512_loadu_ps(p + 16 * m);
 #pragma GCC unroll 16
-      for (int t = 0; t < NT; ++t) {
-        const __m512 xb = _mm512_set1_ps(xt[t][k]);
+    for (int t = 0; t < NT; ++t) {
+      const __m512 xb = _mm512_set1_ps(xt[t][k]);
 #pragma GCC unroll 2
-        for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_fmadd_ps(w[m], xb, acc[t][m]);
-      }
+      for (int m = 0; m < MR; ++m) acc[t][m] = _mm512_fmadd_ps(w[m], xb, acc[t][m]);
     }
-#pragma GCC unroll 16
-    for (int t = 0; t < NT; ++t)
-#pragma GCC unroll 2
-      for (int m = 0; m < MR; ++m) {
-        const __m512 s = k0 == 0 ? acc[t][m] : _mm512_add_ps(_mm512_load_ps(part[t][m]), acc[t][m]);
-        _mm512_store_ps(part[t][m], s);
-      }
   }
-  const auto m0 = first16(n), m1 = first16(n - 16);
+  const auto mask0 = first16(n), mask1 = first16(n - 16);
+#pragma GCC unroll 16
   for (int t = 0; t < NT; ++t) {
-    _mm512_mask_storeu_ps(y + t * ldy, m0, _mm512_load_ps(part[t][0]));
-    if constexpr (MR == 2) _mm512_mask_storeu_ps(y + t * ldy + 16, m1, _mm512_load_ps(part[t][1]));
+    float* yt = y + t * ldy;
+    _mm512_mask_storeu_ps(yt, mask0, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask0, yt), acc[t][0]) : acc[t][0]);
+    if constexpr (MR == 2)
+      _mm512_mask_storeu_ps(yt + 16, mask1, add ? _mm512_add_ps(_mm512_maskz_loadu_ps(mask1, yt + 16), acc[t][1]) : acc[t][1]);
   }
 }
 
-using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t);
+using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, bool);
 template <int MR, size_t... NT>
 constexpr std::array<TileFn, sizeof...(NT)> tiles(std::index_sequence<NT...>) {
   return {&tile<MR, int(NT) + 1>...};
@@ -119,13 +86,13 @@ MS_AVX512 void pack_rows_avx512(const float* rows, int64_t rs, int64_t n, int64_
 }
 
 MS_AVX512 void panel_times_tokens_avx512(const float* panel, int64_t n, int64_t K, const float* x,
-                                         int64_t xs, int64_t T, float* y, int64_t ldy) {
+                                         int64_t xs, int64_t T, float* y, int64_t ldy, bool add) {
   const auto& tiles = n > 16 ? kTiles2 : kTiles1;
   // Token blocks of nearly equal size: 13 tokens run as 7 + 6 rather than 8 + 5.
   const int64_t blocks = (T + kTokens - 1) / kTokens;
   for (int64_t b = 0, t0 = 0; b < blocks; ++b) {
     const int64_t nt = (T - t0) / (blocks - b) + ((T - t0) % (blocks - b) != 0);
-    tiles[size_t(nt - 1)](panel, K, x + t0 * xs, xs, y + t0 * ldy, ldy, n);
+    tiles[size_t(nt - 1)](panel, K, x + t0 * xs, xs, y + t0 * ldy, ldy, n, add);
     t0 += nt;
   }
 }

@@ -528,6 +528,10 @@ struct Avx2 {
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
   static int64_t dequantized_stride(const Matrix& w, const PreparedInput&) { return w.cols; }
+  // Rows are dequantized one by one, then transposed into panels.
+  static constexpr bool panel_dequantizes(int) { return false; }
+  template <int BITS, int GS, bool MX>
+  static void dequantize_panel(const Matrix&, int64_t, int64_t, int64_t, int64_t, float*, int64_t) {}
   template <int BITS, int GS, bool MX>
   MS_AVX2 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
     for_each_block<BITS, GS, MX>(w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {

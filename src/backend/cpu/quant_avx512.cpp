@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_loops.h"
+#include "backend/cpu/transpose_avx512.h"
 #include "core/quant.h"
 
 #define MS_AVX512                                                                         \
@@ -440,6 +441,62 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
+// Rows r .. r + m (m <= 16) of a 2-, 4- or 8-bit matrix at columns [k0, k0 + kn) (multiples of 16,
+// or kn reaching the row's end) dequantized straight into lanes 0..15 of a panel block (gemm.h):
+// dst[(position(k) - k0) * ps + j] = row r + j's value at element k, in the precise code order
+// (CodeOrder::Halves for 4 bits); lanes m..15 are zeros. Each group of 16 code words
+// (one zmm per row) is transposed so that a zmm holds one word of all 16 rows; each code then
+// takes a shift, a mask and the same q * scale + bias fma as for_each_dequantized (MXFP4: its
+// affine code looked up first), so the values are bit for bit those of dequantize_row.
+template <int BITS, int GS, bool MX>
+MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k0, int64_t kn,
+                                float* dst, int64_t ps) {
+  static_assert(BITS == 2 || BITS == 4 || BITS == 8);
+  constexpr int kCodes = 32 / BITS;  // per word
+  // Scales and biases of the block's groups (at most 16), one vector of the 16 rows each.
+  const int64_t g_first = k0 / GS, groups = (k0 + kn + GS - 1) / GS - g_first;
+  alignas(64) float grid[16][32];
+  alignas(64) float sf[16], bf[16];
+  for (int64_t j = 0; j < 16; ++j) {
+    __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+    if (j < m) RowGroups<MX>(w, r + j).load(g_first, groups, s, b);
+    _mm512_store_ps(sf, s);
+    _mm512_store_ps(bf, b);
+    for (int64_t g = 0; g < groups; ++g) {
+      grid[g][j] = sf[g];
+      grid[g][16 + j] = bf[g];
+    }
+  }
+  const __m512 mx_codes = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Table.code))));
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const int64_t row_words = row_code_bytes(w) / 4;
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(row_codes(w, r));
+  const int64_t words = (k0 + kn) / kCodes;
+  for (int64_t w0 = k0 / kCodes; w0 < words; w0 += 16) {
+    const __mmask16 wm = __mmask16(words - w0 >= 16 ? 0xffff : (1u << (words - w0)) - 1);
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j)
+      v[j] = j < m ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(wm, base + j * row_words + w0))
+                   : _mm512_setzero_ps();
+    transpose16(v);
+    for (int64_t i = 0; i < std::min<int64_t>(16, words - w0); ++i) {
+      const int64_t word = w0 + i, g = word * kCodes / GS - g_first;
+      const __m512 s = _mm512_load_ps(grid[g]), b = _mm512_load_ps(grid[g] + 16);
+      __m512i c = _mm512_castps_si512(v[i]);
+#pragma GCC unroll 16
+      for (int e = 0; e < kCodes; ++e) {
+        const __m512i q = _mm512_and_si512(c, mask);
+        c = _mm512_srli_epi32(c, BITS);
+        const __m512 qf = MX ? _mm512_permutexvar_ps(q, mx_codes) : _mm512_cvtepi32_ps(q);
+        // Element word * kCodes + e; 4 bits: its place in CodeOrder::Halves.
+        const int64_t pos = BITS == 4 ? word / 2 * 16 + 2 * e + word % 2 : word * kCodes + e;
+        _mm512_storeu_ps(dst + (pos - k0) * ps, _mm512_fmadd_ps(qf, s, b));
+      }
+    }
+  }
+}
+
 // A token's activations to int8 per block of 32 (see LevelKernels::quantize_activations).
 MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
                                     int8_t* q, float* lane_scale, float* group_sum) {
@@ -507,6 +564,13 @@ struct Avx512 {
   }
   // Rows of whole chunks, as the padded activations.
   static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }
+  // 2-, 4- and 8-bit codes sit whole in their words and are dequantized straight into panels.
+  static constexpr bool panel_dequantizes(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k0, int64_t kn,
+                                         float* dst, int64_t ps) {
+    if constexpr (panel_dequantizes(BITS)) detail::dequantize_panel<BITS, GS, MX>(w, r, m, k0, kn, dst, ps);
+  }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
     for_each_dequantized<BITS, GS, MX>(w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {
