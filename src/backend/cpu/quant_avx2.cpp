@@ -511,6 +511,10 @@ struct Avx2 {
     for (int64_t b = 0; b < w.cols / 32; ++b)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), packed.block(b));
   }
+  // Several tokens on the int8 path: each row unpacked once, then one dot product per token.
+  static constexpr int64_t kInt8Rows = 1;
+  template <int BITS, int GS, bool MX>
+  static void int8_rows_times_tokens(const Matrix&, int64_t, int64_t, const PreparedInput&, float*, int64_t) {}
   template <int BITS, int GS, bool MX>
   MS_AVX2 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
     return dot_int8<BITS, GS, MX>(UnpackedRow{codes}, RowGroups<MX>(w, r), w.cols, x);

@@ -497,6 +497,94 @@ MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k
   }
 }
 
+// Scales and biases of rows r .. r + m (m <= 16) for groups [g0, g0 + n): grid[g * 32 + j] and
+// grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
+template <bool MX>
+MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t g0, int64_t n, float* grid) {
+  alignas(64) float sf[16], bf[16];
+  for (int64_t j = 0; j < 16; ++j)
+    for (int64_t a = 0; a < n; a += 16) {
+      const int64_t k = std::min<int64_t>(16, n - a);
+      __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
+      if (j < m) RowGroups<MX>(w, r + j).load(g0 + a, k, s, b);
+      _mm512_store_ps(sf, s);
+      _mm512_store_ps(bf, b);
+      for (int64_t g = 0; g < k; ++g) {
+        grid[(a + g) * 32 + j] = sf[g];
+        grid[(a + g) * 32 + 16 + j] = bf[g];
+      }
+    }
+}
+
+// The int8 path for several tokens, 16 rows at a time (rows r .. r + m, m <= 16): the rows' codes
+// are unpacked and transposed once so that each dword lane holds 4 codes of one row; vpdpbusd
+// then multiplies 16 rows by 4 activation bytes of one token (broadcast), into one int32
+// accumulator per token. Per block of 32 codes and token, isum * dx is added in float; per group,
+// that sum times the rows' scales plus the rows' biases times the token's group sum of x^
+// (the formula of kernels.h, summed in this order).
+template <int BITS, int GS, bool MX>
+MS_AVX512 void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, const PreparedInput& in,
+                                      float* y, int64_t ldy) {
+  constexpr int kTok = 8;
+  const int64_t chunks = (w.cols + 63) / 64, groups = w.cols / GS;
+  // codes[chunk * 16 + i]: codes 4i .. 4i+3 of the chunk of each row, one dword lane per row.
+  thread_local std::vector<uint8_t> buffer;
+  thread_local std::vector<float> grid;
+  buffer.resize(size_t(chunks * 1024 + 64));
+  grid.resize(size_t(groups * 32));
+  __m512i* codes = reinterpret_cast<__m512i*>(buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64);
+  group_grid<MX>(w, r, m, 0, groups, grid.data());
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const PackedRow<BITS, MX> row{row_codes(w, r + std::min(j, m - 1))};
+      v[j] = _mm512_castsi512_ps(c < w.cols / 64 ? row.chunk(c) : row.half(c));
+    }
+    transpose16(v);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(codes + c * 16 + i, _mm512_castps_si512(v[i]));
+  }
+  const __mmask16 rows = __mmask16(m >= 16 ? 0xffff : (1u << m) - 1);
+  for (int64_t t0 = 0; t0 < in.T; t0 += kTok) {
+    const int nt = int(std::min<int64_t>(kTok, in.T - t0));
+    TokenInt8 x[kTok];
+    for (int t = 0; t < nt; ++t) x[t] = token_int8(in, t0 + t);
+    __m512 acc[kTok], fs[kTok];
+    __m512i is[kTok];
+    for (int t = 0; t < kTok; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int t = 0; t < kTok; ++t) fs[t] = _mm512_setzero_ps();
+      for (int64_t b = g * GS / 32; b < (g + 1) * GS / 32; ++b) {
+        for (int t = 0; t < kTok; ++t) is[t] = _mm512_setzero_si512();
+        const __m512i* cb = codes + b / 2 * 16 + b % 2 * 8;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m512i cv = _mm512_load_si512(cb + i);
+#pragma GCC unroll 8
+          for (int t = 0; t < kTok; ++t) {
+            if (t >= nt) break;
+            int32_t xq;
+            std::memcpy(&xq, x[t].q + b * 32 + 4 * i, 4);
+            is[t] = _mm512_dpbusd_epi32(is[t], cv, _mm512_set1_epi32(xq));
+          }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < kTok; ++t) {
+          if (t >= nt) break;
+          fs[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_set1_ps(x[t].lane_scale[b * 8]), fs[t]);
+        }
+      }
+      const __m512 sg = _mm512_loadu_ps(grid.data() + g * 32), bg = _mm512_loadu_ps(grid.data() + g * 32 + 16);
+#pragma GCC unroll 8
+      for (int t = 0; t < kTok; ++t) {
+        if (t >= nt) break;
+        acc[t] = _mm512_fmadd_ps(fs[t], sg, acc[t]);
+        acc[t] = _mm512_fmadd_ps(bg, _mm512_set1_ps(x[t].group_sum[g]), acc[t]);
+      }
+    }
+    for (int t = 0; t < nt; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + r, rows, acc[t]);
+  }
+}
+
 // A token's activations to int8 per block of 32 (see LevelKernels::quantize_activations).
 MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
                                     int8_t* q, float* lane_scale, float* group_sum) {
@@ -543,6 +631,13 @@ struct Avx512 {
     const PackedRow<BITS, MX> packed{row_codes(w, r)};
     for (int64_t c = 0; c < (w.cols + 63) / 64; ++c)
       _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes + c * 64), c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
+  }
+  // Several tokens on the int8 path: 16 rows at a time (int8_rows_times_tokens).
+  static constexpr int64_t kInt8Rows = 16;
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, const PreparedInput& in,
+                                               float* y, int64_t ldy) {
+    detail::int8_rows_times_tokens<BITS, GS, MX>(w, r, m, in, y, ldy);
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
