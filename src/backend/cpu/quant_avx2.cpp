@@ -535,7 +535,9 @@ struct Avx2 {
   // Rows are dequantized one by one, then transposed into panels.
   static constexpr bool panel_dequantizes(int) { return false; }
   template <int BITS, int GS, bool MX>
-  static void dequantize_panel(const Matrix&, int64_t, int64_t, int64_t, int64_t, float*, int64_t) {}
+  static void panel_groups(const Matrix&, int64_t, int64_t, int) {}
+  template <int BITS, int GS, bool MX>
+  static void dequantize_panel(const Matrix&, int64_t, int64_t, int, int64_t, int64_t, float*, int64_t) {}
   template <int BITS, int GS, bool MX>
   MS_AVX2 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
     for_each_block<BITS, GS, MX>(w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {

@@ -441,32 +441,39 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
+// Scales and biases of rows r .. r + m (m <= 16) for groups [0, n): grid[g * 32 + j] and
+// grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
+template <bool MX>
+MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t n, float* grid) {
+  for (int64_t g0 = 0; g0 < n; g0 += 16) {
+    const int64_t k = std::min<int64_t>(16, n - g0);
+    __m512 s[16], b[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      s[j] = b[j] = _mm512_setzero_ps();
+      if (j < m) RowGroups<MX>(w, r + j).load(g0, k, s[j], b[j]);
+    }
+    transpose16(s);
+    transpose16(b);
+    for (int64_t g = 0; g < k; ++g) {
+      _mm512_storeu_ps(grid + (g0 + g) * 32, s[g]);
+      _mm512_storeu_ps(grid + (g0 + g) * 32 + 16, b[g]);
+    }
+  }
+}
+
 // Rows r .. r + m (m <= 16) of a 2-, 4- or 8-bit matrix at columns [k0, k0 + kn) (multiples of 16,
 // or kn reaching the row's end) dequantized straight into lanes 0..15 of a panel block (gemm.h):
 // dst[(position(k) - k0) * ps + j] = row r + j's value at element k, in the precise code order
-// (CodeOrder::Halves for 4 bits); lanes m..15 are zeros. Each group of 16 code words
+// (CodeOrder::Halves for 4 bits); lanes m..15 are zeros. grid holds the rows' scales and biases
+// (group_grid). Each group of 16 code words
 // (one zmm per row) is transposed so that a zmm holds one word of all 16 rows; each code then
 // takes a shift, a mask and the same q * scale + bias fma as for_each_dequantized (MXFP4: its
 // affine code looked up first), so the values are bit for bit those of dequantize_row.
 template <int BITS, int GS, bool MX>
-MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k0, int64_t kn,
-                                float* dst, int64_t ps) {
+MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, const float* grid, int64_t k0,
+                                int64_t kn, float* dst, int64_t ps) {
   static_assert(BITS == 2 || BITS == 4 || BITS == 8);
   constexpr int kCodes = 32 / BITS;  // per word
-  // Scales and biases of the block's groups (at most 16), one vector of the 16 rows each.
-  const int64_t g_first = k0 / GS, groups = (k0 + kn + GS - 1) / GS - g_first;
-  alignas(64) float grid[16][32];
-  alignas(64) float sf[16], bf[16];
-  for (int64_t j = 0; j < 16; ++j) {
-    __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-    if (j < m) RowGroups<MX>(w, r + j).load(g_first, groups, s, b);
-    _mm512_store_ps(sf, s);
-    _mm512_store_ps(bf, b);
-    for (int64_t g = 0; g < groups; ++g) {
-      grid[g][j] = sf[g];
-      grid[g][16 + j] = bf[g];
-    }
-  }
   const __m512 mx_codes = _mm512_cvtepi32_ps(
       _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Table.code))));
   const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
@@ -489,8 +496,8 @@ MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k
                    : _mm512_setzero_ps();
     transpose16(v);
     for (int64_t i = 0; i < std::min<int64_t>(16, words - w0); ++i) {
-      const int64_t word = w0 + i, g = word * kCodes / GS - g_first;
-      const __m512 s = _mm512_load_ps(grid[g]), b = _mm512_load_ps(grid[g] + 16);
+      const int64_t word = w0 + i, g = word * kCodes / GS;
+      const __m512 s = _mm512_loadu_ps(grid + g * 32), b = _mm512_loadu_ps(grid + g * 32 + 16);
       __m512i c = _mm512_castps_si512(v[i]);
 #pragma GCC unroll 16
       for (int e = 0; e < kCodes; ++e) {
@@ -503,25 +510,6 @@ MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k
       }
     }
   }
-}
-
-// Scales and biases of rows r .. r + m (m <= 16) for groups [g0, g0 + n): grid[g * 32 + j] and
-// grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
-template <bool MX>
-MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t g0, int64_t n, float* grid) {
-  alignas(64) float sf[16], bf[16];
-  for (int64_t j = 0; j < 16; ++j)
-    for (int64_t a = 0; a < n; a += 16) {
-      const int64_t k = std::min<int64_t>(16, n - a);
-      __m512 s = _mm512_setzero_ps(), b = _mm512_setzero_ps();
-      if (j < m) RowGroups<MX>(w, r + j).load(g0 + a, k, s, b);
-      _mm512_store_ps(sf, s);
-      _mm512_store_ps(bf, b);
-      for (int64_t g = 0; g < k; ++g) {
-        grid[(a + g) * 32 + j] = sf[g];
-        grid[(a + g) * 32 + 16 + j] = bf[g];
-      }
-    }
 }
 
 // The int8 path for several tokens, 16 rows at a time (rows r .. r + m, m <= 16): the rows' codes
@@ -541,7 +529,7 @@ MS_AVX512 void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, con
   buffer.resize(size_t(chunks * 1024 + 64));
   grid.resize(size_t(groups * 32));
   __m512i* codes = reinterpret_cast<__m512i*>(buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64);
-  group_grid<MX>(w, r, m, 0, groups, grid.data());
+  group_grid<MX>(w, r, m, groups, grid.data());
   // The next 16 rows' codes are prefetched while these are multiplied, a share per group: read
   // side by side, 16 rows at a time, they defeat the hardware prefetcher.
   const int64_t row_lines = (row_code_bytes(w) + 63) / 64;
@@ -674,12 +662,23 @@ struct Avx512 {
   }
   // Rows of whole chunks, as the padded activations.
   static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }
-  // 2-, 4- and 8-bit codes sit whole in their words and are dequantized straight into panels.
+  // 2-, 4- and 8-bit codes sit whole in their words and are dequantized straight into panels:
+  // panel_groups(w, r, m, slot) once per 16 rows, then dequantize_panel per block of columns.
   static constexpr bool panel_dequantizes(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+  static float* grid(int slot, int64_t groups) {
+    thread_local std::vector<float> g[2];
+    g[slot].resize(size_t(groups * 32));
+    return g[slot].data();
+  }
   template <int BITS, int GS, bool MX>
-  MS_AVX512 static void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int64_t k0, int64_t kn,
+  MS_AVX512 static void panel_groups(const Matrix& w, int64_t r, int64_t m, int slot) {
+    group_grid<MX>(w, r, m, w.cols / GS, grid(slot, w.cols / GS));
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int slot, int64_t k0, int64_t kn,
                                          float* dst, int64_t ps) {
-    if constexpr (panel_dequantizes(BITS)) detail::dequantize_panel<BITS, GS, MX>(w, r, m, k0, kn, dst, ps);
+    if constexpr (panel_dequantizes(BITS))
+      detail::dequantize_panel<BITS, GS, MX>(w, r, m, grid(slot, w.cols / GS), k0, kn, dst, ps);
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dequantize_row(const Matrix& w, int64_t r, float* out) {

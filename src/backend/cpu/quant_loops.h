@@ -149,9 +149,9 @@ struct QuantLoops {
   template <int BITS, int GS, bool MX>
   struct Direct {
     const Matrix& w;
-    void load(int64_t, int64_t, int) const {}
-    void pack(int64_t r, int64_t m, int, int64_t k0, int64_t kn, float* dst, int64_t ps) const {
-      Isa::template dequantize_panel<BITS, GS, MX>(w, r, m, k0, kn, dst, ps);
+    void load(int64_t r, int64_t m, int s) const { Isa::template panel_groups<BITS, GS, MX>(w, r, m, s); }
+    void pack(int64_t r, int64_t m, int s, int64_t k0, int64_t kn, float* dst, int64_t ps) const {
+      Isa::template dequantize_panel<BITS, GS, MX>(w, r, m, s, k0, kn, dst, ps);
     }
   };
 
