@@ -443,8 +443,19 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
 
 // Scales and biases of rows r .. r + m (m <= 16) for groups [0, n): grid[g * 32 + j] and
 // grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
+// Also prefetches the scales and biases of rows r + ahead .. r + ahead + 15, which the caller
+// reaches next (rows' groups are contiguous, so that is one range each).
 template <bool MX>
-MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t n, float* grid) {
+MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t n, float* grid, int64_t ahead) {
+  const int64_t next = std::clamp<int64_t>(w.rows - r - ahead, 0, 16);
+  if (next > 0) {
+    if constexpr (MX) {
+      prefetch_bytes(row_exponents(w, r + ahead), next * n);
+    } else {
+      prefetch_bytes(row_scales(w, r + ahead), next * n * 2);
+      prefetch_bytes(row_biases(w, r + ahead), next * n * 2);
+    }
+  }
   for (int64_t g0 = 0; g0 < n; g0 += 16) {
     const int64_t k = std::min<int64_t>(16, n - g0);
     __m512 s[16], b[16];
@@ -529,7 +540,7 @@ MS_AVX512 void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, con
   buffer.resize(size_t(chunks * 1024 + 64));
   grid.resize(size_t(groups * 32));
   __m512i* codes = reinterpret_cast<__m512i*>(buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64);
-  group_grid<MX>(w, r, m, groups, grid.data());
+  group_grid<MX>(w, r, m, groups, grid.data(), 16);
   // The next 16 rows' codes are prefetched while these are multiplied, a share per group: read
   // side by side, 16 rows at a time, they defeat the hardware prefetcher.
   const int64_t row_lines = (row_code_bytes(w) + 63) / 64;
@@ -672,7 +683,7 @@ struct Avx512 {
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void panel_groups(const Matrix& w, int64_t r, int64_t m, int slot) {
-    group_grid<MX>(w, r, m, w.cols / GS, grid(slot, w.cols / GS));
+    group_grid<MX>(w, r, m, w.cols / GS, grid(slot, w.cols / GS), 2 * kPackRows);
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int slot, int64_t k0, int64_t kn,
