@@ -512,7 +512,7 @@ struct Avx2 {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), packed.block(b));
   }
   // Several tokens on the int8 path: each row unpacked once, then one dot product per token.
-  static constexpr int64_t kInt8Rows = 1;
+  static constexpr int64_t kInt8Rows = 1, kInt8MinTokens = 0;
   template <int BITS, int GS, bool MX>
   static void int8_rows_times_tokens(const Matrix&, int64_t, int64_t, const PreparedInput&, float*, int64_t) {}
   template <int BITS, int GS, bool MX>

@@ -65,9 +65,11 @@ struct QuantLoops {
       return;
     }
     if constexpr (Isa::kInt8Rows > 1) {
-      for (int64_t r = r0; r < r1; r += Isa::kInt8Rows)
-        Isa::template int8_rows_times_tokens<BITS, GS, MX>(w, r, std::min(Isa::kInt8Rows, r1 - r), in, y, ldy);
-      return;
+      if (in.T >= Isa::kInt8MinTokens) {
+        for (int64_t r = r0; r < r1; r += Isa::kInt8Rows)
+          Isa::template int8_rows_times_tokens<BITS, GS, MX>(w, r, std::min(Isa::kInt8Rows, r1 - r), in, y, ldy);
+        return;
+      }
     }
     thread_local std::vector<uint8_t> codes;
     codes.resize(size_t(Isa::unpacked_bytes(w.cols)));
