@@ -476,10 +476,10 @@ MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t n, floa
 // or kn reaching the row's end) dequantized straight into lanes 0..15 of a panel block (gemm.h):
 // dst[(position(k) - k0) * ps + j] = row r + j's value at element k, in the precise code order
 // (CodeOrder::Halves for 4 bits); lanes m..15 are zeros. grid holds the rows' scales and biases
-// (group_grid). Each group of 16 code words
-// (one zmm per row) is transposed so that a zmm holds one word of all 16 rows; each code then
-// takes a shift, a mask and the same q * scale + bias fma as for_each_dequantized (MXFP4: its
-// affine code looked up first), so the values are bit for bit those of dequantize_row.
+// (group_grid). Each run of 16 code words (one zmm per row) is transposed so that a zmm holds
+// one word of all 16 rows; each code then takes a shift, a mask and the same q * scale + bias
+// fma as for_each_dequantized (MXFP4: its affine code looked up first), so the values are bit
+// for bit those of dequantize_row.
 template <int BITS, int GS, bool MX>
 MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, const float* grid, int64_t k0,
                                 int64_t kn, float* dst, int64_t ps) {
@@ -491,8 +491,8 @@ MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, const flo
   const int64_t row_words = row_code_bytes(w) / 4;
   const uint32_t* base = reinterpret_cast<const uint32_t*>(row_codes(w, r));
   const int64_t words = (k0 + kn) / kCodes;
-  // The rows' codes of the next block (or the next panel's first), which the hardware prefetcher
-  // is slow to find across 16 rows read side by side.
+  // The rows' codes of the next block (or the first of the next panel, 32 rows on), which the
+  // hardware prefetcher is slow to find across 16 rows read side by side.
   const int64_t block_bytes = kn * BITS / 8;
   for (int64_t j = 0; j < m; ++j) {
     const uint8_t* next = k0 + kn < w.cols ? row_codes(w, r + j) + (k0 + kn) * BITS / 8
