@@ -67,7 +67,14 @@ struct PreparedInput {
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in);
 
 // y[t * ldy + r] = dot(W[r, :], x[t, :]) for rows r in [r0, r1) and every token t.
-// For T > 1 each weight row is unpacked once and reused for all tokens.
+// For T > 1 each weight row is unpacked once and reused for all tokens. The SIMD levels then run
+// a small GEMM (gemm.h), which sums in another order than T = 1 does, so a token's outputs can
+// differ in the last bits between a batch and a single-token call (the weights and activations
+// multiplied are the same):
+//   float path  per 128 columns one product chain per output in column order; the blocks' sums
+//               added in order.
+//   int8 path   (AVX-512) per block of 32 the exact integer sum times dx, added in order per
+//               group; per group that sum times the scale, then bias * sum(x^), added in order.
 void matmul_rows(const Matrix& w, const PreparedInput& in, float* y, int64_t ldy, int64_t r0,
                  int64_t r1);
 

@@ -84,46 +84,6 @@ MS_AVX2 void axpy(float a, const float* x, float* y, int64_t n) {
   for (; i < n; ++i) y[i] += a * x[i];
 }
 
-// Several tokens times a few float rows: y[t * ldy + j] = dot(rows[j * rs ..], x[t * xs ..])
-// over n values, j < nrows, t < T. Four rows at a time share each load of x, so a block of
-// rows stays in L1 while the tokens stream past it once.
-MS_AVX2 void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x,
-                               int64_t xs, int64_t T, int64_t n, float* y, int64_t ldy) {
-  int64_t j = 0;
-  for (; j + 4 <= nrows; j += 4) {
-    const float* w0 = rows + j * rs;
-    const float* w1 = w0 + rs;
-    const float* w2 = w1 + rs;
-    const float* w3 = w2 + rs;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* xt = x + t * xs;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      __m256 a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
-      int64_t i = 0;
-      for (; i + 8 <= n; i += 8) {
-        const __m256 xv = _mm256_loadu_ps(xt + i);
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(w0 + i), xv, a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(w1 + i), xv, a1);
-        a2 = _mm256_fmadd_ps(_mm256_loadu_ps(w2 + i), xv, a2);
-        a3 = _mm256_fmadd_ps(_mm256_loadu_ps(w3 + i), xv, a3);
-      }
-      float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-      for (; i < n; ++i) {
-        s0 += w0[i] * xt[i];
-        s1 += w1[i] * xt[i];
-        s2 += w2[i] * xt[i];
-        s3 += w3[i] * xt[i];
-      }
-      y[t * ldy + j] = s0;
-      y[t * ldy + j + 1] = s1;
-      y[t * ldy + j + 2] = s2;
-      y[t * ldy + j + 3] = s3;
-    }
-  }
-  for (; j < nrows; ++j)
-    for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_f32(rows + j * rs, x + t * xs, n);
-}
-
 MS_AVX2 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
   int64_t i = 0;
   __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
@@ -533,7 +493,9 @@ struct Avx2 {
   static constexpr auto dot_f32 = &detail::dot_f32;
   static constexpr auto axpy = &detail::axpy;
   static constexpr auto quantize_activations = &detail::quantize_activations;
-  static constexpr auto rows_times_tokens = &detail::rows_times_tokens;
+  static constexpr int64_t kPanelRows = 16, kPackRows = 8;
+  static constexpr auto pack_rows = &pack_rows_avx2;
+  static constexpr auto panel_times_tokens = &panel_times_tokens_avx2;
   static constexpr auto dot_plain_row = &detail::dot_plain_row;
   static constexpr auto plain_row_to_f32 = &detail::plain_row_to_f32;
 
@@ -549,6 +511,10 @@ struct Avx2 {
     for (int64_t b = 0; b < w.cols / 32; ++b)
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(codes + b * 32), packed.block(b));
   }
+  // Several tokens on the int8 path: each row unpacked once, then one dot product per token.
+  static constexpr int64_t kInt8Rows = 1, kInt8MinTokens = 0;
+  template <int BITS, int GS, bool MX>
+  static void int8_rows_times_tokens(const Matrix&, int64_t, int64_t, const PreparedInput&, float*, int64_t) {}
   template <int BITS, int GS, bool MX>
   MS_AVX2 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
     return dot_int8<BITS, GS, MX>(UnpackedRow{codes}, RowGroups<MX>(w, r), w.cols, x);
@@ -566,6 +532,12 @@ struct Avx2 {
     return hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
   }
   static int64_t dequantized_stride(const Matrix& w, const PreparedInput&) { return w.cols; }
+  // Rows are dequantized one by one, then transposed into panels.
+  static constexpr bool panel_dequantizes(int) { return false; }
+  template <int BITS, int GS, bool MX>
+  static void panel_groups(const Matrix&, int64_t, int64_t, int) {}
+  template <int BITS, int GS, bool MX>
+  static void dequantize_panel(const Matrix&, int64_t, int64_t, int, int64_t, int64_t, float*, int64_t) {}
   template <int BITS, int GS, bool MX>
   MS_AVX2 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
     for_each_block<BITS, GS, MX>(w, r, [&](__m256 s, __m256 b, __m256i c, int64_t blk) MS_AVX2 {

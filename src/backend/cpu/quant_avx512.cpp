@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "backend/cpu/quant_loops.h"
+#include "backend/cpu/transpose_avx512.h"
 #include "core/quant.h"
 
 #define MS_AVX512                                                                         \
@@ -83,39 +84,6 @@ MS_AVX512 void axpy(float a, const float* x, float* y, int64_t n) {
     _mm512_mask_storeu_ps(
         y + i, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + i), _mm512_maskz_loadu_ps(m, y + i)));
   }
-}
-
-// Several tokens times a few float rows: y[t * ldy + j] = dot(rows[j * rs ..], x[t * xs ..])
-// over n values, j < nrows, t < T. Four rows at a time share each load of x, so a block of
-// rows stays in L1 while the tokens stream past it once.
-MS_AVX512 void rows_times_tokens(const float* rows, int64_t rs, int64_t nrows, const float* x,
-                                 int64_t xs, int64_t T, int64_t n, float* y, int64_t ldy) {
-  int64_t j = 0;
-  for (; j + 4 <= nrows; j += 4) {
-    const float* w0 = rows + j * rs;
-    const float* w1 = w0 + rs;
-    const float* w2 = w1 + rs;
-    const float* w3 = w2 + rs;
-    for (int64_t t = 0; t < T; ++t) {
-      const float* xt = x + t * xs;
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-      __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int64_t i = 0; i < n; i += 16) {
-        const __mmask16 m = n - i >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - i)) - 1);
-        const __m512 xv = _mm512_maskz_loadu_ps(m, xt + i);
-        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w0 + i), xv, a0);
-        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w1 + i), xv, a1);
-        a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w2 + i), xv, a2);
-        a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w3 + i), xv, a3);
-      }
-      y[t * ldy + j] = _mm512_reduce_add_ps(a0);
-      y[t * ldy + j + 1] = _mm512_reduce_add_ps(a1);
-      y[t * ldy + j + 2] = _mm512_reduce_add_ps(a2);
-      y[t * ldy + j + 3] = _mm512_reduce_add_ps(a3);
-    }
-  }
-  for (; j < nrows; ++j)
-    for (int64_t t = 0; t < T; ++t) y[t * ldy + j] = dot_f32(rows + j * rs, x + t * xs, n);
 }
 
 MS_AVX512 float dot_half(const uint16_t* w, const float* x, int64_t n, DType dt) {
@@ -473,6 +441,164 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
+// Scales and biases of rows r .. r + m (m <= 16) for groups [0, n): grid[g * 32 + j] and
+// grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
+// Also prefetches the scales and biases of rows r + ahead .. r + ahead + 15, which the caller
+// reaches next (rows' groups are contiguous, so that is one range each).
+template <bool MX>
+MS_AVX512 void group_grid(const Matrix& w, int64_t r, int64_t m, int64_t n, float* grid, int64_t ahead) {
+  const int64_t next = std::clamp<int64_t>(w.rows - r - ahead, 0, 16);
+  if (next > 0) {
+    if constexpr (MX) {
+      prefetch_bytes(row_exponents(w, r + ahead), next * n);
+    } else {
+      prefetch_bytes(row_scales(w, r + ahead), next * n * 2);
+      prefetch_bytes(row_biases(w, r + ahead), next * n * 2);
+    }
+  }
+  for (int64_t g0 = 0; g0 < n; g0 += 16) {
+    const int64_t k = std::min<int64_t>(16, n - g0);
+    __m512 s[16], b[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      s[j] = b[j] = _mm512_setzero_ps();
+      if (j < m) RowGroups<MX>(w, r + j).load(g0, k, s[j], b[j]);
+    }
+    transpose16(s);
+    transpose16(b);
+    for (int64_t g = 0; g < k; ++g) {
+      _mm512_storeu_ps(grid + (g0 + g) * 32, s[g]);
+      _mm512_storeu_ps(grid + (g0 + g) * 32 + 16, b[g]);
+    }
+  }
+}
+
+// Rows r .. r + m (m <= 16) of a 2-, 4- or 8-bit matrix at columns [k0, k0 + kn) (multiples of 16,
+// or kn reaching the row's end) dequantized straight into lanes 0..15 of a panel block (gemm.h):
+// dst[(position(k) - k0) * ps + j] = row r + j's value at element k, in the precise code order
+// (CodeOrder::Halves for 4 bits); lanes m..15 are zeros. grid holds the rows' scales and biases
+// (group_grid). Each run of 16 code words (one zmm per row) is transposed so that a zmm holds
+// one word of all 16 rows; each code then takes a shift, a mask and the same q * scale + bias
+// fma as for_each_dequantized (MXFP4: its affine code looked up first), so the values are bit
+// for bit those of dequantize_row.
+template <int BITS, int GS, bool MX>
+MS_AVX512 void dequantize_panel(const Matrix& w, int64_t r, int64_t m, const float* grid, int64_t k0,
+                                int64_t kn, float* dst, int64_t ps) {
+  static_assert(BITS == 2 || BITS == 4 || BITS == 8);
+  constexpr int kCodes = 32 / BITS;  // per word
+  const __m512 mx_codes = _mm512_cvtepi32_ps(
+      _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(kMxfp4Table.code))));
+  const __m512i mask = _mm512_set1_epi32((1 << BITS) - 1);
+  const int64_t row_words = row_code_bytes(w) / 4;
+  const uint32_t* base = reinterpret_cast<const uint32_t*>(row_codes(w, r));
+  const int64_t words = (k0 + kn) / kCodes;
+  // The rows' codes of the next block (or the first of the next panel, 32 rows on), which the
+  // hardware prefetcher is slow to find across 16 rows read side by side.
+  const int64_t block_bytes = kn * BITS / 8;
+  for (int64_t j = 0; j < m; ++j) {
+    const uint8_t* next = k0 + kn < w.cols ? row_codes(w, r + j) + (k0 + kn) * BITS / 8
+                          : r + 32 + j < w.rows ? row_codes(w, r + 32 + j) : nullptr;
+    if (next) prefetch_bytes(next, block_bytes);
+  }
+  for (int64_t w0 = k0 / kCodes; w0 < words; w0 += 16) {
+    const __mmask16 wm = __mmask16(words - w0 >= 16 ? 0xffff : (1u << (words - w0)) - 1);
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j)
+      v[j] = j < m ? _mm512_castsi512_ps(_mm512_maskz_loadu_epi32(wm, base + j * row_words + w0))
+                   : _mm512_setzero_ps();
+    transpose16(v);
+    for (int64_t i = 0; i < std::min<int64_t>(16, words - w0); ++i) {
+      const int64_t word = w0 + i, g = word * kCodes / GS;
+      const __m512 s = _mm512_loadu_ps(grid + g * 32), b = _mm512_loadu_ps(grid + g * 32 + 16);
+      __m512i c = _mm512_castps_si512(v[i]);
+#pragma GCC unroll 16
+      for (int e = 0; e < kCodes; ++e) {
+        const __m512i q = _mm512_and_si512(c, mask);
+        c = _mm512_srli_epi32(c, BITS);
+        const __m512 qf = MX ? _mm512_permutexvar_ps(q, mx_codes) : _mm512_cvtepi32_ps(q);
+        // Element word * kCodes + e; 4 bits: its place in CodeOrder::Halves.
+        const int64_t pos = BITS == 4 ? word / 2 * 16 + 2 * e + word % 2 : word * kCodes + e;
+        _mm512_storeu_ps(dst + (pos - k0) * ps, _mm512_fmadd_ps(qf, s, b));
+      }
+    }
+  }
+}
+
+// The int8 path for several tokens, 16 rows at a time (rows r .. r + m, m <= 16): the rows' codes
+// are unpacked and transposed once so that each dword lane holds 4 codes of one row; vpdpbusd
+// then multiplies 16 rows by 4 activation bytes of one token (broadcast), into one int32
+// accumulator per token. Per block of 32 codes and token, isum * dx is added in float; per group,
+// that sum times the rows' scales plus the rows' biases times the token's group sum of x^
+// (the formula of kernels.h, summed in this order).
+template <int BITS, int GS, bool MX>
+MS_AVX512 void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, const PreparedInput& in,
+                                      float* y, int64_t ldy) {
+  constexpr int kTok = 8;
+  const int64_t chunks = (w.cols + 63) / 64, groups = w.cols / GS;
+  // codes[chunk * 16 + i]: codes 4i .. 4i+3 of the chunk of each row, one dword lane per row.
+  thread_local std::vector<uint8_t> buffer;
+  thread_local std::vector<float> grid;
+  buffer.resize(size_t(chunks * 1024 + 64));
+  grid.resize(size_t(groups * 32));
+  __m512i* codes = reinterpret_cast<__m512i*>(buffer.data() + (64 - reinterpret_cast<uintptr_t>(buffer.data()) % 64) % 64);
+  group_grid<MX>(w, r, m, groups, grid.data(), 16);
+  // The next 16 rows' codes are prefetched while these are multiplied, a share per group: read
+  // side by side, 16 rows at a time, they defeat the hardware prefetcher.
+  const int64_t row_lines = (row_code_bytes(w) + 63) / 64;
+  const int64_t next_lines = std::clamp<int64_t>(w.rows - r - 16, 0, 16) * row_lines;
+  for (int64_t c = 0; c < chunks; ++c) {
+    __m512 v[16];
+    for (int64_t j = 0; j < 16; ++j) {
+      const PackedRow<BITS, MX> row{row_codes(w, r + std::min(j, m - 1))};
+      v[j] = _mm512_castsi512_ps(c < w.cols / 64 ? row.chunk(c) : row.half(c));
+    }
+    transpose16(v);
+    for (int i = 0; i < 16; ++i) _mm512_store_si512(codes + c * 16 + i, _mm512_castps_si512(v[i]));
+  }
+  const __mmask16 rows = __mmask16(m >= 16 ? 0xffff : (1u << m) - 1);
+  for (int64_t t0 = 0; t0 < in.T; t0 += kTok) {
+    const int nt = int(std::min<int64_t>(kTok, in.T - t0));
+    TokenInt8 x[kTok];
+    for (int t = 0; t < nt; ++t) x[t] = token_int8(in, t0 + t);
+    __m512 acc[kTok], fs[kTok];
+    __m512i is[kTok];
+    for (int t = 0; t < kTok; ++t) acc[t] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+      if (t0 == 0)
+        for (int64_t l = g * next_lines / groups; l < (g + 1) * next_lines / groups; ++l)
+          __builtin_prefetch(row_codes(w, r + 16 + l / row_lines) + l % row_lines * 64);
+      for (int t = 0; t < kTok; ++t) fs[t] = _mm512_setzero_ps();
+      for (int64_t b = g * GS / 32; b < (g + 1) * GS / 32; ++b) {
+        for (int t = 0; t < kTok; ++t) is[t] = _mm512_setzero_si512();
+        const __m512i* cb = codes + b / 2 * 16 + b % 2 * 8;
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          const __m512i cv = _mm512_load_si512(cb + i);
+#pragma GCC unroll 8
+          for (int t = 0; t < kTok; ++t) {
+            if (t >= nt) break;
+            int32_t xq;
+            std::memcpy(&xq, x[t].q + b * 32 + 4 * i, 4);
+            is[t] = _mm512_dpbusd_epi32(is[t], cv, _mm512_set1_epi32(xq));
+          }
+        }
+#pragma GCC unroll 8
+        for (int t = 0; t < kTok; ++t) {
+          if (t >= nt) break;
+          fs[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(is[t]), _mm512_set1_ps(x[t].lane_scale[b * 8]), fs[t]);
+        }
+      }
+      const __m512 sg = _mm512_loadu_ps(grid.data() + g * 32), bg = _mm512_loadu_ps(grid.data() + g * 32 + 16);
+#pragma GCC unroll 8
+      for (int t = 0; t < kTok; ++t) {
+        if (t >= nt) break;
+        acc[t] = _mm512_fmadd_ps(fs[t], sg, acc[t]);
+        acc[t] = _mm512_fmadd_ps(bg, _mm512_set1_ps(x[t].group_sum[g]), acc[t]);
+      }
+    }
+    for (int t = 0; t < nt; ++t) _mm512_mask_storeu_ps(y + (t0 + t) * ldy + r, rows, acc[t]);
+  }
+}
+
 // A token's activations to int8 per block of 32 (see LevelKernels::quantize_activations).
 MS_AVX512 void quantize_activations(const float* x, int64_t cols, int group_size, int bits,
                                     int8_t* q, float* lane_scale, float* group_sum) {
@@ -502,7 +628,9 @@ struct Avx512 {
   static constexpr auto dot_f32 = &detail::dot_f32;
   static constexpr auto axpy = &detail::axpy;
   static constexpr auto quantize_activations = &detail::quantize_activations;
-  static constexpr auto rows_times_tokens = &detail::rows_times_tokens;
+  static constexpr int64_t kPanelRows = 32, kPackRows = 16;
+  static constexpr auto pack_rows = &pack_rows_avx512;
+  static constexpr auto panel_times_tokens = &panel_times_tokens_avx512;
   static constexpr auto dot_plain_row = &detail::dot_plain_row;
   static constexpr auto plain_row_to_f32 = &detail::plain_row_to_f32;
 
@@ -517,6 +645,16 @@ struct Avx512 {
     const PackedRow<BITS, MX> packed{row_codes(w, r)};
     for (int64_t c = 0; c < (w.cols + 63) / 64; ++c)
       _mm512_storeu_si512(reinterpret_cast<__m512i*>(codes + c * 64), c < w.cols / 64 ? packed.chunk(c) : packed.half(c));
+  }
+  // Several tokens on the int8 path: 16 rows at a time (int8_rows_times_tokens) from
+  // kInt8MinTokens tokens on. Below, each row is unpacked once and multiplied token by token: on
+  // cold q4 expert matrices that was as fast at 3 and 4 tokens (both about the rate one core
+  // reads memory at) and 1.5x as fast at 2.
+  static constexpr int64_t kInt8Rows = 16, kInt8MinTokens = 4;
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void int8_rows_times_tokens(const Matrix& w, int64_t r, int64_t m, const PreparedInput& in,
+                                               float* y, int64_t ldy) {
+    detail::int8_rows_times_tokens<BITS, GS, MX>(w, r, m, in, y, ldy);
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static float dot_int8_unpacked(const Matrix& w, int64_t r, const uint8_t* codes, const TokenInt8& x) {
@@ -538,6 +676,24 @@ struct Avx512 {
   }
   // Rows of whole chunks, as the padded activations.
   static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }
+  // 2-, 4- and 8-bit codes sit whole in their words and are dequantized straight into panels:
+  // panel_groups(w, r, m, slot) once per 16 rows, then dequantize_panel per block of columns.
+  static constexpr bool panel_dequantizes(int bits) { return bits == 2 || bits == 4 || bits == 8; }
+  static float* grid(int slot, int64_t groups) {
+    thread_local std::vector<float> g[2];
+    g[slot].resize(size_t(groups * 32));
+    return g[slot].data();
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void panel_groups(const Matrix& w, int64_t r, int64_t m, int slot) {
+    group_grid<MX>(w, r, m, w.cols / GS, grid(slot, w.cols / GS), 2 * kPackRows);
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dequantize_panel(const Matrix& w, int64_t r, int64_t m, int slot, int64_t k0, int64_t kn,
+                                         float* dst, int64_t ps) {
+    if constexpr (panel_dequantizes(BITS))
+      detail::dequantize_panel<BITS, GS, MX>(w, r, m, grid(slot, w.cols / GS), k0, kn, dst, ps);
+  }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dequantize_row(const Matrix& w, int64_t r, float* out) {
     for_each_dequantized<BITS, GS, MX>(w, r, [&](__m512 w0, __m512 w1, __m512 w2, __m512 w3, int64_t c) MS_AVX512 {

@@ -6,8 +6,10 @@
 //                  (Isa::dot_plain_row, Isa::dot_int8_row, Isa::dot_precise_row);
 //   several tokens each row unpacked (int8 path: Isa::unpack_row into Isa::unpacked_bytes(cols)
 //                  bytes, then Isa::dot_int8_unpacked per token) or dequantized / converted to
-//                  float, four rows at a time (Isa::dequantize_row, Isa::plain_row_to_f32, rows
-//                  Isa::dequantized_stride apart), then Isa::rows_times_tokens.
+//                  float (Isa::dequantize_row, Isa::plain_row_to_f32, rows
+//                  Isa::dequantized_stride apart), Isa::kPackRows at a time, transposed into
+//                  panels of Isa::kPanelRows (Isa::pack_rows) and multiplied by the tokens
+//                  (Isa::panel_times_tokens; see gemm.h).
 //
 // Row functions are templates over BITS (2, 3, 4, 6, 8), GS (32, 64, 128) and MX (MXFP4, which
 // runs as 4-bit groups of 32 through core/quant.h's affine view). The loops themselves carry no
@@ -18,6 +20,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "backend/cpu/gemm.h"
 #include "backend/cpu/quant_kernels.h"
 
 namespace moestream::cpu::detail {
@@ -45,13 +48,8 @@ struct QuantLoops {
       }
       return;
     }
-    thread_local std::vector<float> rows;
-    rows.resize(size_t(4 * w.cols));
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t n = std::min<int64_t>(4, r1 - r);
-      for (int64_t j = 0; j < n; ++j) Isa::plain_row_to_f32(w, r + j, rows.data() + j * w.cols);
-      Isa::rows_times_tokens(rows.data(), w.cols, n, in.x, in.cols, in.T, w.cols, y + r, ldy);
-    }
+    panels(r0, r1, w.cols, in.x, in.cols, in.T, y, ldy,
+           ViaRows{w.cols, [&](int64_t r, float* dst) { Isa::plain_row_to_f32(w, r, dst); }});
   }
 
   template <int BITS, int GS, bool MX>
@@ -65,6 +63,13 @@ struct QuantLoops {
         y[r] = Isa::template dot_int8_row<BITS, GS, MX>(w, r, x);
       }
       return;
+    }
+    if constexpr (Isa::kInt8Rows > 1) {
+      if (in.T >= Isa::kInt8MinTokens) {
+        for (int64_t r = r0; r < r1; r += Isa::kInt8Rows)
+          Isa::template int8_rows_times_tokens<BITS, GS, MX>(w, r, std::min(Isa::kInt8Rows, r1 - r), in, y, ldy);
+        return;
+      }
     }
     thread_local std::vector<uint8_t> codes;
     codes.resize(size_t(Isa::unpacked_bytes(w.cols)));
@@ -86,15 +91,71 @@ struct QuantLoops {
       }
       return;
     }
-    const int64_t stride = Isa::dequantized_stride(w, in);
-    thread_local std::vector<float> rows;
-    rows.resize(size_t(4 * stride));
-    for (int64_t r = r0; r < r1; r += 4) {
-      const int64_t n = std::min<int64_t>(4, r1 - r);
-      for (int64_t j = 0; j < n; ++j) Isa::template dequantize_row<BITS, GS, MX>(w, r + j, rows.data() + j * stride);
-      Isa::rows_times_tokens(rows.data(), stride, n, in.xf.data(), in.stride, in.T, w.cols, y + r, ldy);
+    // Columns past w.cols are padding (zero activations), left out of the product.
+    if constexpr (Isa::panel_dequantizes(BITS)) {
+      panels(r0, r1, w.cols, in.xf.data(), in.stride, in.T, y, ldy, Direct<BITS, GS, MX>{w});
+    } else {
+      panels(r0, r1, w.cols, in.xf.data(), in.stride, in.T, y, ldy,
+             ViaRows{Isa::dequantized_stride(w, in), [&](int64_t r, float* dst) {
+                       Isa::template dequantize_row<BITS, GS, MX>(w, r, dst);
+                     }});
     }
   }
+
+  // Several tokens (gemm.h): rows [r0, r1) in panels of kPanelRows, kPackRows rows at a time
+  // from `rows` (below), times the tokens x[t * xs ..], kBlockColumns columns at a time so that
+  // the panel block stays in L1 while the tokens pass over it.
+  template <class Rows>
+  static void panels(int64_t r0, int64_t r1, int64_t K, const float* x, int64_t xs, int64_t T,
+                     float* y, int64_t ldy, Rows rows) {
+    constexpr int64_t P = Isa::kPanelRows, H = Isa::kPackRows;
+    // Aligned to a cache line: each column of the panel is whole lines.
+    thread_local std::vector<float> buffer(size_t(P * kBlockColumns + 16));
+    float* panel = buffer.data() + (16 - reinterpret_cast<uintptr_t>(buffer.data()) / 4 % 16) % 16;
+    if (K == 0) {
+      for (int64_t t = 0; t < T; ++t) std::fill(y + t * ldy + r0, y + t * ldy + r1, 0.0f);
+      return;
+    }
+    for (int64_t r = r0; r < r1; r += P) {
+      const int64_t n = std::min(P, r1 - r);
+      for (int64_t h = 0; h < n; h += H) rows.load(r + h, std::min(H, n - h), h / H);
+      for (int64_t k0 = 0; k0 < K; k0 += kBlockColumns) {
+        const int64_t kn = std::min(kBlockColumns, K - k0);
+        for (int64_t h = 0; h < n; h += H) rows.pack(r + h, std::min(H, n - h), h / H, k0, kn, panel + h, P);
+        Isa::panel_times_tokens(panel, n, kn, x + k0, xs, T, y + r, ldy, k0 > 0);
+      }
+    }
+  }
+  // Rows converted one at a time by row(r, dst) (rs floats, in the activations' order), kept
+  // whole, and transposed block by block (Isa::pack_rows).
+  template <class Row>
+  struct ViaRows {
+    int64_t rs;
+    Row row;
+    // Rows one cache line more than rs apart: at a power-of-two stride the rows read together
+    // by the transposition would share one L1 set.
+    int64_t stride() const { return rs + 16; }
+    float* slot(int s) const {
+      thread_local std::vector<float> natural;
+      natural.resize(size_t(Isa::kPanelRows * stride()));
+      return natural.data() + s * Isa::kPackRows * stride();
+    }
+    void load(int64_t r, int64_t m, int s) const {
+      for (int64_t j = 0; j < m; ++j) row(r + j, slot(s) + j * stride());
+    }
+    void pack(int64_t, int64_t m, int s, int64_t k0, int64_t kn, float* dst, int64_t ps) const {
+      Isa::pack_rows(slot(s) + k0, stride(), m, kn, dst, ps);
+    }
+  };
+  // Rows dequantized straight into the panel (Isa::dequantize_panel).
+  template <int BITS, int GS, bool MX>
+  struct Direct {
+    const Matrix& w;
+    void load(int64_t r, int64_t m, int s) const { Isa::template panel_groups<BITS, GS, MX>(w, r, m, s); }
+    void pack(int64_t r, int64_t m, int s, int64_t k0, int64_t kn, float* dst, int64_t ps) const {
+      Isa::template dequantize_panel<BITS, GS, MX>(w, r, m, s, k0, kn, dst, ps);
+    }
+  };
 
   // The instantiation for w's format (MXFP4, or affine bits x group size).
   template <bool INT8>

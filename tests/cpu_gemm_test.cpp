@@ -1,0 +1,203 @@
+// The CPU kernels' several-token path (backend/cpu/gemm.h: rows converted to float in panels,
+// an outer-product micro-kernel over blocks of tokens) at shapes that leave partial panels,
+// partial token blocks and column tails, for every weight format and SIMD level.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/kernels.h"
+#include "core/dtype.h"
+#include "core/quant.h"
+#include "test_util.h"
+
+namespace moestream {
+namespace {
+
+using cpu::KernelLevel;
+using test::gaussian;
+
+// A weight matrix in one stored format, with the storage behind its Matrix.
+struct Weights {
+  std::string what;
+  std::vector<uint32_t> words;
+  std::vector<uint8_t> bytes, exponents;
+  std::vector<uint16_t> halves, scales, biases;
+  std::vector<float> f32, fscales;
+  Matrix m;
+  bool quantized() const { return m.quant.bits > 0 && m.quant.scheme != QuantScheme::Fp8; }
+  // Row r as floats, by the format's reference conversion.
+  std::vector<float> dequantized() const {
+    std::vector<float> out(size_t(m.rows * m.cols));
+    const KernelLevel saved = cpu::kernel_level();
+    cpu::set_kernel_level(KernelLevel::Scalar);
+    for (int64_t r = 0; r < m.rows; ++r) cpu::row_to_f32(m, r, out.data() + r * m.cols);
+    cpu::set_kernel_level(saved);
+    return out;
+  }
+};
+
+std::unique_ptr<Weights> affine(int bits, int gs, DType dt, int64_t rows, int64_t cols, uint32_t seed) {
+  auto w = std::make_unique<Weights>();
+  const QuantFormat f{bits, gs, dt};
+  w->what = quant_format_name(f);
+  const std::vector<float> v = gaussian(size_t(rows * cols), seed, 0.05f);
+  w->words.resize(size_t(rows * quant_words_per_row(f, cols)));
+  w->scales.resize(size_t(rows * quant_groups_per_row(f, cols)));
+  w->biases.resize(w->scales.size());
+  quantize_affine(v.data(), rows, cols, f, w->words.data(), w->scales.data(), w->biases.data());
+  w->m = Matrix{"w", DType::U32, w->words.data(), rows, cols};
+  w->m.quant = f;
+  w->m.scales = w->scales.data();
+  w->m.biases = w->biases.data();
+  return w;
+}
+
+std::unique_ptr<Weights> mxfp4(int64_t rows, int64_t cols, uint32_t seed) {
+  auto w = std::make_unique<Weights>();
+  w->what = "mxfp4";
+  std::vector<float> v = gaussian(size_t(rows * cols), seed);
+  for (int64_t i = 0; i < rows * cols; ++i) v[size_t(i)] *= std::ldexp(1.0f, int(i / 32 % 7) - 4);
+  w->bytes.resize(size_t(rows * cols / 2));
+  w->exponents.resize(size_t(rows * cols / 32));
+  quantize_mxfp4(v.data(), rows, cols, w->bytes.data(), w->exponents.data(), "w");
+  w->m = Matrix{"w", DType::U8, w->bytes.data(), rows, cols};
+  w->m.quant = kMxfp4Format;
+  w->m.scales = w->exponents.data();
+  return w;
+}
+
+std::unique_ptr<Weights> fp8(int64_t rows, int64_t cols, int group, uint32_t seed) {
+  auto w = std::make_unique<Weights>();
+  w->what = "fp8 group " + std::to_string(group);
+  std::mt19937 rng(seed);
+  w->bytes.resize(size_t(rows * cols));
+  for (auto& c : w->bytes) {
+    do c = uint8_t(rng()); while ((c & 0x7f) == 0x7f);  // every finite code
+  }
+  const QuantFormat f = fp8_format(group);
+  std::uniform_real_distribution<float> u(-8.0f, 2.0f);
+  w->fscales.resize(size_t(rows * quant_groups_per_row(f, cols)));
+  for (auto& s : w->fscales) s = std::exp2(u(rng));
+  w->m = Matrix{"w", DType::F8_E4M3, w->bytes.data(), rows, cols};
+  w->m.quant = f;
+  w->m.scales = w->fscales.data();
+  return w;
+}
+
+std::unique_ptr<Weights> plain(DType dt, int64_t rows, int64_t cols, uint32_t seed) {
+  auto w = std::make_unique<Weights>();
+  w->what = std::string(dtype_name(dt));
+  w->f32 = gaussian(size_t(rows * cols), seed, 0.1f);
+  w->halves.resize(w->f32.size());
+  for (size_t i = 0; i < w->f32.size(); ++i)
+    w->halves[i] = dt == DType::F16 ? f32_to_f16(w->f32[i]) : f32_to_bf16(w->f32[i]);
+  w->m = Matrix{"w", dt, dt == DType::F32 ? static_cast<const void*>(w->f32.data()) : w->halves.data(),
+                rows, cols};
+  return w;
+}
+
+// Every format at `rows` rows, with column counts that end in partial vectors or chunks.
+std::vector<std::unique_ptr<Weights>> every_format(int64_t rows) {
+  std::vector<std::unique_ptr<Weights>> out;
+  uint32_t seed = uint32_t(rows);
+  for (int bits : {2, 3, 4, 6, 8})
+    for (int gs : {32, 64, 128}) {
+      // 32 x 3: an odd number of 32-blocks (AVX-512's half chunk); otherwise 3 groups.
+      const int64_t cols = gs == 32 ? 96 : 3 * gs;
+      out.push_back(affine(bits, gs, gs == 64 ? DType::F16 : DType::BF16, rows, cols, ++seed));
+    }
+  out.push_back(mxfp4(rows, 160, ++seed));
+  out.push_back(fp8(rows, 200, 128, ++seed));  // a partial last group, not a multiple of 16
+  for (DType dt : {DType::F32, DType::BF16, DType::F16})
+    for (int64_t cols : {7, 45, 130}) out.push_back(plain(dt, rows, cols, ++seed));
+  return out;
+}
+
+// y (T, rows) at one level and path, rows computed as three uneven ranges (as the thread pool
+// splits them, so panels start at odd rows).
+std::vector<float> run(const Matrix& w, const std::vector<float>& x, int64_t T, bool precise,
+                       KernelLevel level) {
+  const KernelLevel saved = cpu::kernel_level();
+  cpu::set_kernel_level(level);
+  cpu::PreparedInput in;
+  cpu::prepare_input(w, x.data(), T, precise, in);
+  std::vector<float> y(size_t(T * w.rows), std::nanf(""));
+  const int64_t a = w.rows / 3, b = a + (w.rows - a) / 2 + 1;
+  cpu::matmul_rows(w, in, y.data(), w.rows, 0, a);
+  cpu::matmul_rows(w, in, y.data(), w.rows, a, std::min(b, w.rows));
+  cpu::matmul_rows(w, in, y.data(), w.rows, std::min(b, w.rows), w.rows);
+  cpu::set_kernel_level(saved);
+  return y;
+}
+
+// Activations that are unit vectors read back each weight: a product with one non-zero term
+// is exact, so every level's several-token path must return the dequantized weights bit for bit.
+TEST(CpuGemm, UnitActivationsReadBackEveryWeightExactly) {
+  for (int64_t rows : {1, 17, 47, 70})
+    for (const auto& w : every_format(rows)) {
+      const std::vector<float> wd = w->dequantized();
+      const int64_t cols = w->m.cols;
+      for (KernelLevel level : test::supported_levels())
+        for (int64_t k0 = 0; k0 < cols; k0 += 13) {  // columns k0 .. k0 + 12, one per token
+          const int64_t T = std::min<int64_t>(13, cols - k0);
+          std::vector<float> x(size_t(T * cols), 0.0f);
+          for (int64_t t = 0; t < T; ++t) x[size_t(t * cols + k0 + t)] = 1.0f;
+          const std::vector<float> y = run(w->m, x, T, true, level);
+          for (int64_t t = 0; t < T; ++t)
+            for (int64_t r = 0; r < rows; ++r)
+              ASSERT_EQ(y[size_t(t * rows + r)], wd[size_t(r * cols + k0 + t)])
+                  << w->what << " " << cpu::kernel_level_name(level) << " rows " << rows << " cols "
+                  << cols << " row " << r << " column " << k0 + t;
+        }
+    }
+}
+
+// Every token count 1 .. 13 (full and partial token blocks) and row counts around the panel
+// sizes, against float64 products output by output: within 1e-5 of the size of the terms
+// summed (sum |w| |x|). The int8 path (quantized formats) is held to its scalar level's results.
+TEST(CpuGemm, EveryTokenCountAndRowCountMatchesTheReference) {
+  for (int64_t rows : {1, 15, 17, 33, 47, 70})
+    for (const auto& w : every_format(rows)) {
+      const std::vector<float> wd = w->dequantized();
+      const int64_t cols = w->m.cols;
+      for (int64_t T = 1; T <= 13; ++T) {
+        const std::vector<float> x = gaussian(size_t(T * cols), uint32_t(T * 131 + rows));
+        std::vector<double> want(size_t(T * rows)), size(want.size());
+        for (int64_t t = 0; t < T; ++t)
+          for (int64_t r = 0; r < rows; ++r) {
+            double s = 0, a = 0;
+            for (int64_t i = 0; i < cols; ++i) {
+              const double p = double(wd[size_t(r * cols + i)]) * x[size_t(t * cols + i)];
+              s += p;
+              a += std::abs(p);
+            }
+            want[size_t(t * rows + r)] = s;
+            size[size_t(t * rows + r)] = a;
+          }
+        std::vector<float> int8_scalar;
+        if (w->quantized()) int8_scalar = run(w->m, x, T, false, KernelLevel::Scalar);
+        for (KernelLevel level : test::supported_levels()) {
+          const std::vector<float> y = run(w->m, x, T, true, level);
+          std::vector<float> y8;
+          if (w->quantized() && level != KernelLevel::Scalar) y8 = run(w->m, x, T, false, level);
+          for (size_t i = 0; i < want.size(); ++i) {
+            ASSERT_LE(std::abs(y[i] - want[i]), 1e-5 * size[i])
+                << w->what << " " << cpu::kernel_level_name(level) << " rows " << rows << " T " << T
+                << " output " << i;
+            if (!y8.empty()) {
+              ASSERT_LE(std::abs(y8[i] - int8_scalar[i]), 1e-5 * size[i] + 1e-6)
+                  << w->what << " int8 " << cpu::kernel_level_name(level) << " rows " << rows
+                  << " T " << T << " output " << i;
+            }
+          }
+        }
+      }
+    }
+}
+
+}  // namespace
+}  // namespace moestream
