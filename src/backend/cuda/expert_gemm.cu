@@ -87,10 +87,6 @@ __global__ void down_out_kernel(const DevExpert* table, const int* active, const
     y[i] = __half2float(y16[i - skip]) + (bias ? bias[i % dim] : 0.0f);
 }
 
-void check_cublas(cublasStatus_t s, const char* what) {
-  if (s != CUBLAS_STATUS_SUCCESS) fail("cuda experts: ", what, ": cuBLAS status ", int(s));
-}
-
 // Problems of one shape per group, as cuBLAS's grouped GEMM takes them: C_j (m x n_j) =
 // A_j^T (m x kdim) B_j (kdim x n_j), column-major, A_j ld kdim, B_j ld kdim, C_j ld m. Group i
 // holds `per_group` problems with n_i columns.
@@ -135,7 +131,7 @@ void run_problems(const Problems& p, GemmScratch& g, cudaStream_t s) {
       grouped_state = 1;
       return;
     }
-    if (grouped_state == 1) check_cublas(st, "grouped GEMM");
+    if (grouped_state == 1) check_cublas(st, "cublasGemmGroupedBatchedEx", __FILE__, __LINE__);
     grouped_state = -1;
     std::fprintf(stderr, "cuda: cuBLAS has no grouped FP16 GEMM here (status %d); experts multiply one by one\n",
                  int(st));
@@ -143,10 +139,9 @@ void run_problems(const Problems& p, GemmScratch& g, cudaStream_t s) {
   size_t j = 0;
   for (int i = 0; i < groups; ++i)
     for (int q = 0; q < p.per_group; ++q, ++j)
-      check_cublas(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.m, p.n[size_t(i)], p.kdim, &one, p.A[j], CUDA_R_16F,
+      MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, p.m, p.n[size_t(i)], p.kdim, &one, p.A[j], CUDA_R_16F,
                                 p.kdim, p.B[j], CUDA_R_16F, p.kdim, &zero, p.C[j], CUDA_R_16F, p.m, CUBLAS_COMPUTE_32F,
-                                CUBLAS_GEMM_DEFAULT),
-                   "GEMM");
+                                CUBLAS_GEMM_DEFAULT));
 }
 
 unsigned grid_for(int64_t n) { return unsigned(std::clamp<int64_t>((n + 255) / 256, 1, 4096)); }

@@ -137,12 +137,12 @@ __global__ void add_bias_kernel(float* out, int64_t ldo, int64_t T, int64_t n, c
   if (i < T * n) out[(i / n) * ldo + i % n] += bias[i % n];
 }
 
+
+}  // namespace
+
 void check_cublas(cublasStatus_t s, const char* what, const char* file, int line) {
   if (s != CUBLAS_STATUS_SUCCESS) fail(file, ":", line, ": ", what, ": cuBLAS status ", int(s));
 }
-#define MS_CUBLAS_CHECK(expr) check_cublas((expr), #expr, __FILE__, __LINE__)
-
-}  // namespace
 
 GemmScratch::~GemmScratch() {
   if (tile) cudaFree(tile);

@@ -31,6 +31,10 @@ bool tensor_cores_for(int64_t T);
 enum GemmArea : int { kAreaTile16, kAreaX16, kAreaExpertW16, kAreaExpertX16, kAreaExpertGate, kAreaExpertUp,
                       kAreaExpertHidden, kAreaExpertDown, kAreaExpertPointers };
 
+// A failed cuBLAS call throws Error naming the call site (like MS_CUDA_CHECK).
+void check_cublas(cublasStatus_t s, const char* what, const char* file, int line);
+#define MS_CUBLAS_CHECK(expr) ::moestream::cuda::check_cublas((expr), #expr, __FILE__, __LINE__)
+
 // Device scratch of the GEMM paths, grown to the largest size seen. `handle` computes in float32
 // (pedantic math: no TF32); `handle16` multiplies FP16 operands on the tensor cores with float32
 // accumulation.
