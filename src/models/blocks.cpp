@@ -358,7 +358,8 @@ void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const 
   be.linear(xn, next.router, nullptr, logits);
   ws.lookahead_host.resize(size_t(E));
   be.to_host(logits, ws.lookahead_host.data());
-  std::vector<int> ids(static_cast<size_t>(E));
+  std::vector<int>& ids = ws.lookahead_ids;  // kept across calls: no allocation per layer
+  ids.resize(size_t(E));
   std::iota(ids.begin(), ids.end(), 0);
   const std::vector<float>& v = ws.lookahead_host;
   std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),

@@ -70,6 +70,7 @@ struct Workspace {
   Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
   int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
   std::vector<float> lookahead_host;
+  std::vector<int> lookahead_ids;
 };
 
 // Variants of GqaAttention that a family's config selects.
