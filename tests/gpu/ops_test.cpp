@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <random>
@@ -376,6 +377,26 @@ TEST_F(Pair, LoadQuantizedRefusesMxfp4AndBadFp8) {
   EXPECT_THROW(gpu->load_quantized(hm.w, hm.s, TensorView{}, QuantFormat{8, 48, DType::F32, QuantScheme::Fp8}), Error);
   const TensorView short_scales{"w.scales", DType::F32, {8, 1}, hm.f32.data(), 8 * 4};
   EXPECT_THROW(gpu->load_quantized(hm.w, short_scales, TensorView{}, hm.quant), Error);
+}
+
+// MOESTREAM_CUDA_PROFILE=1: at the backend's end, GPU time per operation on stderr, with the
+// weight bytes read per second of each linear layer.
+TEST_F(Pair, ProfileByOperation) {
+  ::setenv("MOESTREAM_CUDA_PROFILE", "1", 1);
+  std::unique_ptr<Backend> prof = make_cuda_backend(CudaOptions{});
+  ::unsetenv("MOESTREAM_CUDA_PROFILE");
+  HostMatrix hm = make_matrix(64, 256, "bf16", 5);
+  Matrix w = load(*prof, hm, "bf16");
+  Buffer x = prof->alloc(1, 256), y = prof->alloc(1, 64);
+  for (int i = 0; i < 3; ++i) prof->linear(x, w, nullptr, y);
+  prof->rmsnorm(y, prof->load_vector(TensorView{"n", DType::F32, {64}, hm.f32.data(), 64 * 4}), 1e-6f, 64, y);
+  ::testing::internal::CaptureStderr();
+  prof.reset();
+  const std::string table = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(table.find("GPU time by operation"), std::string::npos) << table;
+  EXPECT_NE(table.find("        3 "), std::string::npos) << table;  // the three linear calls in one row
+  EXPECT_NE(table.find("linear [64 x 256 BF16] T=1"), std::string::npos) << table;
+  EXPECT_NE(table.find("rmsnorm T=1"), std::string::npos) << table;
 }
 
 }  // namespace

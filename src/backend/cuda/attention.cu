@@ -1,8 +1,9 @@
 // Rotary embeddings and attention with an online softmax over the KV cache.
 //
-// Attention: one block per (head, query token), 4 warps. Each warp takes every 4th key, keeps its
-// own running max, denominator and weighted value sum (lane owns value dims lane + 32c), and the
-// warps merge at the end. Decode and prefill run the same kernel (prefill has T x heads blocks).
+// Attention: one block per (head, query token) of W warps (16 for one query token, whose heads
+// alone make too few blocks to keep the GPU's loads in flight; 4 for prefill, which has T x heads
+// blocks). Each warp takes every W-th key, keeps its own running max, denominator and weighted
+// value sum (lane owns value dims lane + 32c), and the warps merge at the end.
 #include "backend/cuda/attention.h"
 #include "backend/cuda/common.cuh"
 
@@ -27,7 +28,8 @@ __global__ void rope_kernel(float* x, int64_t T, int64_t ld, int n_heads, int he
   v[b] = x1 * c + x0 * s;
 }
 
-constexpr int kAttnWarps = 4;
+constexpr int kAttnWarps = 4;         // warps per block for several query tokens
+constexpr int kAttnDecodeWarps = 16;  // for one
 constexpr int kMaxValueChunks = 16;  // value dims per lane: v_head_dim <= 512
 
 struct AttnArgs {
@@ -45,13 +47,13 @@ struct AttnArgs {
   const float* sinks;
 };
 
-__global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttnArgs a) {
+__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
   extern __shared__ float smem[];
   float* qs = smem;                             // [head_dim]
   float* part = smem + a.head_dim;              // per warp: m, l, then v_dim sums
   const int h = blockIdx.x, kvh = h / a.group;
   const int64_t t = blockIdx.y;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const float* qv = a.q + t * a.q_ld + int64_t(h) * a.head_dim;
   for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) qs[d] = qv[d];
   __syncthreads();
@@ -61,7 +63,7 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttnArgs a) 
   float o[kMaxValueChunks];
 #pragma unroll
   for (int c = 0; c < kMaxValueChunks; ++c) o[c] = 0.0f;
-  for (int64_t j = first + warp; j < n_keys; j += kAttnWarps) {
+  for (int64_t j = first + warp; j < n_keys; j += n_warps) {
     const float* kr = a.k_cache + j * a.kv_dim + int64_t(kvh) * a.head_dim;
     float d = 0;
     for (int i = lane; i < a.head_dim; i += 32) d = fmaf(qs[i], kr[i], d);
@@ -90,16 +92,16 @@ __global__ void __launch_bounds__(kAttnWarps * 32) attention_kernel(AttnArgs a) 
   __syncthreads();
   // Merge the warps (and the sink, which joins the denominator only).
   float mx = a.sinks ? a.sinks[h] : -INFINITY;
-  for (int w = 0; w < kAttnWarps; ++w) mx = fmaxf(mx, part[w * (2 + a.v_dim)]);
+  for (int w = 0; w < n_warps; ++w) mx = fmaxf(mx, part[w * (2 + a.v_dim)]);
   float denom = a.sinks ? expf(a.sinks[h] - mx) : 0.0f;
-  for (int w = 0; w < kAttnWarps; ++w) {
+  for (int w = 0; w < n_warps; ++w) {
     const float* pw = part + w * (2 + a.v_dim);
     if (pw[1] > 0) denom += pw[1] * expf(pw[0] - mx);
   }
   float* ov = a.out + t * a.out_ld + int64_t(h) * a.v_dim;
   for (int i = threadIdx.x; i < a.v_dim; i += blockDim.x) {
     float s = 0;
-    for (int w = 0; w < kAttnWarps; ++w) {
+    for (int w = 0; w < n_warps; ++w) {
       const float* pw = part + w * (2 + a.v_dim);
       if (pw[1] > 0) s += pw[2 + i] * expf(pw[0] - mx);
     }
@@ -141,9 +143,10 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   a.n_past = p.n_past;
   a.window = p.sliding_window;
   a.sinks = sinks;
-  const size_t smem = size_t(hd + kAttnWarps * (2 + vd)) * sizeof(float);
+  const int warps = q.rows == 1 ? kAttnDecodeWarps : kAttnWarps;
+  const size_t smem = size_t(hd + warps * (2 + vd)) * sizeof(float);
   if (q.rows == 0) return;
-  attention_kernel<<<dim3(unsigned(p.n_heads), unsigned(q.rows)), kAttnWarps * 32, smem, s>>>(a);
+  attention_kernel<<<dim3(unsigned(p.n_heads), unsigned(q.rows)), unsigned(warps) * 32, smem, s>>>(a);
   MS_CUDA_CHECK_LAUNCH();
 }
 

@@ -17,6 +17,7 @@
 #include "backend/cuda/deltanet.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/linear.h"
+#include "backend/cuda/op_profile.h"
 #include "core/quant.h"
 
 namespace moestream {
@@ -51,11 +52,15 @@ class CudaBackend final : public Backend {
     const char* sync = std::getenv("MOESTREAM_CUDA_SYNC");
     sync_ops_ = sync && *sync && std::string(sync) != "0";
     const char* graphs = std::getenv("MOESTREAM_CUDA_GRAPHS");
-    graphs_ = !(graphs && std::string(graphs) == "0");
-    tier_ = std::make_unique<ExpertTier>(opt_, compute_, copy_, gemm_, times_, sync_ops_);
+    graphs_ = !(graphs && std::string(graphs) == "0") && !prof_.on();
+    tier_ = std::make_unique<ExpertTier>(opt_, compute_, copy_, gemm_, times_, sync_ops_, prof_);
   }
 
   ~CudaBackend() override {
+    try {
+      prof_.report();
+    } catch (...) {  // a failed CUDA call at exit loses the profile, not the run
+    }
     if (capturing_) {
       cudaGraph_t g = nullptr;
       cudaStreamEndCapture(compute_, &g);
@@ -154,32 +159,37 @@ class CudaBackend final : public Backend {
       MS_CUDA_CHECK(cudaStreamBeginCapture(compute_, cudaStreamCaptureModeRelaxed));
       capturing_ = true;
     }
+    prof_.begin(compute_);
     MS_CUDA_CHECK(cudaMemcpyAsync(dev, host, size_t(T) * sizeof(int32_t), cudaMemcpyHostToDevice, compute_));
     if (!capturing_) MS_CUDA_CHECK(cudaEventRecord(staging_free_, compute_));  // a graph step ends in to_host's sync
     cuda::embed(table, dev, T, out.data, compute_);
-    op_done();
+    op_done([&] { return op_label("embed", T); });
   }
 
   void rmsnorm(const Buffer& x, const Vector& w, float eps, int64_t group, Buffer& out) override {
+    prof_.begin(compute_);
     if (group <= 0 || (x.rows * x.cols) % group || w.size < group)
       fail("rmsnorm: groups of ", group, " over [", x.rows, ", ", x.cols, "] with a weight of ", w.size);
     cuda::rmsnorm(x.data, w.data, eps, x.rows * x.cols, group, out.data, compute_);
-    op_done();
+    op_done([&] { return op_label("rmsnorm", x.rows); });
   }
 
   void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) override {
+    prof_.begin(compute_);
     if (x.cols != w.cols) fail("linear ", w.name, ": input has ", x.cols, " columns, weight expects ", w.cols);
     cuda::linear(w, x.data, x.cols, x.rows, bias ? bias->data : nullptr, out.data, w.rows, gemm_, compute_);
-    op_done();
+    op_done([&] { return weight_label("linear", w, x.rows); }, stored_bytes(w));
   }
 
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, int64_t n_past) override {
+    prof_.begin(compute_);
     cuda::rope(x, n_heads, head_dim, r, inv_freq(r), n_past, compute_);
-    op_done();
+    op_done([&] { return op_label("rope", x.rows); });
   }
 
   void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache, Buffer& v_cache,
                  const AttentionParams& p, Buffer& out) override {
+    prof_.begin(compute_);
     const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
     check_attention_args(q, k, v, k_cache, v_cache, p);
@@ -189,29 +199,33 @@ class CudaBackend final : public Backend {
       MS_CUDA_CHECK(cudaMemcpyAsync(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float),
                                     cudaMemcpyDeviceToDevice, compute_));
     cuda::attention(q, k_cache, v_cache, p, p.sinks ? p.sinks->data : nullptr, out, compute_);
-    op_done();
+    op_done([&] { return op_label("attention (cache append + attention)", q.rows); });
   }
 
   void add(Buffer& x, const Buffer& y) override {
+    prof_.begin(compute_);
     cuda::add(x.data, y.data, x.rows * x.cols, compute_);
-    op_done();
+    op_done([&] { return op_label("add", x.rows); });
   }
   void clamp(Buffer& x, float limit) override {
+    prof_.begin(compute_);
     cuda::clamp(x.data, limit, x.rows * x.cols, compute_);
-    op_done();
+    op_done([&] { return op_label("clamp", x.rows); });
   }
 
   void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to, int64_t width,
                     int64_t blocks) override {
+    prof_.begin(compute_);
     if (src.rows != dst.rows || from.offset + (blocks - 1) * from.stride + width > src.cols ||
         to.offset + (blocks - 1) * to.stride + width > dst.cols)
       fail("copy_columns: ", blocks, " blocks of ", width, " do not fit [", src.rows, ", ", src.cols, "] -> [",
            dst.rows, ", ", dst.cols, "]");
     cuda::copy_columns(src, from, dst, to, width, blocks, compute_);
-    op_done();
+    op_done([&] { return op_label("copy_columns", src.rows); });
   }
 
   void linear_per_head(const Buffer& x, std::span<const Matrix> w, Buffer& out) override {
+    prof_.begin(compute_);
     const int64_t H = int64_t(w.size()), in = H ? w[0].cols : 0, n_out = H ? w[0].rows : 0;
     if (x.cols != H * in || out.cols != H * n_out || x.rows != out.rows)
       fail("linear_per_head: ", H, " heads of [", n_out, ", ", in, "] do not fit input [", x.rows, ", ", x.cols,
@@ -219,10 +233,11 @@ class CudaBackend final : public Backend {
     for (int64_t h = 0; h < H; ++h)
       cuda::linear(w[size_t(h)], x.data + h * in, x.cols, x.rows, nullptr, out.data + h * n_out, out.cols, gemm_,
                    compute_);
-    op_done();
+    op_done([&] { return weight_label("linear_per_head", w[0], x.rows) + " x" + std::to_string(w.size()); }, stored_bytes(w[0]) * double(w.size()));
   }
 
   void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) override {
+    prof_.begin(compute_);
     const int64_t T = x.rows, inter = w.gate.rows;
     float* g = scratch_.get(kMlpGate, size_t(T * inter));
     float* u = scratch_.get(kMlpUp, size_t(T * inter));
@@ -230,20 +245,22 @@ class CudaBackend final : public Backend {
     cuda::linear(w.up, x.data, x.cols, T, w.up_bias ? w.up_bias.data : nullptr, u, inter, gemm_, compute_);
     cuda::expert_activation(g, u, T, inter, nullptr, nullptr, MoeParams{}, compute_);
     cuda::linear(w.down, g, inter, T, w.down_bias ? w.down_bias.data : nullptr, out.data, out.cols, gemm_, compute_);
-    op_done();
+    op_done([&] { return weight_label("mlp gate/up/down", w.gate, x.rows); }, stored_bytes(w.gate) + stored_bytes(w.up) + stored_bytes(w.down));
   }
 
   void sigmoid_gate(Buffer& y, const Buffer& gate) override {
+    prof_.begin(compute_);
     if (gate.rows != y.rows || (gate.cols != 1 && gate.cols != y.cols))
       fail("sigmoid_gate: gate [", gate.rows, ", ", gate.cols, "] does not fit [", y.rows, ", ", y.cols, "]");
     cuda::sigmoid_gate(y.data, y.rows, y.cols, gate.data, gate.cols, compute_);
-    op_done();
+    op_done([&] { return op_label("sigmoid_gate", y.rows); });
   }
 
   void gated_delta_net(const Buffer& qkv, const Buffer& z, const Buffer& b, const Buffer& a, const DeltaNetWeights& w,
                        const DeltaNetParams& p, DeltaNetState& state, Buffer& out) override {
+    prof_.begin(compute_);
     cuda::gated_delta_net(qkv, z, b, a, w, p, state, out, deltanet_scratch_, compute_);
-    op_done();
+    op_done([&] { return op_label("gated_delta_net", qkv.rows); });
   }
 
   void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) override {
@@ -298,11 +315,16 @@ class CudaBackend final : public Backend {
     ++graph_steps_;
   }
 
-  void op_done() {
+  // Ends an operation: its profile entry (label() is called only when profiling) and, with
+  // MOESTREAM_CUDA_SYNC, the wait for it.
+  template <class Label>
+  void op_done(Label&& label, double bytes = 0) {
+    if (prof_.on()) prof_.end(compute_, label(), bytes);
     if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
   }
 
   CudaOptions opt_;
+  OpProfile prof_;  // MOESTREAM_CUDA_PROFILE: GPU time per operation, printed at exit
   bool sync_ops_ = false;
   bool graphs_ = true;          // MOESTREAM_CUDA_GRAPHS=0 turns decode-step graphs off
   bool capturing_ = false;

@@ -81,8 +81,9 @@ void PinnedPool::free(void* p) {
 // --- the tier ------------------------------------------------------------------------------------
 
 ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
-                       PhaseTimes& times, bool sync_ops)
-    : opt_(options), compute_(compute), copy_(copy), gemm_(gemm), times_(times), sync_ops_(sync_ops) {
+                       PhaseTimes& times, bool sync_ops, OpProfile& profile)
+    : opt_(options), compute_(compute), copy_(copy), gemm_(gemm), times_(times), sync_ops_(sync_ops),
+      prof_(profile) {
   MS_CUDA_CHECK(cudaEventCreate(&copy_start_));
   MS_CUDA_CHECK(cudaEventCreate(&copy_done_));
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
@@ -231,18 +232,22 @@ void ExpertTier::settle_copies() {
 
 void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
   if (x.rows == 0) return;
+  prof_.begin(compute_);
   Call c = route(x, router, p, out);
+  if (prof_.on()) prof_.end(compute_, weight_label("moe router + top-k", router, x.rows), stored_bytes(router));
   ScopedTimer compute(times_.expert_compute);
   if (c.resident) {
     run_resident(c);
     return;
   }
+  prof_.begin(compute_);
   read_selection(c);
   HostGroups h = host_groups(c);
   split_hits_and_misses(c);
   launch_hits(c, h);
   fetch_misses(c, h, experts);
   combine_through_host(c, h);
+  if (prof_.on()) prof_.end(compute_, op_label("moe experts + combine, tiered (host round trip)", x.rows));
 }
 
 // Router logits and each token's top k on the GPU (float32 activations, like the CPU), and the
@@ -313,8 +318,11 @@ void ExpertTier::run_resident(Call& c) {
   b.count_on_device = true;
   b.a_begin = 0;
   b.a_end = int(std::min<int64_t>(c.E, c.pairs));
+  b.profile = &prof_;
   cuda::run_experts(b, compute_);
+  prof_.begin(compute_);
   cuda::combine(b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
+  if (prof_.on()) prof_.end(compute_, op_label("moe combine", c.T));
   op_done();
 }
 

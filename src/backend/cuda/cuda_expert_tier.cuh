@@ -25,6 +25,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/linear.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/op_profile.h"
 
 namespace moestream::cuda {
 
@@ -79,10 +80,10 @@ class HostStaging {
 // stream; expert copies on its copy stream. The slot arena is sized at the first expert seen.
 class ExpertTier {
  public:
-  // gemm and times belong to the backend and outlive the tier. sync_ops: wait for the GPU at the
-  // end of each call, as the backend does after every operation (MOESTREAM_CUDA_SYNC).
+  // gemm, times and profile belong to the backend and outlive the tier. sync_ops: wait for the
+  // GPU at the end of each call, as the backend does after every operation (MOESTREAM_CUDA_SYNC).
   ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
-             PhaseTimes& times, bool sync_ops);
+             PhaseTimes& times, bool sync_ops, OpProfile& profile);
   ~ExpertTier();
   ExpertTier(const ExpertTier&) = delete;
   ExpertTier& operator=(const ExpertTier&) = delete;
@@ -156,6 +157,7 @@ class ExpertTier {
   GemmScratch& gemm_;
   PhaseTimes& times_;
   bool sync_ops_ = false;
+  OpProfile& prof_;
   Scratch scratch_;
   HostStaging staging_;
   cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr;

@@ -580,6 +580,8 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
   const size_t limit = max_gemv_smem();
   // One token: the single-token kernels where they read the format (x rows 16-byte aligned).
   const bool one = b.one_token && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;
+  const bool prof = b.profile && b.profile->on();
+  if (prof) b.profile->begin(s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (one_token_kind(KIND)) {
       const size_t smem = size_t(padded_cols(b.dim)) * sizeof(float);
@@ -606,6 +608,10 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
                                  gemv_smem_bytes(b.dim, ga.nt_max), s>>>(ga);
     MS_CUDA_CHECK_LAUNCH();
   });
+  if (prof) {
+    b.profile->end(s, experts_label("moe gate/up", b.inter, b.dim, n_blocks, one));
+    b.profile->begin(s);
+  }
   dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (one_token_kind(KIND)) {
       const size_t smem = size_t(padded_cols(b.inter)) * sizeof(float);
@@ -637,6 +643,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
                               gemv_smem_bytes(b.inter, da.nt_max), s>>>(da);
     MS_CUDA_CHECK_LAUNCH();
   });
+  if (prof) b.profile->end(s, experts_label("moe down", b.dim, b.inter, n_blocks, one));
 }
 
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,

@@ -9,6 +9,7 @@
 
 #include "backend/backend.h"
 #include "backend/cuda/linear.h"
+#include "backend/cuda/op_profile.h"
 #include "backend/cuda/weights.cuh"
 
 namespace moestream::cuda {
@@ -56,6 +57,7 @@ struct ExpertBatch {
   // is resident, the budgets) does not change how any expert is computed.
   bool tensor_cores = false;
   GemmScratch* gemm = nullptr;
+  OpProfile* profile = nullptr;  // when profiling: the gate/up and down kernels as entries of their own
 };
 // hidden = act(gate x, up x) and y = down hidden for every (token, expert) row of the batch.
 // Calls that take the tensor cores (use_expert_gemm) go to run_experts_gemm.
