@@ -1,7 +1,9 @@
 // A profile of GPU time by operation (MOESTREAM_CUDA_PROFILE=1): every backend operation, and each
 // step of the MoE layer, is bracketed by two CUDA events on the compute stream; at exit the times
 // are summed per label and printed to stderr, the slowest first, with the bytes of weights each
-// read per second where the label has them. Decode-step graphs are off while it runs (events
+// read per second where the label has them. The first call of each label is shown apart and left
+// out of the averages: it carries one-time costs (cuBLAS handles, lazy loading of kernels, the
+// first touch of a buffer). Decode-step graphs are off while it runs (events
 // between kernels cost ~1 us of GPU time each), so the total is a little above an unprofiled run.
 #pragma once
 
@@ -38,8 +40,9 @@ class OpProfile {
     double bytes;
   };
   struct Sum {
-    uint64_t calls = 0;
+    uint64_t calls = 0;     // after the first
     double ms = 0, bytes = 0;
+    double first_ms = -1;   // the first call's time
   };
   cudaEvent_t event();
   void harvest();  // waits for the pending events and adds their times
