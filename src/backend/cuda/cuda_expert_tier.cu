@@ -446,7 +446,21 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   size_t selected_loaded = 0;
   int e;
   MlpWeights w;
-  while (experts.next(e, w)) {
+  // A failed read (next() throws) has made the provider drop the request and unpin its slots, so
+  // the host slots of this call's copies may be reused by its next request: the copies in flight
+  // finish first. Experts already copied stay in VRAM (a later launch uploads the table row); the
+  // failed one took no slot, so its layer is never complete after the failure.
+  auto next = [&]() {
+    try {
+      return experts.next(e, w);
+    } catch (...) {
+      cudaStreamSynchronize(copy_);
+      deferred.clear();
+      h.copies = false;
+      throw;
+    }
+  };
+  while (next()) {
     if (!tier_ready_) {
       const char* lo;
       const char* hi;
