@@ -570,7 +570,13 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
   const int n_blocks = b.a_end - b.a_begin;
   if (n_blocks <= 0) return;
   if (b.tensor_cores && b.gemm) {
-    run_experts_gemm(b, s);
+    const bool prof = b.profile && b.profile->on(), mma = experts_mma_supported(b);
+    if (prof) b.profile->begin(s);
+    if (mma) run_experts_mma(b, s);
+    else run_experts_gemm(b, s);
+    if (prof)
+      b.profile->end(s, experts_label(mma ? "moe experts, fused tensor-core kernels" : "moe experts, cuBLAS FP16 GEMMs",
+                                      b.inter, b.dim, n_blocks, false));
     return;
   }
   ExpertArgs a;

@@ -73,6 +73,12 @@ void run_experts(const ExpertBatch& b, cudaStream_t s);
 // rows per selected expert, T * k / min(E, T * k), reach 8 (MOESTREAM_CUDA_EXPERT_GEMM_ROWS moves
 // the bound; tests force the path with 1) and dim and inter are multiples of 8.
 bool use_expert_gemm(int64_t T, int k, int E, int64_t dim, int64_t inter);
+// The same batches through fused kernels (expert_mma.cu): weights dequantized into shared memory
+// and multiplied with WMMA, no FP16 copy in HBM and no host round trip. Taken for calls that take
+// the tensor cores when dim and inter are multiples of 32 (MOESTREAM_CUDA_EXPERT_MMA=0: the
+// cuBLAS path instead).
+bool experts_mma_supported(const ExpertBatch& b);
+void run_experts_mma(const ExpertBatch& b, cudaStream_t s);
 void run_experts_gemm(const ExpertBatch& b, cudaStream_t s);
 // out[t] = sum_i sel_w[t, i] * y[row_of[t * k + i]]
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,
