@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cpu/kernels.h"
 #include "backend/kv_cache.h"
 #include "core/error.h"
 #include "core/quant.h"
@@ -172,6 +173,27 @@ TEST(KvCache, EachTypeAttendsLikeFloat32WithinItsBound) {
       EXPECT_GT(err, 0) << kv_type_name(t);
     }
   }
+}
+
+TEST(KvCache, EveryKernelLevelAttendsAlike) {
+  // The packed rows are unpacked, then go through the f32 path's dot and axpy kernels at the
+  // level in use: every level within float rounding of the scalar one, for every type and a ring.
+  const std::vector<int64_t> calls{9, 1, 4};
+  const cpu::KernelLevel saved = cpu::kernel_level();
+  for (KvType t : {KvType::F32, KvType::BF16, KvType::F16, KvType::Fp8, KvType::Q8}) {
+    KvCacheSpec kv;
+    kv.type = t;
+    kv.window = 5;
+    kv.sinks = 1;
+    cpu::set_kernel_level(cpu::KernelLevel::Scalar);
+    const std::vector<float> scalar = run_attention({}, kv, calls, 32);
+    for (cpu::KernelLevel level : test::supported_levels()) {
+      cpu::set_kernel_level(level);
+      EXPECT_LE(test::relative_error(run_attention({}, kv, calls, 32), scalar), 1e-5)
+          << kv_type_name(t) << " " << cpu::kernel_level_name(level);
+    }
+  }
+  cpu::set_kernel_level(saved);
 }
 
 TEST(KvCache, WindowedAttentionEqualsTheMaskedFullCache) {
