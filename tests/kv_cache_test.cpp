@@ -65,6 +65,13 @@ TEST(KvCache, PackedRowsRoundTripWithinTheirPrecision) {
       }
     }
   }
+  // Out of f16's range: the largest finite value, not an infinity.
+  const float big[2] = {1e6f, -1e6f};
+  float packed16[1], back16[2];
+  kv_store_row(KvType::F16, big, 2, 1, packed16);
+  kv_load(KvType::F16, packed16, 2, 1, 0, 2, back16);
+  EXPECT_EQ(back16[0], 65504.0f);
+  EXPECT_EQ(back16[1], -65504.0f);
   EXPECT_EQ(kv_row_words(KvType::Q8, 128, 2), 2 + 32);
   EXPECT_EQ(kv_row_words(KvType::BF16, 3, 1), 2);
   EXPECT_EQ(kv_row_words(KvType::Fp8, 0, 4), 0);

@@ -72,7 +72,9 @@ void kv_store_row(KvType t, const float* row, int64_t cols, int64_t heads, float
     case KvType::BF16:
     case KvType::F16: {
       auto* out = reinterpret_cast<uint16_t*>(dst);
-      for (int64_t i = 0; i < cols; ++i) out[i] = t == KvType::BF16 ? f32_to_bf16(row[i]) : f32_to_f16(row[i]);
+      // f16 saturates at +-65504 rather than overflow to an infinity that would poison every score.
+      for (int64_t i = 0; i < cols; ++i)
+        out[i] = t == KvType::BF16 ? f32_to_bf16(row[i]) : f32_to_f16(std::clamp(row[i], -65504.0f, 65504.0f));
       if (cols % 2) out[cols] = 0;
       return;
     }

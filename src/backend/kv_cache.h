@@ -2,7 +2,7 @@
 // --kv-sinks). A cache is a Buffer of 32-bit words, one row per kept position; a row packs the
 // `cols` values of one token's keys (or values) in `heads` heads:
 //   f32        cols floats (the historical layout, read as it is)
-//   bf16, f16  cols 16-bit values, two per word
+//   bf16, f16  cols 16-bit values, two per word (f16 saturating at +-65504)
 //   fp8, q8    heads float32 scales (one per head: max|x| / 448 for E4M3 codes, max|x| / 127 for
 //              int8 codes), then cols 1-byte codes, four per word
 // So copy_rows, snapshots and bytes() work on caches of any type unchanged.

@@ -189,7 +189,7 @@ __global__ void kv_pack_kernel(const float* x, int64_t ld, int64_t cols, int hea
         const uint32_t b = __float_as_uint(v);
         out[i] = isnan(v) ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
       } else {
-        out[i] = __half_as_ushort(__float2half_rn(v));
+        out[i] = __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -65504.0f), 65504.0f)));
       }
     }
   } else {
