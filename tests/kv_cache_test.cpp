@@ -13,6 +13,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "backend/kv_cache.h"
+#include "core/dtype.h"
 #include "core/error.h"
 #include "core/quant.h"
 #include "models/model.h"
@@ -38,6 +39,22 @@ TEST(KvCache, Fp8EncoderIsTheNearestCode) {
   }
   EXPECT_EQ(table[f32_to_fp8_e4m3(1e6f)], 448.0f);
   EXPECT_EQ(table[f32_to_fp8_e4m3(-1e6f)], -448.0f);
+}
+
+TEST(KvCache, F16RowsUnpackAsTheScalarConversion) {
+  std::vector<uint16_t> codes(65536);
+  for (size_t i = 0; i < codes.size(); ++i) codes[i] = uint16_t(i);
+  std::vector<float> got(codes.size());
+  kv_load(KvType::F16, reinterpret_cast<const float*>(codes.data()), int64_t(codes.size()), 1, 0,
+          int64_t(codes.size()), got.data());
+  for (size_t i = 0; i < codes.size(); ++i) {
+    const float want = f16_to_f32(codes[i]);
+    if (std::isnan(want)) {
+      EXPECT_TRUE(std::isnan(got[i])) << i;
+    } else {
+      EXPECT_EQ(got[i], want) << i;
+    }
+  }
 }
 
 TEST(KvCache, PackedRowsRoundTripWithinTheirPrecision) {

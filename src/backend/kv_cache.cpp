@@ -1,6 +1,7 @@
 #include "backend/kv_cache.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <cstring>
 
@@ -108,8 +109,10 @@ void kv_load(KvType t, const float* packed, int64_t cols, int64_t heads, int64_t
       return;
     }
     case KvType::F16: {
+      // The compiler's half-precision conversion (one instruction a vector with F16C), exact as
+      // f16_to_f32.
       const auto* in = reinterpret_cast<const uint16_t*>(packed) + c0;
-      for (int64_t i = 0; i < n; ++i) out[i] = f16_to_f32(in[i]);
+      for (int64_t i = 0; i < n; ++i) out[i] = float(std::bit_cast<_Float16>(in[i]));
       return;
     }
     case KvType::Fp8: {

@@ -40,13 +40,16 @@ void attention_kv(ThreadPool& pool, const Buffer& q, const Buffer& k, const Buff
   const int64_t v_cols = p.values_in_keys ? kv_dim : v_dim, v_head = p.values_in_keys ? hd : vd;
   const int group = p.n_heads / H;
 
-  pool.parallel_for(size_t(T * p.n_heads), [&](size_t i0, size_t i1) {
-    thread_local std::vector<float> scores, row;
+  // One work item per (token, kv head): each visible key and value row is unpacked once and used
+  // by the `group` query heads that share it. Per head the arithmetic is the f32 path's: the same
+  // dot_f32 and axpy calls in the same order.
+  pool.parallel_for(size_t(T * H), [&](size_t i0, size_t i1) {
+    thread_local std::vector<float> scores, row, sums;
     thread_local std::vector<int64_t> keys;
     row.resize(size_t(std::max(hd, vd)));
     for (size_t i = i0; i < i1; ++i) {
-      const int64_t t = int64_t(i) / p.n_heads;
-      const int h = int(int64_t(i) % p.n_heads), kvh = h / group;
+      const int64_t t = int64_t(i) / H;
+      const int kvh = int(int64_t(i) % H), h0 = kvh * group;
       const int64_t pos = p.n_past + t, n_keys = pos + 1;
       // Visible keys: the model's own sliding window, then the KV window (sinks + latest).
       const int64_t first = p.sliding_window > 0 ? std::max<int64_t>(0, n_keys - p.sliding_window) : 0;
@@ -58,22 +61,30 @@ void attention_kv(ThreadPool& pool, const Buffer& q, const Buffer& k, const Buff
       } else {
         for (int64_t j = first; j < n_keys; ++j) keys.push_back(j);
       }
-      scores.resize(keys.size());
-      const float* qv = q.data + t * q.cols + int64_t(h) * hd;
-      const float sink = p.sinks ? p.sinks->data[h] : -INFINITY;
-      float mx = sink;
-      for (size_t n = 0; n < keys.size(); ++n) {
-        kv_load(kv.type, k_row(keys[n]), kv_dim, H, int64_t(kvh) * hd, hd, row.data());
-        scores[n] = dot_f32(qv, row.data(), hd) * p.scale;
-        mx = std::max(mx, scores[n]);
+      const size_t n = keys.size();
+      scores.resize(n * size_t(group));  // [head g][key]
+      for (size_t m = 0; m < n; ++m) {
+        kv_load(kv.type, k_row(keys[m]), kv_dim, H, int64_t(kvh) * hd, hd, row.data());
+        for (int g = 0; g < group; ++g)
+          scores[size_t(g) * n + m] = dot_f32(q.data + t * q.cols + int64_t(h0 + g) * hd, row.data(), hd) * p.scale;
       }
-      float sum = p.sinks ? std::exp(sink - mx) : 0.0f;
-      for (float& s : scores) sum += (s = std::exp(s - mx));
-      float* o = out.data + t * out.cols + int64_t(h) * vd;
-      std::fill(o, o + vd, 0.0f);
-      for (size_t n = 0; n < keys.size(); ++n) {
-        kv_load(kv.type, v_row(keys[n]), v_cols, H, int64_t(kvh) * v_head, vd, row.data());
-        axpy(scores[n] / sum, row.data(), o, vd);
+      sums.assign(size_t(group), 0.0f);
+      for (int g = 0; g < group; ++g) {
+        float* sc = scores.data() + size_t(g) * n;
+        const float sink = p.sinks ? p.sinks->data[h0 + g] : -INFINITY;
+        float mx = sink;
+        for (size_t m = 0; m < n; ++m) mx = std::max(mx, sc[m]);
+        float sum = p.sinks ? std::exp(sink - mx) : 0.0f;
+        for (size_t m = 0; m < n; ++m) sum += (sc[m] = std::exp(sc[m] - mx));
+        sums[size_t(g)] = sum;
+        float* o = out.data + t * out.cols + int64_t(h0 + g) * vd;
+        std::fill(o, o + vd, 0.0f);
+      }
+      for (size_t m = 0; m < n; ++m) {
+        kv_load(kv.type, v_row(keys[m]), v_cols, H, int64_t(kvh) * v_head, vd, row.data());
+        for (int g = 0; g < group; ++g)
+          axpy(scores[size_t(g) * n + m] / sums[size_t(g)], row.data(),
+               out.data + t * out.cols + int64_t(h0 + g) * vd, vd);
       }
     }
   });
