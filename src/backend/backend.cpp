@@ -79,12 +79,18 @@ void check_attention_args(const Buffer& q, const Buffer& k, const Buffer& v, con
                           const Buffer& v_cache, const AttentionParams& p) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
-  if (p.n_past + T > k_cache.rows)
+  const KvCacheSpec& kv = p.kv;
+  if (kv.window < 0 || kv.sinks < 0 || (kv.window == 0 && kv.sinks > 0))
+    fail("attention: KV window ", kv.window, " with ", kv.sinks, " sinks (sinks need a window > 0)");
+  const bool ring = kv.window > 0 && kv.ring && k_cache.rows == kv.sinks + kv.window;
+  if (!ring && p.n_past + T > k_cache.rows)
     fail("context full: ", p.n_past + T, " positions needed, cache holds ", k_cache.rows);
-  if (k.cols != kv_dim || k_cache.cols != kv_dim ||
-      (p.values_in_keys ? vd > hd : v.cols != v_dim || v_cache.cols != v_dim))
-    fail("attention: k/v widths ", k.cols, "/", v.cols, " (caches ", k_cache.cols, "/", v_cache.cols,
-         ") do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
+  const int64_t k_words = kv_row_words(kv.type, kv_dim, p.n_kv_heads);
+  const int64_t v_words = kv_row_words(kv.type, v_dim, p.n_kv_heads);
+  if (k.cols != kv_dim || k_cache.cols != k_words ||
+      (p.values_in_keys ? vd > hd : v.cols != v_dim || v_cache.cols != v_words || v_cache.rows != k_cache.rows))
+    fail("attention: k/v widths ", k.cols, "/", v.cols, " (", kv_type_name(kv.type), " caches ", k_cache.cols, "/",
+         v_cache.cols, " words) do not match ", p.n_kv_heads, " heads of ", hd, "/", vd);
 }
 
 }  // namespace moestream

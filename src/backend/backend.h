@@ -18,6 +18,7 @@
 #include "core/quant_format.h"
 #include "core/tensor.h"
 #include "core/timing.h"
+#include "backend/kv_cache.h"
 
 namespace moestream {
 
@@ -81,6 +82,9 @@ struct AttentionParams {
   const Vector* sinks = nullptr;  // per-head logit that joins each softmax denominator (gpt-oss)
   // Values are the first v_head_dim columns of each key head (MLA's latent): v and v_cache unused.
   bool values_in_keys = false;
+  // How the caches store rows (backend/kv_cache.h): their cols are kv_row_words of the type, and
+  // with a window their rows a ring (position j in row kv_slot(kv, j)).
+  KvCacheSpec kv;
 };
 
 enum class RouterKind {
@@ -155,9 +159,9 @@ Matrix quantized_matrix_view(const TensorView& words, const TensorView& scales, 
 void check_copy_rows(const Buffer& src, const Buffer& dst, int64_t rows);
 // embed: out holds a row of table.cols per token, and every token id is a row of table.
 void check_embed_args(std::span<const int32_t> tokens, const Matrix& table, const Buffer& out);
-// Fails naming the mismatch unless the cache has room for q's T new positions after p.n_past and
-// k, v and the caches have the widths p's heads give (v unused when p.values_in_keys). Every
-// backend's attention() checks its arguments with it.
+// Fails naming the mismatch unless the cache has room for q's T new positions after p.n_past (a
+// ring always has) and k, v and the caches have the widths p's heads and p.kv give (v unused when
+// p.values_in_keys). Every backend's attention() checks its arguments with it.
 void check_attention_args(const Buffer& q, const Buffer& k, const Buffer& v, const Buffer& k_cache,
                           const Buffer& v_cache, const AttentionParams& p);
 
@@ -196,8 +200,9 @@ class Backend {
   virtual void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) = 0;
   // Rotates each head of x (T, n_heads * head_dim) at positions n_past + t.
   virtual void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) = 0;
-  // Appends k, v (T, kv_dim) to the caches at rows n_past.., then causal attention of q
-  // (T, n_heads * head_dim) over cache rows [0, n_past + t]: out (T, n_heads * head_dim).
+  // Appends k, v (T, kv_dim) to the caches at positions n_past.. (stored as p.kv says), then causal
+  // attention of q (T, n_heads * head_dim) over positions [0, n_past + t] (those p.kv's window
+  // keeps): out (T, n_heads * head_dim).
   virtual void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
                          Buffer& v_cache, const AttentionParams& p, Buffer& out) = 0;
   virtual void add(Buffer& x, const Buffer& y) = 0;  // x += y

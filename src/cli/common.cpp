@@ -130,6 +130,22 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_option("--host-expert-mb", e.cache_mb,
                  "CUDA: pinned RAM for experts between disk and VRAM, in MB (the same budget as --expert-cache-mb)")
       ->check(kNonNegative);
+  cmd.add_option_function<std::string>(
+         "--kv-type",
+         [this](const std::string& name) {
+           if (!parse_kv_type(name, options.kv.type))
+             throw CLI::ValidationError("--kv-type", "'" + name + "' is not a KV cache type (f32, bf16, f16, fp8, q8)");
+         },
+         "How the KV cache stores keys and values: f32 (default, exact) | bf16 | f16 | fp8 | q8 (docs/PERFORMANCE.md "
+         "has their quality)")
+      ->type_name("TYPE");
+  auto* window = cmd.add_option("--kv-window", options.kv.window,
+                                "Lossy: attention keeps only the latest N positions (plus --kv-sinks), in a cache "
+                                "of that many rows whatever the length (default: every position)")
+                     ->check(kPositive);
+  cmd.add_option("--kv-sinks", options.kv.sinks, "With --kv-window: also keep the first S positions (default 0)")
+      ->check(kNonNegative)
+      ->needs(window);
   cmd.add_flag("--stats", stats, "Print one JSON line of statistics on stderr at the end");
   cmd.add_flag("--timing", timing, "Print time per phase on stderr at the end");
 }
@@ -204,6 +220,12 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
         {"expert_budget_bytes", s.budget_bytes},
         {"weight_bytes", model.info().weight_bytes}};
     j["device"] = model.backend().name();
+    // KV bytes per position of context: what one more position adds to a fresh sequence (with a
+    // window, until the ring is full; after that nothing).
+    const KvCacheSpec& kv = flags.options.kv;
+    j["kv_type"] = kv_type_name(kv.type);
+    j["kv_bytes_per_token"] = model.new_sequence(2)->bytes() - model.new_sequence(1)->bytes();
+    if (kv.window > 0) j["kv_ring_positions"] = kv.sinks + kv.window;
     if (const auto g = gpu_tier_stats(model.backend())) {
       const uint64_t n = g->hits + g->misses;
       j["vram_expert_hits"] = g->hits;

@@ -220,6 +220,7 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& 
   AttentionParams p = params;
   p.n_past = n_past;
   p.sinks = sinks ? &sinks : nullptr;
+  p.kv = ws.kv;
   Buffer attn = ws.attn_out.rows_view(0, T);
   attn.cols = q.cols;
   be.attention(q, k, v, k_cache, v_cache, p, attn);
@@ -268,14 +269,15 @@ void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManif
       dense_bytes + (n_moe ? expert_bytes / (n_moe * n_experts) * n_moe * top_k : 0);
 }
 
-KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim)
-    : KvSequence(be, n_layers, capacity, kv_dim, kv_dim) {}
+KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim, const KvCacheSpec& kv, int heads)
+    : KvSequence(be, n_layers, capacity, kv_dim, kv_dim, kv, heads) {}
 
-KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim)
-    : be_(be), capacity_(capacity), k_dim_(k_dim), v_dim_(v_dim) {
+KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim,
+                       const KvCacheSpec& kv, int heads)
+    : be_(be), capacity_(capacity), k_dim_(k_dim), v_dim_(v_dim), kv_(kv), heads_(heads) {
   for (int l = 0; l < n_layers; ++l) {
-    k.push_back(be.alloc(capacity, k_dim));
-    v.push_back(be.alloc(capacity, v_dim));
+    k.push_back(alloc_kv_cache(be, kv, capacity, k_dim, heads));
+    v.push_back(alloc_kv_cache(be, kv, capacity, v_dim, heads));
   }
 }
 
@@ -286,7 +288,7 @@ KvSequence::~KvSequence() {
 
 std::unique_ptr<SequenceState> KvSequence::clone(int64_t capacity) const {
   if (capacity < n_past) fail("clone: capacity ", capacity, " cannot hold the ", n_past, " positions computed");
-  auto copy = std::make_unique<KvSequence>(be_, int(k.size()), capacity, k_dim_, v_dim_);
+  auto copy = std::make_unique<KvSequence>(be_, int(k.size()), capacity, k_dim_, v_dim_, kv_, heads_);
   copy->restore(*this);
   return copy;
 }
@@ -296,14 +298,26 @@ void KvSequence::restore(const SequenceState& snapshot) {
   const auto* s = dynamic_cast<const KvSequence*>(&snapshot);
   if (!s) fail("restore: the snapshot is not a KV-cache sequence state (it comes from another model)");
   check_restore(be_, s->be_, capacity_, s->n_past);
-  copy_state_rows(be_, s->k, k, s->n_past, "K cache");
-  copy_state_rows(be_, s->v, v, s->n_past, "V cache");
+  const int64_t rows = kv_rows_used(s->k, s->n_past);
+  copy_state_rows(be_, s->k, k, rows, "K cache");
+  copy_state_rows(be_, s->v, v, rows, "V cache");
   n_past = s->n_past;
 }
 
+bool KvSequence::can_truncate(int64_t n) const {
+  return kv_can_truncate(kv_, k.empty() ? capacity_ : k[0].rows, n, n_past);
+}
+
 void KvSequence::truncate(int64_t n) {
+  if (n >= 0 && n <= n_past && !can_truncate(n))
+    fail("truncate: the KV window's ring has reused rows that position ", n, " reads (n_past ", n_past,
+         "); restore a snapshot taken at that length instead");
   if (!can_truncate(n)) fail_truncate(n, n_past);
   n_past = n;
+}
+
+Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int64_t cols, int heads) {
+  return be.alloc(kv_cache_rows(kv, capacity), kv_row_words(kv.type, cols, heads));
 }
 
 int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }

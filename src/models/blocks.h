@@ -3,6 +3,7 @@
 // that puts them together is in moe_decoder.h.
 #pragma once
 
+#include <algorithm>
 #include <functional>
 #include <memory>
 #include <string>
@@ -69,6 +70,7 @@ struct Workspace {
   Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
   Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
   int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
+  KvCacheSpec kv;                   // ModelOptions::kv: how attention layers store K and V
   std::vector<float> lookahead_host;
   std::vector<int> lookahead_ids;
 };
@@ -100,13 +102,15 @@ struct GqaAttention {
                int64_t n_past, const RopeTable& rope, Buffer& out) const;
 };
 
-// The KV cache of a decoder-only model: one K and one V buffer [capacity, kv_dim] per layer
-// (V [capacity, v_dim] where values are narrower than keys). Rows at n_past and beyond are never
-// read, so truncation only moves n_past and a snapshot copies n_past rows per buffer.
+// The KV cache of a decoder-only model: one K and one V buffer per layer, rows of
+// kv_row_words(kv.type, k_dim, heads) words (V: v_dim, where values are narrower than keys), one
+// per position, or with a KV window sinks + window rows (a ring). Rows at n_past and beyond are
+// never read, so truncation only moves n_past and a snapshot copies n_past rows per buffer.
 class KvSequence : public SequenceState {
  public:
-  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim);
-  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim);
+  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim, const KvCacheSpec& kv = {}, int heads = 1);
+  KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_dim, int64_t v_dim, const KvCacheSpec& kv,
+             int heads);
   ~KvSequence() override;
   KvSequence(const KvSequence&) = delete;
   KvSequence& operator=(const KvSequence&) = delete;
@@ -114,7 +118,7 @@ class KvSequence : public SequenceState {
   using SequenceState::clone;
   std::unique_ptr<SequenceState> clone(int64_t capacity) const override;
   void restore(const SequenceState& snapshot) override;
-  bool can_truncate(int64_t n) const override { return n >= 0 && n <= n_past; }
+  bool can_truncate(int64_t n) const override;
   void truncate(int64_t n) override;
   int64_t bytes() const override;
   std::vector<Buffer> k, v;
@@ -122,7 +126,18 @@ class KvSequence : public SequenceState {
  private:
   Backend& be_;
   int64_t capacity_, k_dim_, v_dim_;
+  KvCacheSpec kv_;
+  int heads_;
 };
+
+// One layer's K or V cache for capacity positions of cols values in heads heads, stored as kv says.
+Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int64_t cols, int heads);
+// Rows of a snapshot at n_past that hold its positions (all n_past, or the whole ring once it wrapped).
+inline int64_t kv_rows_used(const std::vector<Buffer>& caches, int64_t n_past) {
+  for (const Buffer& b : caches)
+    if (b.data) return std::min(n_past, b.rows);
+  return n_past;
+}
 
 // Helpers for SequenceState implementations. Buffers with data == nullptr (a layer without that
 // kind of state) are skipped; `what` names the buffers in errors ("K cache", "conv state").

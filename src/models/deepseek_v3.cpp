@@ -145,7 +145,9 @@ class DeepseekV3 final : public DecoderModel {
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
     // Keys [c, k_rope]; values are c, read from the key rows (no V cache).
-    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, cfg_.kv_lora_rank + cfg_.rope_dim, 0);
+    // Compact types scale each latent row as one head.
+    return std::make_unique<KvSequence>(*backend_, cfg_.n_layers, capacity, cfg_.kv_lora_rank + cfg_.rope_dim, 0,
+                                        ws_.kv, 1);
   }
 
  protected:
@@ -231,6 +233,7 @@ class DeepseekV3 final : public DecoderModel {
 
     AttentionParams p = attn_params_;
     p.n_past = n_past;
+    p.kv = ws_.kv;
     Buffer o_lat = rows(buf_.o_latent), o_heads = rows(buf_.o_heads);
     be.attention(q_lat, kv_a, latent, k_cache, v_cache, p, o_lat);  // (T, H * R)
     be.linear_per_head(o_lat, a.uv, o_heads);                      // (T, H * v)

@@ -9,8 +9,9 @@
 namespace moestream {
 
 HybridSequence::HybridSequence(Backend& be, const std::vector<bool>& linear_layer, int64_t kv_dim,
-                               int64_t capacity, const DeltaNetState& zero)
-    : be_(be), linear_layer_(linear_layer), kv_dim_(kv_dim), zero_(zero), capacity_(capacity) {
+                               int64_t capacity, const DeltaNetState& zero, const KvCacheSpec& kv, int kv_heads)
+    : be_(be), linear_layer_(linear_layer), kv_dim_(kv_dim), zero_(zero), capacity_(capacity), kv_(kv),
+      kv_heads_(kv_heads) {
   const size_t n = linear_layer.size();
   k.resize(n);
   v.resize(n);
@@ -21,8 +22,8 @@ HybridSequence::HybridSequence(Backend& be, const std::vector<bool>& linear_laye
       conv[l] = be.alloc(zero.conv.rows, zero.conv.cols);
       recurrent[l] = be.alloc(zero.recurrent.rows, zero.recurrent.cols);
     } else {
-      k[l] = be.alloc(capacity, kv_dim);
-      v[l] = be.alloc(capacity, kv_dim);
+      k[l] = alloc_kv_cache(be, kv, capacity, kv_dim, kv_heads);
+      v[l] = alloc_kv_cache(be, kv, capacity, kv_dim, kv_heads);
     }
   }
 }
@@ -35,7 +36,7 @@ HybridSequence::~HybridSequence() {
 
 std::unique_ptr<SequenceState> HybridSequence::clone(int64_t capacity) const {
   if (capacity < n_past) fail("clone: capacity ", capacity, " cannot hold the ", n_past, " positions computed");
-  auto copy = std::make_unique<HybridSequence>(be_, linear_layer_, kv_dim_, capacity, zero_);
+  auto copy = std::make_unique<HybridSequence>(be_, linear_layer_, kv_dim_, capacity, zero_, kv_, kv_heads_);
   copy->restore(*this);
   return copy;
 }
@@ -45,8 +46,8 @@ void HybridSequence::restore(const SequenceState& snapshot) {
   const auto* s = dynamic_cast<const HybridSequence*>(&snapshot);
   if (!s) fail("restore: the snapshot is not a Qwen3-Next sequence state (it comes from another model)");
   check_restore(be_, s->be_, capacity_, s->n_past);
-  copy_state_rows(be_, s->k, k, s->n_past, "K cache");
-  copy_state_rows(be_, s->v, v, s->n_past, "V cache");
+  copy_state_rows(be_, s->k, k, kv_rows_used(s->k, s->n_past), "K cache");
+  copy_state_rows(be_, s->v, v, kv_rows_used(s->v, s->n_past), "V cache");
   copy_state_rows(be_, s->conv, conv, zero_.conv.rows, "conv state");
   copy_state_rows(be_, s->recurrent, recurrent, zero_.recurrent.rows, "recurrent state");
   n_past = s->n_past;

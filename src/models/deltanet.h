@@ -52,11 +52,12 @@ inline int64_t deltanet_conv_dim(const DeltaNetParams& d) { return 2 * deltanet_
 // a fresh sequence, copying the model's zero state into each linear layer.
 class HybridSequence final : public SequenceState {
  public:
-  // linear_layer: per layer, true for linear attention; kv_dim: floats per position of the
-  // full-attention layers' K and V; `zero`: a zero-filled DeltaNetState of one linear layer.
+  // linear_layer: per layer, true for linear attention; kv_dim: values per position of the
+  // full-attention layers' K and V, in kv_heads heads, stored as kv says (blocks.h's
+  // alloc_kv_cache); `zero`: a zero-filled DeltaNetState of one linear layer.
   // The model owns linear_layer and zero and outlives its sequences.
   HybridSequence(Backend& be, const std::vector<bool>& linear_layer, int64_t kv_dim, int64_t capacity,
-                 const DeltaNetState& zero);
+                 const DeltaNetState& zero, const KvCacheSpec& kv = {}, int kv_heads = 1);
   ~HybridSequence() override;
   HybridSequence(const HybridSequence&) = delete;
   HybridSequence& operator=(const HybridSequence&) = delete;
@@ -81,6 +82,8 @@ class HybridSequence final : public SequenceState {
   int64_t kv_dim_;
   const DeltaNetState& zero_;
   int64_t capacity_;
+  KvCacheSpec kv_;
+  int kv_heads_;
 };
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/kv_cache.h"
 #include "experts/expert_store.h"
 
 namespace moestream {
@@ -23,6 +24,9 @@ struct ModelOptions {
   // Lossy: > 0 routes each token to at most this many experts (the model's top k at most), their
   // weights renormalized to sum to 1 (--moe-top-k; docs/PERFORMANCE.md has its quality).
   int moe_top_k = 0;
+  // How attention layers store K and V (--kv-type) and which positions they keep (--kv-window,
+  // --kv-sinks); the default, f32 with no window, is exact.
+  KvCacheSpec kv;
   std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
 };
 

@@ -11,7 +11,8 @@
 namespace moestream {
 
 std::unique_ptr<SequenceState> MoeDecoder::new_sequence(int64_t capacity) {
-  return std::make_unique<KvSequence>(*backend_, int(layers_.size()), capacity, kv_dim_);
+  return std::make_unique<KvSequence>(*backend_, int(layers_.size()), capacity, kv_dim_, ws_.kv,
+                                      attention_shape_.n_kv_heads);
 }
 
 MoeDecoderLayer MoeDecoder::load_layer(WeightLoader& w, int l, const AttentionShape& shape) {
@@ -70,6 +71,7 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   info_.max_position = c.max_position;
   info_.eos_token_ids = load_generation_defaults(dir, hf).eos_token_ids;
   norm_eps = c.rms_norm_eps;
+  ws_.kv = options.kv;
 }
 
 void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {

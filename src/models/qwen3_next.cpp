@@ -169,7 +169,8 @@ class Qwen3Next final : public DecoderModel {
   }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
-    return std::make_unique<HybridSequence>(*backend_, cfg_.linear_layer, cfg_.kv_dim(), capacity, zero_state_);
+    return std::make_unique<HybridSequence>(*backend_, cfg_.linear_layer, cfg_.kv_dim(), capacity, zero_state_, ws_.kv,
+                                            cfg_.n_kv_heads);
   }
 
  protected:
@@ -218,6 +219,7 @@ class Qwen3Next final : public DecoderModel {
     p.head_dim = cfg_.head_dim;
     p.scale = 1.0f / std::sqrt(float(cfg_.head_dim));
     p.n_past = n_past;
+    p.kv = ws_.kv;
     Buffer attn = ws_.attn_out.rows_view(0, T);
     attn.cols = q.cols;
     be.attention(q, k, v, k_cache, v_cache, p, attn);

@@ -11,6 +11,7 @@
 #include "backend/backend.h"
 #include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
+#include "backend/cpu/kv_attention.h"
 #include "backend/expert_provider.h"
 #include "core/error.h"
 #include "core/quant.h"
@@ -133,6 +134,10 @@ class CpuBackend final : public Backend {
     const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
     check_attention_args(q, k, v, k_cache, v_cache, p);
+    if (p.kv.type != KvType::F32 || p.kv.window > 0) {
+      cpu::attention_kv(pool_, q, k, v, k_cache, v_cache, p, out, kv_staged_);
+      return;
+    }
     std::memcpy(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float));
     if (!p.values_in_keys)
       std::memcpy(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float));
@@ -381,6 +386,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  std::vector<float> kv_staged_;  // attention_kv: a batch's packed K and V rows before they enter a ring
   bool precise_;                 // float32 activations everywhere
   cpu::PreparedInput input_;     // reused by every linear call
   std::unordered_map<float*, std::unique_ptr<float[]>> allocations_;  // behind alloc()

@@ -4,8 +4,16 @@
 // alone make too few blocks to keep the GPU's loads in flight; 4 for prefill, which has T x heads
 // blocks). Each warp takes every W-th key, keeps its own running max, denominator and weighted
 // value sum (lane owns value dims lane + 32c), and the warps merge at the end.
+//
+// KV caches of other types (backend/kv_cache.h) are read through the same kernel, instantiated per
+// type, each value unpacked as it is read; a KV window maps positions to ring rows, and a ring's
+// new rows are staged first so that a batch longer than the ring still reads every key it needs.
 #include "backend/cuda/attention.h"
+
+#include <type_traits>
+
 #include "backend/cuda/common.cuh"
+#include "core/quant.h"
 
 namespace moestream::cuda {
 
@@ -32,21 +40,47 @@ constexpr int kAttnWarps = 4;         // warps per block for several query token
 constexpr int kAttnDecodeWarps = 16;  // for one
 constexpr int kMaxValueChunks = 16;  // value dims per lane: v_head_dim <= 512
 
+__constant__ float kFp8Table[256];  // E4M3 code -> float, uploaded once
+
+// Where the kernel finds the row of position j and how it unpacks a value (backend/kv_cache.h).
+struct KvRows {
+  const float* cache;   // row r at cache + r * words
+  const float* staged;  // this call's new rows (a ring's), or null: position n_past + t at staged + t * words
+  int64_t words, n_past, sinks, window;
+  bool ring;
+  int heads;  // scale groups of a row (fp8, q8)
+  __device__ const float* row(int64_t j) const {
+    if (staged && j >= n_past) return staged + (j - n_past) * words;
+    const int64_t slot = window <= 0 || !ring || j < sinks ? j : sinks + (j - sinks) % window;
+    return cache + slot * words;
+  }
+};
+
+template <KvType T>
+__device__ __forceinline__ float kv_value(const float* row, int heads, int64_t c, float scale) {
+  if constexpr (T == KvType::F32) return row[c];
+  if constexpr (T == KvType::BF16) return bf16_bits_to_f32(reinterpret_cast<const uint16_t*>(row)[c]);
+  if constexpr (T == KvType::F16) return f16_bits_to_f32(reinterpret_cast<const uint16_t*>(row)[c]);
+  if constexpr (T == KvType::Fp8) return kFp8Table[reinterpret_cast<const uint8_t*>(row + heads)[c]] * scale;
+  if constexpr (T == KvType::Q8) return float(reinterpret_cast<const int8_t*>(row + heads)[c]) * scale;
+  return 0.0f;
+}
+
 struct AttnArgs {
   const float* q;
   int64_t q_ld;
-  const float* k_cache;
-  int64_t kv_dim;
-  const float* v_base;  // value j of kv head h at v_base + j * v_stride + h * v_head
-  int64_t v_stride, v_head;
+  KvRows k, v;          // values: v, or (MLA) the key rows again
+  int64_t v_head;       // offset of kv head h's values in a value row: h * v_head
   float* out;
   int64_t out_ld;
   int head_dim, v_dim, group;
   float scale;
   int64_t n_past, window;
+  int64_t kv_window, kv_sinks;  // KV window: keys [0, sinks) and the latest kv_window
   const float* sinks;
 };
 
+template <KvType T>
 __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
   extern __shared__ float smem[];
   float* qs = smem;                             // [head_dim]
@@ -59,23 +93,35 @@ __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnAr
   __syncthreads();
   const int64_t n_keys = a.n_past + t + 1;
   const int64_t first = a.window > 0 && n_keys > a.window ? n_keys - a.window : 0;
+  // Visible keys as one index n: [first, sink_end) then [recent, n_keys).
+  int64_t sink_end = n_keys, recent = n_keys;
+  if (a.kv_window > 0) {
+    recent = max(first, n_keys > a.kv_window ? n_keys - a.kv_window : int64_t(0));
+    sink_end = max(first, min(min(a.kv_sinks, recent), n_keys));
+  }
+  const int64_t n_sink = sink_end - first, count = n_sink + (n_keys - recent);
   float m = -INFINITY, l = 0.0f;
   float o[kMaxValueChunks];
 #pragma unroll
   for (int c = 0; c < kMaxValueChunks; ++c) o[c] = 0.0f;
-  for (int64_t j = first + warp; j < n_keys; j += n_warps) {
-    const float* kr = a.k_cache + j * a.kv_dim + int64_t(kvh) * a.head_dim;
+  for (int64_t n = warp; n < count; n += n_warps) {
+    const int64_t j = n < n_sink ? first + n : recent + (n - n_sink);
+    const float* kr = a.k.row(j);
+    const float ks = T == KvType::Fp8 || T == KvType::Q8 ? kr[kvh] : 1.0f;
+    const int64_t k0 = int64_t(kvh) * a.head_dim;
     float d = 0;
-    for (int i = lane; i < a.head_dim; i += 32) d = fmaf(qs[i], kr[i], d);
+    for (int i = lane; i < a.head_dim; i += 32) d = fmaf(qs[i], kv_value<T>(kr, a.k.heads, k0 + i, ks), d);
     const float score = warp_sum(d) * a.scale;
     const float m_new = fmaxf(m, score);
     const float correction = expf(m - m_new), p = expf(score - m_new);
     l = l * correction + p;
-    const float* vr = a.v_base + j * a.v_stride + int64_t(kvh) * a.v_head;
+    const float* vr = a.v.row(j);
+    const float vs = T == KvType::Fp8 || T == KvType::Q8 ? vr[kvh] : 1.0f;
+    const int64_t v0 = int64_t(kvh) * a.v_head;
 #pragma unroll
     for (int c = 0; c < kMaxValueChunks; ++c) {
       const int i = lane + 32 * c;
-      if (i < a.v_dim) o[c] = o[c] * correction + p * vr[i];
+      if (i < a.v_dim) o[c] = o[c] * correction + p * kv_value<T>(vr, a.v.heads, v0 + i, vs);
     }
     m = m_new;
   }
@@ -109,6 +155,79 @@ __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnAr
   }
 }
 
+// The E4M3 code of x as kv_cache.cpp's f32_to_fp8_e4m3 computes it (nearest, ties to even).
+__device__ uint8_t fp8_code(float x) {
+  const uint8_t sign = signbit(x) ? 0x80 : 0;
+  const float a = fabsf(x);
+  if (!(a < 448.0f)) return sign | 0x7E;
+  int e;
+  frexpf(a, &e);
+  const int step_exp = max(e - 1, -6) - 3;
+  const float units = rintf(ldexpf(a, -step_exp));
+  const float q = ldexpf(units, step_exp);
+  if (q >= 448.0f) return sign | 0x7E;
+  if (q < 0.015625f) return sign | uint8_t(units);
+  int qe;
+  const float f = frexpf(q, &qe);
+  return sign | uint8_t((qe + 6) << 3) | uint8_t(int(f * 16.0f) - 8);
+}
+
+// One warp per (row, head): x row t, head h -> dst row t (kv_store_row's layout).
+template <KvType T>
+__global__ void kv_pack_kernel(const float* x, int64_t ld, int64_t cols, int heads, float* dst, int64_t words) {
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y, lane = threadIdx.x;
+  const int64_t width = cols / heads, c0 = int64_t(h) * width;
+  const float* in = x + t * ld + c0;
+  float* row = dst + t * words;
+  if constexpr (T == KvType::F32) {
+    for (int64_t i = lane; i < width; i += 32) row[c0 + i] = in[i];
+  } else if constexpr (T == KvType::BF16 || T == KvType::F16) {
+    auto* out = reinterpret_cast<uint16_t*>(row) + c0;
+    for (int64_t i = lane; i < width; i += 32) {
+      const float v = in[i];
+      if constexpr (T == KvType::BF16) {
+        // Round to nearest even, as dtype.h's f32_to_bf16 (NaN stays NaN).
+        const uint32_t b = __float_as_uint(v);
+        out[i] = isnan(v) ? uint16_t((b >> 16) | 0x40) : uint16_t((b + 0x7FFF + ((b >> 16) & 1)) >> 16);
+      } else {
+        out[i] = __half_as_ushort(__float2half_rn(fminf(fmaxf(v, -65504.0f), 65504.0f)));
+      }
+    }
+  } else {
+    float amax = 0;
+    for (int64_t i = lane; i < width; i += 32) amax = fmaxf(amax, fabsf(in[i]));
+    amax = warp_max(amax);
+    const float scale = amax > 0 ? amax / (T == KvType::Fp8 ? 448.0f : 127.0f) : 1.0f;
+    if (lane == 0) row[h] = scale;
+    auto* codes = reinterpret_cast<uint8_t*>(row + heads) + c0;
+    for (int64_t i = lane; i < width; i += 32) {
+      const float v = in[i] / scale;
+      codes[i] = T == KvType::Fp8 ? fp8_code(v) : uint8_t(int8_t(fminf(fmaxf(rintf(v), -127.0f), 127.0f)));
+    }
+  }
+}
+
+// Staged rows into a ring: the sinks among the new positions and the latest `window` of them.
+__global__ void kv_ring_store_kernel(const float* staged, float* cache, int64_t words, int64_t n_past, int64_t T,
+                                     int64_t sinks, int64_t window) {
+  const int64_t t = blockIdx.x, pos = n_past + t;
+  if (pos >= sinks && pos < n_past + T - window) return;
+  const int64_t slot = pos < sinks ? pos : sinks + (pos - sinks) % window;
+  for (int64_t i = threadIdx.x; i < words; i += blockDim.x) cache[slot * words + i] = staged[t * words + i];
+}
+
+template <class F>
+void dispatch_kv(KvType t, F&& f) {
+  switch (t) {
+    case KvType::F32: f(std::integral_constant<KvType, KvType::F32>{}); return;
+    case KvType::BF16: f(std::integral_constant<KvType, KvType::BF16>{}); return;
+    case KvType::F16: f(std::integral_constant<KvType, KvType::F16>{}); return;
+    case KvType::Fp8: f(std::integral_constant<KvType, KvType::Fp8>{}); return;
+    case KvType::Q8: f(std::integral_constant<KvType, KvType::Q8>{}); return;
+  }
+}
+
 }  // namespace
 
 void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, const float* inv_freq, int64_t n_past,
@@ -122,17 +241,17 @@ void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, const float*
 }
 
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
-               const float* sinks, Buffer& out, cudaStream_t s) {
+               const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged, const float* v_staged) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
-  const int64_t kv_dim = int64_t(p.n_kv_heads) * hd;
+  const KvCacheSpec& kv = p.kv;
+  const bool ring = kv.window > 0 && kv.ring && k_cache.rows == kv.sinks + kv.window;
   AttnArgs a;
   a.q = q.data;
   a.q_ld = q.cols;
-  a.k_cache = k_cache.data;
-  a.kv_dim = kv_dim;
-  a.v_base = p.values_in_keys ? k_cache.data : v_cache.data;
-  a.v_stride = p.values_in_keys ? kv_dim : int64_t(p.n_kv_heads) * vd;
+  a.k = KvRows{k_cache.data, k_staged, k_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
+  a.v = p.values_in_keys ? a.k
+                         : KvRows{v_cache.data, v_staged, v_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
   a.v_head = p.values_in_keys ? hd : vd;
   a.out = out.data;
   a.out_ld = out.cols;
@@ -142,11 +261,39 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   a.scale = p.scale;
   a.n_past = p.n_past;
   a.window = p.sliding_window;
+  a.kv_window = kv.window;
+  a.kv_sinks = kv.sinks;
   a.sinks = sinks;
   const int warps = q.rows == 1 ? kAttnDecodeWarps : kAttnWarps;
   const size_t smem = size_t(hd + warps * (2 + vd)) * sizeof(float);
   if (q.rows == 0) return;
-  attention_kernel<<<dim3(unsigned(p.n_heads), unsigned(q.rows)), unsigned(warps) * 32, smem, s>>>(a);
+  dispatch_kv(kv.type, [&](auto type) {
+    attention_kernel<decltype(type)::value>
+        <<<dim3(unsigned(p.n_heads), unsigned(q.rows)), unsigned(warps) * 32, smem, s>>>(a);
+  });
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void kv_pack(const Buffer& x, int heads, KvType type, float* dst, int64_t words, cudaStream_t s) {
+  if (x.rows == 0 || x.cols == 0) return;
+  if (type == KvType::Fp8) {
+    static bool uploaded = false;  // one table per process (one device)
+    if (!uploaded) {
+      MS_CUDA_CHECK(cudaMemcpyToSymbol(kFp8Table, fp8_e4m3_table().data(), sizeof(kFp8Table)));
+      uploaded = true;
+    }
+  }
+  dispatch_kv(type, [&](auto t) {
+    kv_pack_kernel<decltype(t)::value><<<dim3(unsigned(x.rows), unsigned(heads)), 32, 0, s>>>(x.data, x.cols, x.cols,
+                                                                                              heads, dst, words);
+  });
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void kv_ring_store(const float* staged, Buffer& cache, int64_t T, const AttentionParams& p, cudaStream_t s) {
+  if (T == 0 || cache.cols == 0) return;
+  kv_ring_store_kernel<<<unsigned(T), 128, 0, s>>>(staged, cache.data, cache.cols, p.n_past, T, p.kv.sinks,
+                                                   p.kv.window);
   MS_CUDA_CHECK_LAUNCH();
 }
 

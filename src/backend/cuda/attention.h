@@ -13,10 +13,18 @@ namespace moestream::cuda {
 void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, const float* inv_freq, int64_t n_past,
           cudaStream_t s);
 
-// Causal attention of q (T, n_heads * head_dim) over cache rows [0, n_past + t] (the caches
-// already hold this call's keys and values): out (T, n_heads * v_head_dim). sinks: device
-// pointer or null.
+// Causal attention of q (T, n_heads * head_dim) over positions [0, n_past + t] (those p.kv's
+// window keeps; the caches already hold this call's keys and values, or with a ring k_staged and
+// v_staged do, as kv_pack wrote them): out (T, n_heads * v_head_dim). sinks: device pointer or null.
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
-               const float* sinks, Buffer& out, cudaStream_t s);
+               const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged = nullptr,
+               const float* v_staged = nullptr);
+
+// Packs each row of x (x.cols values in `heads` heads) into dst rows of `words` words, as
+// kv_store_row does on the host.
+void kv_pack(const Buffer& x, int heads, KvType type, float* dst, int64_t words, cudaStream_t s);
+
+// After attention over a ring: the T staged rows that the ring keeps into their rows of cache.
+void kv_ring_store(const float* staged, Buffer& cache, int64_t T, const AttentionParams& p, cudaStream_t s);
 
 }  // namespace moestream::cuda

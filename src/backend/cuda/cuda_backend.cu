@@ -193,6 +193,10 @@ class CudaBackend final : public Backend {
     const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
     const int64_t T = q.rows, kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
     check_attention_args(q, k, v, k_cache, v_cache, p);
+    if (p.kv.type != KvType::F32 || p.kv.window > 0) {
+      attention_kv(q, k, v, k_cache, v_cache, p, out);
+      return;
+    }
     MS_CUDA_CHECK(cudaMemcpyAsync(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float),
                                   cudaMemcpyDeviceToDevice, compute_));
     if (!p.values_in_keys)
@@ -278,7 +282,30 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  enum ScratchSlot { kTokens, kMlpGate, kMlpUp };
+  enum ScratchSlot { kTokens, kMlpGate, kMlpUp, kKvStaged };
+
+  // attention() for a compact or windowed cache (backend/kv_cache.h): new rows packed on the GPU,
+  // into the cache, or for a ring into scratch first and into the ring after the attention.
+  void attention_kv(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache, Buffer& v_cache,
+                    const AttentionParams& p, Buffer& out) {
+    const int64_t T = q.rows, kw = k_cache.cols, vw = p.values_in_keys ? 0 : v_cache.cols;
+    const bool ring = p.kv.window > 0 && p.kv.ring && k_cache.rows == p.kv.sinks + p.kv.window;
+    float* k_dst = k_cache.data + p.n_past * kw;
+    float* v_dst = p.values_in_keys ? nullptr : v_cache.data + p.n_past * vw;
+    if (ring) {
+      k_dst = scratch_.get(kKvStaged, size_t(std::max<int64_t>(1, T * (kw + vw))));
+      v_dst = k_dst + T * kw;
+    }
+    cuda::kv_pack(k, p.n_kv_heads, p.kv.type, k_dst, kw, compute_);
+    if (!p.values_in_keys) cuda::kv_pack(v, p.n_kv_heads, p.kv.type, v_dst, vw, compute_);
+    cuda::attention(q, k_cache, v_cache, p, p.sinks ? p.sinks->data : nullptr, out, compute_, ring ? k_dst : nullptr,
+                    ring && !p.values_in_keys ? v_dst : nullptr);
+    if (ring) {
+      cuda::kv_ring_store(k_dst, k_cache, T, p, compute_);
+      if (!p.values_in_keys) cuda::kv_ring_store(v_dst, v_cache, T, p, compute_);
+    }
+    op_done([&] { return op_label("attention (compact or windowed cache)", q.rows); });
+  }
 
   void* upload(const void* src, size_t bytes) {
     void* p = nullptr;
