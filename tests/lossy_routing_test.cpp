@@ -229,6 +229,58 @@ TEST(LossyRouting, CacheBiasPrefersResidentExpertsWithTrueWeights) {
   EXPECT_EQ(s.store.requested, plain_requested);
 }
 
+// Mixtral / gpt-oss routing (top k of the logits, softmax over the chosen): the bias ranks,
+// the softmax runs over the chosen experts' true logits; the fallback renormalizes to 1.
+TEST(LossyRouting, TopKSoftmaxRouterBiasAndFallback) {
+  MoeSetup s;
+  const std::vector<int> rank = s.ranking();
+  for (char& m : s.store.mask) m = 0;
+  for (int i : {0, 5, 6, 7}) s.store.mask[size_t(rank[size_t(i)])] = 1;
+  MoeParams p = MoeSetup::params();
+  p.router = RouterKind::TopKSoftmax;
+  p.cache_bias = 1000.0f;  // the resident four win whatever their logits
+  const std::vector<float> got = s.moe(p);
+  std::vector<int> chosen{rank[0], rank[5], rank[6], rank[7]};
+  std::sort(chosen.begin(), chosen.end());
+  EXPECT_EQ(s.store.requested, chosen);
+  double z = 0;
+  for (int e : chosen) z += std::exp(double(s.logits[size_t(e)]));
+  std::vector<std::pair<int, double>> want;
+  for (int e : chosen) want.push_back({e, std::exp(double(s.logits[size_t(e)])) / z});
+  expect_near(got, s.combine(want));
+
+  MoeParams fb = MoeSetup::params();
+  fb.router = RouterKind::TopKSoftmax;
+  fb.miss_fallback = true;  // of the model's top 4, only the best is resident: it gets weight 1
+  expect_near(s.moe(fb), s.combine({{rank[0], 1.0}}));
+  EXPECT_EQ(s.store.requested, std::vector<int>{rank[0]});
+}
+
+// DeepSeek / GLM routing (sigmoid scores plus a correction bias, groups): the cache bias is added
+// to the biased score the experts are ranked by; weights are the sigmoids, renormalized, scaled.
+TEST(LossyRouting, SigmoidGroupRouterBias) {
+  MoeSetup s;
+  const std::vector<int> rank = s.ranking();
+  for (char& m : s.store.mask) m = 0;
+  for (int i : {1, 2, 3, 7}) s.store.mask[size_t(rank[size_t(i)])] = 1;
+  MoeParams p = MoeSetup::params();
+  p.router = RouterKind::SigmoidGroupTopK;
+  p.n_group = 2;
+  p.topk_group = 2;
+  p.routed_scaling_factor = 2.5f;
+  p.cache_bias = 10.0f;  // above any sigmoid difference
+  const std::vector<float> got = s.moe(p);
+  std::vector<int> chosen{rank[1], rank[2], rank[3], rank[7]};
+  std::sort(chosen.begin(), chosen.end());
+  EXPECT_EQ(s.store.requested, chosen);
+  const auto sigmoid = [&](int e) { return 1.0 / (1.0 + std::exp(-double(s.logits[size_t(e)]))); };
+  double sum = 0;
+  for (int e : chosen) sum += sigmoid(e);
+  std::vector<std::pair<int, double>> want;
+  for (int e : chosen) want.push_back({e, sigmoid(e) / sum * 2.5});
+  expect_near(got, s.combine(want));
+}
+
 // Whole models: the options act only on decode steps with a cache smaller than the experts.
 std::vector<int32_t> fixture_tokens(const std::string& dir) {
   return nlohmann::json::parse(test::read_file(dir + "/ref.json"))["logit_tokens"].get<std::vector<int32_t>>();
