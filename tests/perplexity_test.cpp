@@ -35,6 +35,19 @@ TEST(Perplexity, MatchesTransformersOverTheSameWindows) {
   EXPECT_EQ(value_after(again.out, "top-1 agreement = "), 100.0) << again.out;
 }
 
+// --one-token runs each window as decoding does, one position per forward call: the same
+// perplexity as transformers' up to rounding.
+TEST(Perplexity, OneTokenAtATimeMatchesTransformers) {
+  const std::string dir = test::fixture("models/qwen3moe_ppl");
+  auto ref = nlohmann::json::parse(test::read_file(dir + "/ref.json"))["perplexity"];
+  auto r = test::run_cli("perplexity -m " + dir + " -f " + dir + "/text.txt --ctx " +
+                         std::to_string(ref["ctx"].get<int>()) + " --chunks " +
+                         std::to_string(ref["chunks"].get<int>()) + " --precise --one-token");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NEAR(value_after(r.out, "ppl = ") / ref["ppl"].get<double>(), 1.0, 1e-3) << r.out;
+  EXPECT_EQ(value_after(r.out, "tokens scored: "), ref["tokens_scored"].get<double>());
+}
+
 TEST(Perplexity, TooShortTextIsAClearError) {
   const std::string dir = test::fixture("models/qwen3moe_ppl");
   auto r = test::run_cli("perplexity -m " + dir + " -f " + dir + "/ref.json --ctx 100000");

@@ -110,6 +110,15 @@ struct MoeParams {
   float routed_scaling_factor = 1.0f;   // multiplies the final routing weights
   ExpertActivation activation = ExpertActivation::SwiGlu;
   float swiglu_limit = 7.0f, swiglu_alpha = 1.702f;  // ClampedSwiGlu
+  // Lossy options over the experts the provider has resident (ExpertProvider::resident), off by
+  // default. cache_bias B: a resident expert's ranking score (the logit of softmax routers, the
+  // biased sigmoid score of SigmoidGroupTopK) gets +B before the top k are picked; the chosen
+  // experts' weights still come from the unbiased scores. miss_fallback: a token computes with
+  // its chosen experts that are resident, their weights scaled to the sum of all the chosen
+  // weights; the others go to ExpertProvider::fetch_later. A token with no resident expert
+  // waits for all of them (exact).
+  float cache_bias = 0.0f;
+  bool miss_fallback = false;
 };
 
 struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)

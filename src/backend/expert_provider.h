@@ -27,6 +27,20 @@ class ExpertProvider {
   virtual bool next(int& expert, MlpWeights& weights) = 0;
   // The caller is done with `expert`'s weights.
   virtual void release(int expert) = 0;
+
+  // For the lossy routing options (MoeParams::cache_bias, miss_fallback). resident() sets
+  // out[e] to 1 for each expert of `layer` whose weights are in memory now (a request for it
+  // would not wait for a read), else 0; fetch_later() names experts the routing skipped for not
+  // being resident, to be read in the background for later tokens. A provider that never
+  // misses keeps these defaults.
+  virtual void resident(int layer, std::span<char> out) const {
+    (void)layer;
+    for (char& r : out) r = 1;
+  }
+  virtual void fetch_later(int layer, std::span<const int> experts) {
+    (void)layer;
+    (void)experts;
+  }
 };
 
 }  // namespace moestream

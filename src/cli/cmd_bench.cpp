@@ -298,7 +298,10 @@ void add_bench(CLI::App& app) {
                                   {"guessed_right", after.predicted_right - before.predicted_right},
                                   {"reads", after.prefetch_reads - before.prefetch_reads},
                                   {"reads_used", after.prefetch_hits - before.prefetch_hits},
-                                  {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}}};
+                                  {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}},
+                   {"fallback", {{"steps", after.fallbacks - before.fallbacks},
+                                 {"experts_skipped", after.fallback_skipped - before.fallback_skipped},
+                                 {"reads", after.fallback_reads - before.fallback_reads}}}};
       out["tg"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
       if (gpu && tier_before) {
         // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),

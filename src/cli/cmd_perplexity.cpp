@@ -48,6 +48,7 @@ void add_perplexity(CLI::App& app) {
     ModelFlags model;
     std::string file, kl_save, kl_base;
     int chunks = 0;
+    bool one_token = false;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("perplexity", "Perplexity of a text file (and KL divergence against a stored run)");
@@ -56,6 +57,9 @@ void add_perplexity(CLI::App& app) {
   cmd->add_option("--chunks", f->chunks, "Windows to score (default: all that fit)")->check(kNonNegative);
   cmd->add_option("--kl-save", f->kl_save, "Store the log-probabilities of every scored position");
   cmd->add_option("--kl-base", f->kl_base, "Report KL divergence and top-1 agreement against a --kl-save file");
+  cmd->add_flag("--one-token", f->one_token,
+                "Run each window one token per forward call, as decoding does (measures options that act on "
+                "decode steps only: --miss-fallback, --cache-bias)");
   cmd->callback([f] {
     const std::string text = read_file(f->file);
     auto tok = Tokenizer::load(ensure_pack(f->model.dir, f->model.options.cache_dir));
@@ -100,7 +104,12 @@ void add_perplexity(CLI::App& app) {
     auto t0 = std::chrono::steady_clock::now();
     for (int64_t w = 0; w < windows; ++w) {
       auto seq = model->new_sequence(ctx);
-      model->forward(std::span(ids).subspan(size_t(w * ctx), size_t(ctx)), *seq, logits);
+      const auto window = std::span(ids).subspan(size_t(w * ctx), size_t(ctx));
+      if (f->one_token)
+        for (int64_t i = 0; i < ctx; ++i)
+          model->forward(window.subspan(size_t(i), 1), *seq, std::span(logits).subspan(size_t(i * vocab), size_t(vocab)));
+      else
+        model->forward(window, *seq, logits);
       for (int64_t i = 0; i < ctx; ++i) {
         log_softmax(logits.data() + i * vocab, vocab, logp);
         nll -= logp[size_t(ids[size_t(w * ctx + i + 1)])];

@@ -100,6 +100,13 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_option("--moe-top-k", options.moe_top_k,
                  "Lossy: route each token to at most K experts, their weights renormalized (default: the model's)")
       ->check(kPositive);
+  cmd.add_flag("--miss-fallback", e.miss_fallback,
+               "Lossy, CPU decode with --expert-cache-mb: a token whose chosen experts are not all in memory "
+               "computes with those that are (weights renormalized) and the rest are read in the background");
+  cmd.add_option("--cache-bias", e.cache_bias,
+                 "Lossy, CPU decode with --expert-cache-mb: add B to the router logit of experts in memory "
+                 "before picking the top k (weights from the true logits; default 0: off)")
+      ->check(kNonNegative);
   cmd.add_flag("--lookahead,!--no-lookahead", e.lookahead,
                "CPU decode with a bounded expert cache: read the next layer's guessed experts ahead (default off: "
                "docs/PERFORMANCE.md)");
@@ -213,6 +220,9 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
         {"lookahead_reads", s.prefetch_reads},
         {"lookahead_reads_used", s.prefetch_hits},
         {"lookahead_reads_wasted", s.prefetch_wasted},
+        {"fallbacks", s.fallbacks},
+        {"fallback_experts_skipped", s.fallback_skipped},
+        {"fallback_reads", s.fallback_reads},
         {"read_gb_per_s", s.read_gb_per_s()},
         {"io_wait_s", s.wait_seconds},
         {"peak_rss_bytes", peak_rss_bytes()},

@@ -112,9 +112,9 @@ class StreamingExpertStore final : public ExpertStore {
         Slot& slot = slots_[size_t(s)];  // read ahead, still in flight: on_read hands it out
         slot.pins = 1;
         slot.wanted = true;
-        slot.read_ahead = false;
         ++stats_.misses;
-        ++stats_.prefetch_hits;
+        if (slot.read_ahead) ++stats_.prefetch_hits;
+        slot.read_ahead = false;
       } else {
         pending_.push_back(e);
         ++stats_.misses;
@@ -124,7 +124,32 @@ class StreamingExpertStore final : public ExpertStore {
     start_loads();
   }
 
-  bool wants_prefetch() const override { return lookahead_ && max_slots_ < total_experts_; }
+  bool wants_prefetch() const override { return lookahead_ && bounded(); }
+  bool bounded() const override { return max_slots_ < total_experts_; }
+
+  // Ready slots only: a read in flight would make the request wait.
+  void resident(int layer, std::span<char> out) const override {
+    std::lock_guard lock(mu_);
+    for (size_t e = 0; e < out.size(); ++e) {
+      const int s = layer >= 0 && size_t(layer) < where_.size() && e < where_[size_t(layer)].size()
+                        ? where_[size_t(layer)][e] : -1;
+      out[e] = s >= 0 && slots_[size_t(s)].state == Slot::Ready;
+    }
+  }
+
+  // Queued behind the current request's reads and any reads ahead; the oldest are dropped once
+  // more are queued than the cache has slots (they would evict each other).
+  void fetch_later(int layer, std::span<const int> experts) override {
+    std::lock_guard lock(mu_);
+    if (layer < 0 || size_t(layer) >= where_.size() || experts.empty()) return;
+    ++stats_.fallbacks;
+    stats_.fallback_skipped += experts.size();
+    for (int e : experts)
+      if (e >= 0 && size_t(e) < where_[size_t(layer)].size() && where_[size_t(layer)][size_t(e)] < 0)
+        background_.push_back({layer, e});
+    while (background_.size() > max_slots_) background_.pop_front();
+    start_loads();
+  }
 
   std::vector<std::vector<uint64_t>> usage() const override {
     std::lock_guard lock(mu_);
@@ -268,6 +293,7 @@ class StreamingExpertStore final : public ExpertStore {
     }
     pending_.clear();
     prefetch_queue_.clear();
+    background_.clear();
     ready_.clear();
     remaining_ = 0;
     error_.reset();
@@ -296,6 +322,20 @@ class StreamingExpertStore final : public ExpertStore {
       use_[size_t(prefetch_layer_)][size_t(e)].last_use = tick_;
       ++stats_.prefetch_reads;
       start_read(s, prefetch_layer_, e, false);
+    }
+    while (!background_.empty()) {
+      const auto [layer, e] = background_.front();
+      if (where_[size_t(layer)][size_t(e)] >= 0) {  // arrived meanwhile
+        background_.pop_front();
+        continue;
+      }
+      const int s = acquire_slot();
+      if (s < 0) return;
+      background_.pop_front();
+      use_[size_t(layer)][size_t(e)].last_use = tick_;
+      ++stats_.fallback_reads;
+      start_read(s, layer, e, false);
+      slots_[size_t(s)].read_ahead = false;  // not a lookahead guess
     }
   }
 
@@ -440,6 +480,7 @@ class StreamingExpertStore final : public ExpertStore {
   std::deque<int> ready_;                   // slots ready to hand out
   std::deque<int> prefetch_queue_;          // guessed experts of prefetch_layer_ not started yet
   int prefetch_layer_ = -1;
+  std::deque<std::pair<int, int>> background_;  // (layer, expert) the miss fallback skipped, not started yet
   std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
   std::vector<std::vector<char>> hot_;      // [layer][expert]: pinned by the profile
   int outstanding_ = 0;                     // reads in flight

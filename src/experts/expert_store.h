@@ -29,6 +29,11 @@ struct ExpertStoreOptions {
   std::vector<std::vector<double>> profile;
   double pin_share = 0.5;
   bool warmup = false;
+  // Lossy routing over what is resident, applied by the model on CPU decode steps with a cache
+  // that cannot hold every expert (MoeParams has the rules): a miss computes with the token's
+  // resident experts only (--miss-fallback); resident experts rank with +cache_bias (--cache-bias).
+  bool miss_fallback = false;
+  float cache_bias = 0.0f;
 };
 
 struct ExpertStats {
@@ -44,6 +49,9 @@ struct ExpertStats {
   uint64_t predicted = 0, predicted_right = 0;
   uint64_t prefetch_reads = 0, prefetch_hits = 0, prefetch_wasted = 0;
   uint64_t pinned = 0;  // experts the profile pins (read or not yet)
+  // Miss fallback: layer steps that computed without some chosen experts, the experts so skipped,
+  // and the background reads started for them (fetch_later).
+  uint64_t fallbacks = 0, fallback_skipped = 0, fallback_reads = 0;
   double hit_rate() const { return hits + misses ? double(hits) / double(hits + misses) : 0; }
   double read_gb_per_s() const { return io_busy_seconds > 0 ? bytes_read / io_busy_seconds / 1e9 : 0; }
 };
@@ -53,6 +61,8 @@ class ExpertStore : public ExpertProvider {
   virtual ExpertStats stats() const = 0;
   // Whether prefetch() can help: lookahead is on and the cache cannot hold every expert.
   virtual bool wants_prefetch() const = 0;
+  // Whether the cache cannot hold every expert (the lossy routing options act only then).
+  virtual bool bounded() const = 0;
   // A guess of the experts `layer` will request next. Reads for those not in memory start once
   // the current request has started all of its own reads (so they queue behind them), into slots
   // the eviction policy frees; a guess replaces the previous one. Guesses never fail a request:

@@ -399,6 +399,10 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     p.top_k = ws.moe_top_k;
     p.norm_topk_prob = true;
   }
+  if (T == 1 && (ws.miss_fallback || ws.cache_bias != 0.0f) && experts.bounded()) {
+    p.miss_fallback = ws.miss_fallback;
+    p.cache_bias = ws.cache_bias;
+  }
   if (next) guess_next_experts(be, experts, ws, xn, *next, next_layer);
   be.moe(xn, router, experts, p, out);
   if (!shared.gate) {

@@ -71,6 +71,8 @@ struct Workspace {
   Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
   int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
   KvCacheSpec kv;                   // ModelOptions::kv: how attention layers store K and V
+  bool miss_fallback = false;       // ExpertStoreOptions' lossy routing options (MoeFeedForward::forward)
+  float cache_bias = 0.0f;
   std::vector<float> lookahead_host;
   std::vector<int> lookahead_ids;
 };
@@ -179,7 +181,9 @@ struct MoeFeedForward {
 
   // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out, ws.attn_out (shared expert) and
   // ws.shared_gate are scratch. `next`, the feed-forward of the next MoE layer (next_layer), lets
-  // the store read ahead while this layer computes (guess_next_experts).
+  // the store read ahead while this layer computes (guess_next_experts). ws.miss_fallback and
+  // ws.cache_bias apply to decode steps (one token) with a bounded store only: a prefill batch's
+  // tokens choose most of a layer's experts, which it reads anyway.
   void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x,
                const MoeFeedForward* next = nullptr, int next_layer = -1) const;
 };

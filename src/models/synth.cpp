@@ -146,10 +146,44 @@ void random_matrix(Rng& rng, const std::string& role, int64_t rows, int64_t cols
   parts.push_back({role + ".biases", DType::BF16, {rows, cols / group}, bi.data(), bi.size()});
 }
 
+// A Qwen3.5 layer's weights before its router, in the Hub layout (qwen3_next.cpp reads them):
+// Gated DeltaNet (split projections, conv1d [channels, 1, kernel]) or gated attention (q_proj
+// holds [query, gate] per head), then the shared expert and its gate.
+template <class Add, class MatrixFn>
+void add_hybrid_layer(const SynthShape& s, const std::string& p, bool linear, Add& add, MatrixFn& matrix) {
+  const int64_t h = s.hidden;
+  if (linear) {
+    const int64_t key_dim = int64_t(s.linear_k_heads) * s.linear_head_dim,
+                  value_dim = int64_t(s.linear_v_heads) * s.linear_head_dim, conv_dim = 2 * key_dim + value_dim;
+    const std::string a = p + "linear_attn.";
+    matrix(a + "in_proj_qkv.weight", conv_dim, h);
+    matrix(a + "in_proj_z.weight", value_dim, h);
+    matrix(a + "in_proj_b.weight", s.linear_v_heads, h);
+    matrix(a + "in_proj_a.weight", s.linear_v_heads, h);
+    add(a + "conv1d.weight", {conv_dim, 1, s.linear_conv_kernel}, 1.0f / std::sqrt(float(s.linear_conv_kernel)), 0.0f);
+    add(a + "A_log", {s.linear_v_heads}, 0.5f, 0.0f);
+    add(a + "dt_bias", {s.linear_v_heads}, 0.5f, 0.0f);
+    add(a + "norm.weight", {s.linear_head_dim}, 0.1f, 1.0f);
+    matrix(a + "out_proj.weight", h, value_dim);
+  } else {
+    const int64_t q_dim = int64_t(s.heads) * s.head_dim, kv_dim = int64_t(s.kv_heads) * s.head_dim;
+    matrix(p + "self_attn.q_proj.weight", 2 * q_dim, h);
+    matrix(p + "self_attn.k_proj.weight", kv_dim, h);
+    matrix(p + "self_attn.v_proj.weight", kv_dim, h);
+    matrix(p + "self_attn.o_proj.weight", h, q_dim);
+    add(p + "self_attn.q_norm.weight", {s.head_dim}, 0.1f, 0.0f);
+    add(p + "self_attn.k_norm.weight", {s.head_dim}, 0.1f, 0.0f);
+  }
+  matrix(p + "mlp.shared_expert.gate_proj.weight", s.shared_intermediate, h);
+  matrix(p + "mlp.shared_expert.up_proj.weight", s.shared_intermediate, h);
+  matrix(p + "mlp.shared_expert.down_proj.weight", h, s.shared_intermediate);
+  matrix(p + "mlp.shared_expert_gate.weight", 1, h);
+}
+
 }  // namespace
 
 std::vector<std::string> synth_preset_names() {
-  return {"tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b"};
+  return {"tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-397b-a17b"};
 }
 
 SynthShape synth_preset(const std::string& name) {
@@ -162,6 +196,20 @@ SynthShape synth_preset(const std::string& name) {
     s = {151936, 2048, 48, 32, 4, 128, 128, 8, 768, 6144, 0};
   } else if (name == "qwen3-235b-a22b") {
     s = {151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 12288, 0};
+  } else if (name == "qwen3.5-397b-a17b") {
+    // Qwen3.5-397B-A17B's text model (its public config.json): 60 layers, 3 Gated DeltaNet to 1
+    // gated attention, 512 experts of width 1024 with 10 routed + 1 shared per token, hidden 4096,
+    // attention 32 query / 2 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 64 value heads
+    // of 128, vocabulary 248320.
+    s = {248320, 4096, 60, 32, 2, 256, 512, 10, 1024, 0, 0};
+    s.full_attention_interval = 4;
+    s.linear_k_heads = 16;
+    s.linear_v_heads = 64;
+    s.linear_head_dim = 128;
+    s.linear_conv_kernel = 4;
+    s.shared_intermediate = 1024;
+    s.partial_rotary = 0.25;
+    s.rope_theta = 10000000.0;
   } else {
     std::string names;
     for (const auto& n : synth_preset_names()) names += (names.empty() ? "" : ", ") + n;
@@ -178,24 +226,45 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   if (s.heads % s.kv_heads) fail("--heads must be a multiple of --kv-heads");
   if (s.top_k > s.experts || s.top_k < 1) fail("--top-k must be in [1, --experts]");
 
-  PackWriter writer(dir, "qwen3_moe", "moestream synth");
+  const bool hybrid = s.full_attention_interval > 0;
+  if (hybrid && (s.first_dense || s.linear_k_heads < 1 || s.linear_v_heads % s.linear_k_heads ||
+                 s.linear_head_dim < 1 || s.shared_intermediate < 1))
+    fail("synth: a hybrid shape needs linear heads (value heads a multiple of key heads), a shared expert and no dense layers");
+  const char* model_type = hybrid ? "qwen3_5_moe_text" : "qwen3_moe";
+  PackWriter writer(dir, model_type, "moestream synth");
   const std::string tmp = writer.tmp_dir();
   json mlp_only = json::array();
   for (int l = 0; l < s.first_dense; ++l) mlp_only.push_back(l);
   const int32_t eos = 258;  // <|im_end|>
-  write_json(tmp + "/config.json",
-             {{"architectures", {"Qwen3MoeForCausalLM"}}, {"model_type", "qwen3_moe"},
-              {"vocab_size", s.vocab}, {"hidden_size", s.hidden},
-              {"intermediate_size", s.intermediate}, {"moe_intermediate_size", s.moe_intermediate},
-              {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
-              {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
-              {"num_experts", s.experts}, {"num_experts_per_tok", s.top_k},
-              {"norm_topk_prob", true}, {"decoder_sparse_step", 1}, {"mlp_only_layers", mlp_only},
-              {"tie_word_embeddings", false}, {"rms_norm_eps", 1e-6},
-              {"max_position_embeddings", 40960}, {"rope_theta", 1000000.0},
-              {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}, {"eos_token_id", eos},
-              {"bos_token_id", nullptr},
-              {"moestream_synth", {{"seed", o.seed}, {"quant", o.quant}, {"zipf", o.zipf}}}});
+  json config = {{"architectures", {hybrid ? "Qwen3_5MoeForCausalLM" : "Qwen3MoeForCausalLM"}},
+                 {"model_type", model_type},
+                 {"vocab_size", s.vocab}, {"hidden_size", s.hidden},
+                 {"intermediate_size", s.intermediate}, {"moe_intermediate_size", s.moe_intermediate},
+                 {"num_hidden_layers", s.layers}, {"num_attention_heads", s.heads},
+                 {"num_key_value_heads", s.kv_heads}, {"head_dim", s.head_dim},
+                 {"num_experts", s.experts}, {"num_experts_per_tok", s.top_k},
+                 {"norm_topk_prob", true}, {"decoder_sparse_step", 1}, {"mlp_only_layers", mlp_only},
+                 {"tie_word_embeddings", false}, {"rms_norm_eps", 1e-6},
+                 {"max_position_embeddings", 40960}, {"rope_theta", s.rope_theta},
+                 {"hidden_act", "silu"}, {"torch_dtype", "bfloat16"}, {"eos_token_id", eos},
+                 {"bos_token_id", nullptr},
+                 {"moestream_synth", {{"seed", o.seed}, {"quant", o.quant}, {"zipf", o.zipf}}}};
+  // layer_types: every interval-th layer full attention, as full_attention_interval says.
+  const auto is_linear = [&](int l) { return hybrid && (l + 1) % s.full_attention_interval != 0; };
+  if (hybrid) {
+    json types = json::array();
+    for (int l = 0; l < s.layers; ++l) types.push_back(is_linear(l) ? "linear_attention" : "full_attention");
+    config.erase("mlp_only_layers");
+    config.erase("decoder_sparse_step");
+    config.erase("intermediate_size");
+    config.update({{"layer_types", types}, {"full_attention_interval", s.full_attention_interval},
+                   {"linear_num_key_heads", s.linear_k_heads}, {"linear_num_value_heads", s.linear_v_heads},
+                   {"linear_key_head_dim", s.linear_head_dim}, {"linear_value_head_dim", s.linear_head_dim},
+                   {"linear_conv_kernel_dim", s.linear_conv_kernel},
+                   {"shared_expert_intermediate_size", s.shared_intermediate},
+                   {"partial_rotary_factor", s.partial_rotary}, {"attention_bias", false}});
+  }
+  write_json(tmp + "/config.json", config);
   write_json(tmp + "/generation_config.json",
              {{"eos_token_id", {256, eos}}, {"do_sample", true}, {"temperature", 0.8},
               {"top_k", 40}, {"top_p", 0.95}});
@@ -241,10 +310,27 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   if (marker > 0)
     for (int64_t v = 0; v < s.vocab; ++v) (*embed)[size_t(v * h)] = f32_to_bf16(marker);
   const float router_gain = 3.0f;
+  auto zipf_router = [&](std::vector<uint16_t>& router, int l) {
+    if (marker <= 0) return;
+    // The marker's share of the normalized hidden state shrinks as layers add to the residual.
+    const float marker_in = marker / std::sqrt(1.0f + marker * marker / float(h) + 2.0f * float(l));
+    for (int e = 0; e < s.experts; ++e) {
+      const float bias = -float(o.zipf) * router_gain * std::log(float(e + 1));
+      router[size_t(e * h)] = f32_to_bf16(bias / marker_in);
+    }
+  };
+  // Qwen3.5 stores its RMSNorm weights zero-centred (applied as 1 + w), DeltaNet's gated norm
+  // excepted.
+  const float norm_offset = hybrid ? 0.0f : 1.0f;
   for (int l = 0; l < s.layers; ++l) {
     const std::string p = "model.layers." + std::to_string(l) + ".";
-    add(p + "input_layernorm.weight", {h}, 0.1f, 1.0f);
-    add(p + "post_attention_layernorm.weight", {h}, 0.1f, 1.0f);
+    add(p + "input_layernorm.weight", {h}, 0.1f, norm_offset);
+    add(p + "post_attention_layernorm.weight", {h}, 0.1f, norm_offset);
+    if (hybrid) {
+      add_hybrid_layer(s, p, is_linear(l), add, matrix);
+      zipf_router(*matrix(p + "mlp.gate.weight", s.experts, h, router_gain), l);
+      continue;
+    }
     matrix(p + "self_attn.q_proj.weight", q_dim, h);
     matrix(p + "self_attn.k_proj.weight", kv_dim, h);
     matrix(p + "self_attn.v_proj.weight", kv_dim, h);
@@ -257,17 +343,9 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
       matrix(p + "mlp.down_proj.weight", h, s.intermediate);
       continue;
     }
-    auto* router = matrix(p + "mlp.gate.weight", s.experts, h, router_gain);
-    if (marker > 0) {
-      // The marker's share of the normalized hidden state shrinks as layers add to the residual.
-      const float marker_in = marker / std::sqrt(1.0f + marker * marker / float(h) + 2.0f * float(l));
-      for (int e = 0; e < s.experts; ++e) {
-        const float bias = -float(o.zipf) * router_gain * std::log(float(e + 1));
-        (*router)[size_t(e * h)] = f32_to_bf16(bias / marker_in);
-      }
-    }
+    zipf_router(*matrix(p + "mlp.gate.weight", s.experts, h, router_gain), l);
   }
-  add("model.norm.weight", {h}, 0.1f, 1.0f);
+  add("model.norm.weight", {h}, 0.1f, norm_offset);
   matrix("lm_head.weight", s.vocab, h);
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = storage[i].data();
   write_safetensors(tmp + "/weights.safetensors", tensors, {{"format", "pt"}});

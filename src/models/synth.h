@@ -19,6 +19,14 @@ struct SynthShape {
   int64_t moe_intermediate = 128;
   int64_t intermediate = 512;  // dense layers (mlp_only_layers)
   int first_dense = 0;         // layers [0, first_dense) use a dense MLP
+  // > 0: the Qwen3.5 hybrid (a qwen3_5_moe_text checkpoint): every full_attention_interval-th
+  // layer is gated full attention, the others Gated DeltaNet with the linear_* heads, and each
+  // MoE layer adds a sigmoid-gated shared expert of width shared_intermediate.
+  int full_attention_interval = 0;
+  int linear_k_heads = 0, linear_v_heads = 0, linear_head_dim = 0, linear_conv_kernel = 4;
+  int64_t shared_intermediate = 0;
+  double partial_rotary = 1.0;  // rotated share of each full-attention head
+  double rope_theta = 1000000.0;
 };
 
 struct SynthOptions {
@@ -28,7 +36,8 @@ struct SynthOptions {
   uint64_t seed = 42;
 };
 
-// Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b. Error lists them when unknown.
+// Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-397b-a17b (hybrid). Error
+// lists them when unknown.
 SynthShape synth_preset(const std::string& name);
 std::vector<std::string> synth_preset_names();
 

@@ -224,9 +224,22 @@ class CpuBackend final : public Backend {
     std::vector<float> probs(size_t(p.n_experts));
     std::vector<int> order(size_t(p.n_experts));
     std::vector<float> weights(size_t(p.top_k));
+    const bool lossy = p.cache_bias != 0.0f || p.miss_fallback;  // ask what is resident
+    if (lossy) {
+      resident_.resize(size_t(p.n_experts));
+      store.resident(p.layer, resident_);
+    }
+    const char* resident = lossy ? resident_.data() : nullptr;
+    skipped_.clear();
     for (int64_t t = 0; t < T; ++t) {
-      route(logits.data + t * p.n_experts, p, probs, order, weights);
-      for (int i = 0; i < p.top_k; ++i) by_expert[order[i]].emplace_back(t, weights[size_t(i)]);
+      route(logits.data + t * p.n_experts, p, resident, probs, order, weights);
+      const bool dropped = p.miss_fallback && drop_missing(resident, order.data(), weights, p.top_k);
+      for (int i = 0; i < p.top_k; ++i) {
+        if (!dropped || resident[order[i]])
+          by_expert[order[i]].emplace_back(t, weights[size_t(i)]);
+        else if (std::find(skipped_.begin(), skipped_.end(), order[i]) == skipped_.end())
+          skipped_.push_back(order[i]);
+      }
     }
     std::vector<int>& ids = expert_ids_;
     ids.clear();
@@ -247,6 +260,7 @@ class CpuBackend final : public Backend {
     times_.routing += std::chrono::duration<double>(t_routed - t_start).count();
     ScopedTimer compute(times_.expert_compute);  // includes waiting; the model subtracts it
     store.request(p.layer, ids);
+    if (!skipped_.empty()) store.fetch_later(p.layer, skipped_);
     int e;
     MlpWeights w;
     while (store.next(e, w)) {
@@ -286,20 +300,27 @@ class CpuBackend final : public Backend {
 
  private:
   // The experts a token goes to (order[0, top_k)) and their weights, from its router logits.
-  void route(const float* l, const MoeParams& p, std::vector<float>& probs, std::vector<int>& order,
-             std::vector<float>& weights) {
+  // With p.cache_bias and a residency mask, resident experts rank with +cache_bias (MoeParams).
+  void route(const float* l, const MoeParams& p, const char* resident, std::vector<float>& probs,
+             std::vector<int>& order, std::vector<float>& weights) {
     const int n = p.n_experts, k = p.top_k;
     std::vector<float>& choice = route_.choice;  // what experts are ranked by, when it differs from probs
     const auto by = [](const std::vector<float>& v) {
       return [&v](int a, int b) { return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b); };
     };
+    const bool bias = resident && p.cache_bias != 0.0f;
+    const auto biased = [&](int e, float score) { return resident[e] ? score + p.cache_bias : score; };
     std::iota(order.begin(), order.end(), 0);
     switch (p.router) {
       case RouterKind::SoftmaxTopK: {
         float mx = *std::max_element(l, l + n), sum = 0;
         for (int e = 0; e < n; ++e) sum += (probs[e] = std::exp(l[e] - mx));
         for (int e = 0; e < n; ++e) probs[e] /= sum;
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(probs));
+        if (bias) {
+          choice.resize(size_t(n));
+          for (int e = 0; e < n; ++e) choice[e] = biased(e, l[e]);
+        }
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(bias ? choice : probs));
         break;
       }
       case RouterKind::SigmoidGroupTopK: {
@@ -307,6 +328,7 @@ class CpuBackend final : public Backend {
         for (int e = 0; e < n; ++e) {
           probs[e] = 1.0f / (1.0f + std::exp(-l[e]));
           choice[e] = probs[e] + (p.router_bias ? p.router_bias->data[e] : 0.0f);
+          if (bias) choice[e] = biased(e, choice[e]);
         }
         // Groups score the sum of their two best choices; experts outside the topk_group best
         // groups rank with 0, as transformers masks them.
@@ -337,7 +359,11 @@ class CpuBackend final : public Backend {
       }
       case RouterKind::TopKSoftmax: {
         for (int e = 0; e < n; ++e) probs[e] = l[e] + (p.router_bias ? p.router_bias->data[e] : 0.0f);
-        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(probs));
+        if (bias) {
+          choice.resize(size_t(n));
+          for (int e = 0; e < n; ++e) choice[e] = biased(e, probs[e]);
+        }
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), by(bias ? choice : probs));
         const float mx = probs[order[0]];
         float sum = 0;
         for (int i = 0; i < k; ++i) sum += std::exp(probs[order[i]] - mx);
@@ -353,6 +379,25 @@ class CpuBackend final : public Backend {
       norm = 1.0f / (s + (p.router == RouterKind::SigmoidGroupTopK ? 1e-20f : 0.0f));
     }
     for (int i = 0; i < k; ++i) weights[size_t(i)] = probs[order[i]] * norm * p.routed_scaling_factor;
+  }
+
+  // Miss fallback: the weights of a token's chosen experts that are not resident become 0 and
+  // the resident ones' are scaled to the same sum; nothing changes when all or none are resident.
+  // Returns whether it dropped any.
+  static bool drop_missing(const char* resident, const int* order, std::vector<float>& weights, int k) {
+    float all = 0, kept = 0;
+    int n_kept = 0;
+    for (int i = 0; i < k; ++i) {
+      all += weights[size_t(i)];
+      if (resident[order[i]]) {
+        kept += weights[size_t(i)];
+        ++n_kept;
+      }
+    }
+    if (n_kept == k || n_kept == 0 || kept <= 0.0f) return false;
+    const float scale = all / kept;
+    for (int i = 0; i < k; ++i) weights[size_t(i)] = resident[order[i]] ? weights[size_t(i)] * scale : 0.0f;
+    return true;
   }
 
   // out = down(act(gate x + gate_bias, up x + up_bias)) + down_bias
@@ -396,6 +441,8 @@ class CpuBackend final : public Backend {
   cpu::DeltaNetScratch deltanet_;
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
   std::vector<int> expert_ids_;
+  std::vector<char> resident_;  // the provider's residency of the layer's experts (lossy options)
+  std::vector<int> skipped_;    // experts chosen but skipped by the miss fallback
   std::vector<int64_t> first_row_;
   struct RouteScratch {  // behind route(), reused
     std::vector<float> choice, group_score;
