@@ -49,9 +49,8 @@ int ContextShift::dropped_messages(int k) const {
 }
 
 int fewest_to_drop(int n, const std::function<bool(int)>& fits) {
-  int lo = 0, hi = n;  // the answer is in [lo, hi]; hi is taken when nothing fits
   if (fits(0)) return 0;
-  lo = 1;
+  int lo = 1, hi = n;  // the answer is in [lo, hi]; hi is taken when nothing fits
   while (lo < hi) {
     const int mid = lo + (hi - lo) / 2;
     if (fits(mid)) hi = mid;
