@@ -189,6 +189,18 @@ TEST(ServerShift, AnthropicMessagesKeepToolCallsWithTheirResults) {
   EXPECT_EQ(prompt_tokens(lone.body["usage"]), prompt_tokens(shifted.body["usage"]));
   EXPECT_EQ(lone.body["usage"]["output_tokens"], shifted.body["usage"]["output_tokens"]);
   EXPECT_EQ(lone.body["content"], shifted.body["content"]);
+
+  // Streamed: the header, and message_start's message.
+  json streamed = body(messages);
+  streamed["stream"] = true;
+  auto res = s.client().Post("/v1/messages", streamed.dump(), "application/json");
+  ASSERT_TRUE(res);
+  ASSERT_EQ(res->status, 200) << res->body;
+  EXPECT_EQ(res->get_header_value("Moestream-Context-Shift"), std::to_string(dropped));
+  const size_t start = res->body.find("data: ", res->body.find("event: message_start"));
+  ASSERT_NE(start, std::string::npos) << res->body;
+  const json e = json::parse(res->body.substr(start + 6, res->body.find("\n\n", start) - start - 6));
+  EXPECT_EQ(e["message"]["context_shift"]["dropped_messages"], dropped);
 }
 
 TEST(ContextShift, ExchangesAfterTheSystemPromptTheLastOneKept) {
