@@ -1,8 +1,8 @@
 // What the API request fuzzers share: a ServedModel without a model or an engine (so nothing is
-// generated), with a small real tokenizer and the real chat templates of tests/fixtures. The
-// request handlers' validation lives in unnamed namespaces of src/server/*_api.cpp, which the
-// targets include, so they exercise that code itself rather than a copy; the handlers' few inline
-// steps up to resolve_max_tokens (which needs the engine) are repeated in each target.
+// generated), with a small real tokenizer and the real chat templates of tests/fixtures. Each
+// target runs a body through parse_body and its endpoint's parse_*_request (server/requests.h),
+// the functions the handlers call, so it covers everything a request does before the model runs:
+// every field check, the prompt rendered and encoded, the context shift, max_tokens.
 #pragma once
 
 #include <string>
@@ -16,6 +16,8 @@ namespace moestream::fuzz {
 
 class ApiFixture {
  public:
+  // A small context, so that long inputs meet the context shift and its errors.
+  static constexpr int64_t kCtx = 512;
   static ApiFixture& get() {
     static ApiFixture fixture;
     return fixture;

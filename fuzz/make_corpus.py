@@ -168,6 +168,16 @@ def api_seeds():
                       {"role": "user", "content": "v"}], "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}},
         {"messages": [{"role": "user", "content": "x"}], "logprobs": False, "presence_penalty": 0, "frequency_penalty": 0,
          "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {"type": "object"}}}},
+        {"messages": [{"role": "user", "content": "Weather?"}], "tools": [dict(tool, function=dict(tool["function"], strict=True))],
+         "tool_choice": "required", "parallel_tool_calls": False, "logprobs": True, "top_logprobs": 3, "n": 2,
+         "logit_bias": {"0": -100, "15": 5.5}},
+        {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, "response_format": {"type": "json_schema", "json_schema": {
+            "name": "p", "strict": True, "schema": {"type": "object", "properties": {"a": {"type": "array", "items": {"enum": [1, "b"]}, "minItems": 1}},
+                                                    "required": ["a"], "additionalProperties": False}}}},
+        # Longer than the fuzz targets' context of 512 tokens with max_tokens: the context shift.
+        {"messages": [{"role": "system", "content": "Be brief."}] +
+                     [{"role": r, "content": f"turn {i}: " + "words " * 40} for i in range(8) for r in ("user", "assistant")] +
+                     [{"role": "user", "content": "last"}], "max_tokens": 100},
     ]
     for b in chat:
         put("openai_chat", json.dumps(b, ensure_ascii=False))
@@ -176,6 +186,7 @@ def api_seeds():
         {"prompt": ["The capital of France is"], "temperature": 0, "stop": "\n", "stream": True, "stream_options": {"include_usage": True}},
         {"prompt": [1, 2, 3, 4], "max_tokens": 4, "seed": -1, "top_k": 0, "echo": False, "suffix": None},
         {"prompt": "héllo <|im_start|> wörld", "top_p": 0.5, "min_p": 0.1, "repetition_penalty": 1.2, "n": 1, "logprobs": None},
+        {"prompt": "a", "n": 3, "best_of": 3, "logprobs": 2, "logit_bias": {"7": 1}, "max_tokens": 600},
     ]
     for b in completions:
         put("openai_completions", json.dumps(b, ensure_ascii=False))
@@ -194,6 +205,13 @@ def api_seeds():
                       {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]}]},
         {"max_tokens": 8, "tools": [atool], "tool_choice": {"type": "none"}, "thinking": {"type": "disabled"},
          "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}, {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [{"type": "text", "text": "r"}]}]}]},
+        {"max_tokens": 16, "tools": [atool], "tool_choice": {"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+         "messages": [{"role": "user", "content": "Weather in Paris?"}], "logit_bias": {"3": -1}},
+        # Longer than the fuzz targets' context of 512 tokens with max_tokens: the context shift.
+        {"max_tokens": 100, "system": "sys", "tools": [atool], "tool_choice": {"type": "any"},
+         "messages": [{"role": r, "content": f"turn {i}: " + "words " * 40} for i in range(8) for r in ("user", "assistant")] +
+                     [{"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_2", "name": "get_weather", "input": {"city": "Oslo"}}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_2", "content": "snow"}, {"type": "text", "text": "and?"}]}]},
     ]
     for b in messages:
         put("anthropic_messages", json.dumps(b, ensure_ascii=False))

@@ -381,6 +381,36 @@ TEST(Cli, ChatReplyCutInsideACharacterKeepsTheConversation) {
   EXPECT_EQ(conv["messages"][1]["content"], "\xEF\xBF\xBD");
 }
 
+// A conversation that outgrows --ctx: the next message leaves out the oldest exchange, and a reply
+// that reaches the end of the context leaves out older turns, is prefilled again and goes on,
+// both noted on stderr; a message that cannot fit is a one-line error and the chat goes on.
+TEST(Cli, ChatShiftsTheContextInsteadOfStopping) {
+  const std::string tmp = test::temp_dir("cli-chat-shift");
+  ChatProcess chat({"-m", chat_model(), "--ctx", "96", "-n", "20", "--temp", "0"});
+  std::string long_message;
+  for (int i = 0; i < 80; ++i) long_message += "many words ";
+  chat.send("Hello\n/set max_tokens 100\nAgain\n/set max_tokens 8\nThird\n" + long_message + "\n/save " + tmp +
+            "/conv.json\n/quit\n");
+  EXPECT_EQ(chat.wait(), 0) << chat.err();
+  const std::string err = chat.err();
+  // "Again" fits beside the first exchange, its reply of up to 100 tokens does not: the first
+  // exchange goes, the reply goes on, then stops at the end of the context with nothing left.
+  EXPECT_NE(err.find("(context: left out the 2 oldest messages to continue the reply within --ctx 96)"), std::string::npos) << err;
+  EXPECT_NE(err.find("the reply reached the end of the context, --ctx 96"), std::string::npos) << err;
+  // "Third" does not fit beside that exchange with room for its reply: the exchange goes first.
+  EXPECT_NE(err.find("(context: left out the 2 oldest messages to fit --ctx 96)"), std::string::npos) << err;
+  // The long message cannot fit at all: an error, and the conversation stays as it was.
+  EXPECT_NE(err.find("the message does not fit: the prompt has "), std::string::npos) << err;
+  EXPECT_NE(err.find("the context (--ctx) holds 96"), std::string::npos) << err;
+  const json conv = json::parse(test::read_file(tmp + "/conv.json"));
+  ASSERT_EQ(conv["messages"].size(), 2u) << conv.dump();
+  EXPECT_EQ(conv["messages"][0]["content"], "Third");
+  // The reply spans more tokens than the context left it at first.
+  const size_t at = err.find("[", err.find("--ctx 96, with no older"));
+  ASSERT_NE(at, std::string::npos) << err;
+  EXPECT_GT(std::atoi(err.c_str() + at + 1), 96 - 39) << err;
+}
+
 // The server's streamed reply (server-sent events) cut inside a character: every event is valid
 // UTF-8 JSON and the text ends in U+FFFD, as the plain reply does.
 TEST(Cli, StreamedReplyCutInsideACharacterIsValidUtf8) {

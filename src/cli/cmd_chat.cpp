@@ -8,11 +8,14 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
+#include <map>
 #include <sstream>
 
 #include "cli/cli.h"
 #include "core/error.h"
+#include "server/context_shift.h"
 #include "server/generation.h"
 
 namespace moestream::cli {
@@ -193,6 +196,34 @@ bool command(Conversation& c, const std::string& text, bool& quit) {
   return true;
 }
 
+// Context shift: leaves out the fewest oldest exchanges of c (never the system prompt or the
+// latest user message) for which fits(tokens of the rendered rest) holds, or all it can when none
+// does; prompt and ids become the rest's. Returns how many messages were left out.
+int shift(const ServedModel& m, Conversation& c, const nlohmann::ordered_json& kwargs,
+          const std::function<bool(int64_t)>& fits, std::string& prompt, std::vector<int32_t>& ids) {
+  const nlohmann::ordered_json all = c.with_system();
+  const ContextShift turns(all);
+  if (turns.droppable() == 0) return 0;
+  std::map<int, std::pair<std::string, std::vector<int32_t>>> tried;
+  auto render = [&](int k) -> std::pair<std::string, std::vector<int32_t>>& {
+    auto it = tried.find(k);
+    if (it != tried.end()) return it->second;
+    std::string text = m.chat_template->render(turns.kept(k), nullptr, true, kwargs);
+    std::vector<int32_t> encoded = m.encode_chat(text);
+    return tried[k] = {std::move(text), std::move(encoded)};
+  };
+  const int k = fewest_to_drop(turns.droppable(), [&](int k) { return fits(int64_t(render(k).second.size())); });
+  if (k == 0) return 0;
+  const int dropped = turns.dropped_messages(k);
+  const size_t from_system = c.system.empty() ? 0 : 1;
+  nlohmann::ordered_json kept = turns.kept(k);
+  c.messages = nlohmann::ordered_json::array();
+  for (size_t i = from_system; i < kept.size(); ++i) c.messages.push_back(kept[i]);
+  prompt = render(k).first;
+  ids = render(k).second;
+  return dropped;
+}
+
 void chat(const ChatFlags& f) {
   if (f.max_tokens < 1) fail("-n: must be >= 1, got ", f.max_tokens);
   Conversation c;
@@ -232,47 +263,97 @@ void chat(const ChatFlags& f) {
     if (!c.think) kwargs["enable_thinking"] = false;
     GenerateOptions o;
     std::string prompt;
+    const int64_t ctx = m->engine->options().ctx;
+    const nlohmann::ordered_json before = c.messages;  // kept whole when the message cannot fit
+    int dropped = 0;
     try {
+      // Room for the reply: the smaller of max_tokens and shift_reply_room (a reply that reaches
+      // the end of the context shifts again below).
+      const int64_t need = std::min<int64_t>(c.max_tokens, shift_reply_room(ctx));
+      auto fits = [&](int64_t tokens) { return tokens + need <= ctx; };
       prompt = m->chat_template->render(c.with_system(), nullptr, true, kwargs);
       o.prompt = m->encode_chat(prompt);
+      if (!fits(int64_t(o.prompt.size()))) {
+        dropped = shift(*m, c, kwargs, fits, prompt, o.prompt);
+      }
     } catch (const Error& e) {
       std::fprintf(stderr, "the conversation could not be rendered: %s\n", e.what());
       c.messages.erase(c.messages.end() - 1);
       continue;
     }
-    const int64_t room = m->engine->options().ctx - int64_t(o.prompt.size());
+    const int64_t room = ctx - int64_t(o.prompt.size());
     if (room < 1) {
-      std::fprintf(stderr, "the conversation (%zu tokens) no longer fits the context of %lld; /reset to start over\n",
-                   o.prompt.size(), (long long)m->engine->options().ctx);
+      std::fprintf(stderr, "the message does not fit: the prompt has %zu tokens and the context (--ctx) holds %lld\n",
+                   o.prompt.size(), (long long)ctx);
+      c.messages = before;
       c.messages.erase(c.messages.end() - 1);
       continue;
     }
+    if (dropped > 0) std::fprintf(stderr, "(context: left out the %d oldest messages to fit --ctx %lld)\n", dropped, (long long)ctx);
     o.sampling = c.sampling;
     o.max_tokens = int(std::min<int64_t>(room, c.max_tokens));
     o.chat = true;
     o.in_reasoning = prompt_opens_reasoning(prompt);
-    Generation gen(*m, o);
     bool in_reasoning = false;
     reset_interrupts();
-    GenerateResult r;
-    try {
-      r = gen.run([&](const ParsedOutput& piece) {
-        if (!piece.reasoning.empty()) {
-          if (!in_reasoning && color) std::fputs("\x1b[2m", stdout);
-          in_reasoning = true;
-          std::fputs(piece.reasoning.c_str(), stdout);
-        }
-        if (!piece.content.empty()) {
-          if (in_reasoning) std::fputs(color ? "\x1b[0m\n" : "\n", stdout);
-          in_reasoning = false;
-          std::fputs(piece.content.c_str(), stdout);
-        }
-        std::fflush(stdout);
-        return interrupts() == 0;
-      });
-    } catch (const Error& e) {
-      if (in_reasoning && color) std::fputs("\x1b[0m", stdout);
-      std::fprintf(stderr, "\nthe reply failed: %s\n", e.what());
+    GenerateResult r;  // the whole reply, over its continuations
+    bool failed = false;
+    for (;;) {
+      GenerateResult part;
+      try {
+        Generation gen(*m, o);
+        part = gen.run([&](const ParsedOutput& piece) {
+          if (!piece.reasoning.empty()) {
+            if (!in_reasoning && color) std::fputs("\x1b[2m", stdout);
+            in_reasoning = true;
+            std::fputs(piece.reasoning.c_str(), stdout);
+          }
+          if (!piece.content.empty()) {
+            if (in_reasoning) std::fputs(color ? "\x1b[0m\n" : "\n", stdout);
+            in_reasoning = false;
+            std::fputs(piece.content.c_str(), stdout);
+          }
+          std::fflush(stdout);
+          return interrupts() == 0;
+        });
+      } catch (const Error& e) {
+        if (in_reasoning && color) std::fputs("\x1b[0m", stdout);
+        std::fprintf(stderr, "\nthe reply failed: %s\n", e.what());
+        failed = true;
+        break;
+      }
+      if (r.tokens.empty()) r.prompt_tokens = part.prompt_tokens, r.cached_tokens = part.cached_tokens;
+      r.output.append(std::move(part.output));
+      r.tokens.insert(r.tokens.end(), part.tokens.begin(), part.tokens.end());
+      r.completion_tokens += part.completion_tokens;
+      r.decode_seconds += part.decode_seconds;
+      r.finish_reason = part.finish_reason;
+      // The reply reached the end of the context before max_tokens: leave out the oldest turns,
+      // prefill the rest with the reply so far, and go on.
+      const int64_t left = c.max_tokens - r.completion_tokens;
+      if (part.finish_reason != "length" || part.completion_tokens < o.max_tokens || left <= 0 || interrupts() > 0) break;
+      const int64_t need = std::min<int64_t>(left, shift_reply_room(ctx));
+      auto fits = [&](int64_t tokens) { return tokens + int64_t(r.tokens.size()) + need <= ctx; };
+      dropped = 0;
+      try {
+        dropped = shift(*m, c, kwargs, fits, prompt, o.prompt);
+      } catch (const Error& e) {
+        std::fprintf(stderr, "\nthe conversation could not be rendered: %s\n", e.what());
+      }
+      if (dropped == 0) {
+        std::fprintf(stderr, "\n(the reply reached the end of the context, --ctx %lld, with no older turns left to leave out)\n", (long long)ctx);
+        break;
+      }
+      std::fprintf(stderr, "\n(context: left out the %d oldest messages to continue the reply within --ctx %lld)\n", dropped, (long long)ctx);
+      o.in_reasoning = prompt_opens_reasoning(prompt + m->tokenizer->decode(r.tokens));
+      o.prompt.insert(o.prompt.end(), r.tokens.begin(), r.tokens.end());
+      if (int64_t(o.prompt.size()) >= ctx) {
+        std::fprintf(stderr, "(the reply so far fills the context, --ctx %lld)\n", (long long)ctx);
+        break;
+      }
+      o.max_tokens = int(std::min<int64_t>(left, ctx - int64_t(o.prompt.size())));
+    }
+    if (failed) {
       c.messages.erase(c.messages.end() - 1);
       continue;
     }

@@ -115,10 +115,11 @@ std::optional<ojson> parse_nested_json(const std::string& text, const std::strin
 // Anthropic).
 SamplingParams request_sampling(const ServedModel& m, const ojson& body, double temperature_max);
 
-// max_tokens for a prompt of n tokens: the request's value (checked against the context) or, when
-// absent, `fallback` capped to what the context leaves.
-int resolve_max_tokens(const ServedModel& m, int64_t prompt_tokens, std::optional<int64_t> requested,
-                       const std::string& param, int64_t fallback);
+// max_tokens for a prompt of n tokens in a context of ctx: the request's value (checked against
+// the context) or, when absent, `fallback` capped to what the context leaves. dropped: the
+// messages a context shift left out, named in the error.
+int resolve_max_tokens(int64_t ctx, int64_t prompt_tokens, std::optional<int64_t> requested,
+                       const std::string& param, int64_t fallback, int dropped = 0);
 
 // Parses a request body as a JSON object, or throws ApiError.
 ojson parse_body(const std::string& body);

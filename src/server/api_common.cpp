@@ -1,10 +1,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <map>
 #include <random>
 
 #include "core/error.h"
 #include "server/api.h"
+#include "server/context_shift.h"
+#include "server/requests.h"
 
 namespace moestream {
 
@@ -182,19 +185,20 @@ SamplingParams request_sampling(const ServedModel& m, const ojson& body, double 
   return p;
 }
 
-int resolve_max_tokens(const ServedModel& m, int64_t prompt_tokens, std::optional<int64_t> requested,
-                       const std::string& param, int64_t fallback) {
-  const int64_t ctx = m.engine->options().ctx;
+int resolve_max_tokens(int64_t ctx, int64_t prompt_tokens, std::optional<int64_t> requested,
+                       const std::string& param, int64_t fallback, int dropped) {
+  const std::string shifted =
+      dropped > 0 ? " (after leaving out the " + std::to_string(dropped) + " oldest messages)" : "";
   if (prompt_tokens >= ctx)
-    throw ApiError(400, "messages", "the prompt has " + std::to_string(prompt_tokens) +
-                                        " tokens; the context holds " + std::to_string(ctx) +
+    throw ApiError(400, "messages", "the prompt has " + std::to_string(prompt_tokens) + " tokens" + shifted +
+                                        "; the context (--ctx) holds " + std::to_string(ctx) +
                                         " (the prompt and at least one generated token)");
   const int64_t room = ctx - prompt_tokens;
   if (requested) {
     if (*requested > room)
-      throw ApiError(400, param, "'" + param + "' is " + std::to_string(*requested) + " but the context of " +
+      throw ApiError(400, param, "'" + param + "' is " + std::to_string(*requested) + " but the context (--ctx) of " +
                                      std::to_string(ctx) + " tokens leaves " + std::to_string(room) +
-                                     " after the prompt's " + std::to_string(prompt_tokens));
+                                     " after the prompt's " + std::to_string(prompt_tokens) + shifted);
     return int(*requested);
   }
   return int(std::min(room, fallback));
@@ -216,6 +220,34 @@ std::string render_chat(const ServedModel& m, const ojson& messages, const ojson
   } catch (const Error& e) {
     throw ApiError(400, "messages", std::string("the chat template rejected the messages: ") + e.what());
   }
+}
+
+void shift_to_fit(const ServedModel& m, const ojson& messages, const std::vector<size_t>& origin, const ojson& tools,
+                  const ojson& kwargs, int64_t ctx, std::optional<int64_t> requested, std::string& prompt,
+                  GenerateOptions& o, ShiftNote& shift) {
+  shift = ShiftNote{0, ctx};
+  const int64_t reply = requested ? *requested : shift_reply_room(ctx);
+  if (int64_t(o.prompt.size()) + reply <= ctx) return;
+  ContextShift turns(messages, origin);
+  if (turns.droppable() == 0) return;
+  // Each try's rendering, kept for the one chosen.
+  std::map<int, std::pair<std::string, std::vector<int32_t>>> tried;
+  const int k = fewest_to_drop(turns.droppable(), [&](int k) {
+    if (k == 0) return false;  // known not to fit
+    std::string text = render_chat(m, turns.kept(k), tools, kwargs);
+    std::vector<int32_t> ids = m.encode_chat(text);
+    const bool fits = int64_t(ids.size()) + reply <= ctx;
+    tried[k] = {std::move(text), std::move(ids)};
+    return fits;
+  });
+  auto it = tried.find(k);
+  if (it == tried.end()) {  // never tried: every smaller k failed and k == droppable() untested
+    std::string text = render_chat(m, turns.kept(k), tools, kwargs);
+    it = tried.emplace(k, std::make_pair(text, m.encode_chat(text))).first;
+  }
+  shift.dropped_messages = turns.dropped_messages(k);
+  o.prompt = std::move(it->second.second);
+  prompt = std::move(it->second.first);
 }
 
 std::string random_id(const std::string& prefix) {

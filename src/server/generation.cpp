@@ -175,6 +175,7 @@ GenerateResult Generation::run(const std::function<bool(const ParsedOutput&)>& o
     for (size_t i = 0; i < tokens.size(); ++i) {
       const int32_t id = tokens[i];
       ++r.completion_tokens;
+      r.tokens.push_back(id);
       if (i < logprobs.size()) {
         r.logprobs.push_back(logprobs[i]);
         pending_logprobs_.push_back(std::move(logprobs[i]));

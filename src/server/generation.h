@@ -73,6 +73,7 @@ struct GenerateResult {
   double prefill_seconds = 0, decode_seconds = 0;
   double first_token_seconds = 0;  // from queueing to the first generated token
   std::vector<TokenLogprob> logprobs;  // of every generated token, when asked for
+  std::vector<int32_t> tokens;         // the generated ids (moestream chat continues a reply from them)
 };
 
 // One request. The constructor queues it (throws QueueFull when the queue is full, Error when it

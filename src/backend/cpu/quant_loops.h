@@ -147,6 +147,9 @@ struct QuantLoops {
       Isa::pack_rows(slot(s) + k0, stride(), m, kn, dst, ps);
     }
   };
+  // Spelled out for clang 16 (scripts/fuzz), which does not deduce an aggregate's arguments.
+  template <class Row>
+  ViaRows(int64_t, Row) -> ViaRows<Row>;
   // Rows dequantized straight into the panel (Isa::dequantize_panel).
   template <int BITS, int GS, bool MX>
   struct Direct {
