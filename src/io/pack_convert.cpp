@@ -279,10 +279,8 @@ class Converter {
     const ExpertParts parts = to_pack_layout(sources, b.bytes, b.views);
     const ExpertHessian* h = hessians_ ? hessians_->find(layer, expert) : nullptr;
     if (hessians_ && !keep_ && !to_bf16_) {
-      if (h && h->tokens >= options_.gptq_min_tokens)
-        ++gptq_experts_;
-      else
-        ++rtn_experts_, h = nullptr;
+      if (h && h->tokens < options_.gptq_min_tokens) h = nullptr;  // too few tokens: round to nearest
+      ++(h ? gptq_experts_ : rtn_experts_);
     }
     const QuantFormat target = expert_target(layer, expert);
     for (const std::string role : {"gate", "up", "down"}) add_weight(b, layer, role, parts, target, h, progress);
@@ -326,7 +324,6 @@ class Converter {
     out.push_back({name.substr(0, name.size() - 7) + ".scales", DType::F32, {rows, int64_t(sc.size() / 4) / rows}, sc.data()});
   }
 
-  // One weight role of an expert with its scales and biases, converted as --quant asks.
   // An expert's quantized format: --quant's, with its bits from --tiered's plan when there is one.
   QuantFormat expert_target(int layer, int expert) const {
     QuantFormat f = target_;
@@ -334,6 +331,8 @@ class Converter {
     return f;
   }
 
+  // One weight role of an expert with its scales and biases, converted as --quant asks (in format
+  // `target`, by GPTQ when h is given).
   void add_weight(ExpertBlock& b, int layer, const std::string& role, const ExpertParts& parts,
                   const QuantFormat& target, const ExpertHessian* h, Progress& progress) const {
     const ExpertSource& w = parts.at(role);
