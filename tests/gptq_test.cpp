@@ -248,6 +248,15 @@ TEST(Gptq, PackHasTheLayoutOfRoundToNearest) {
     EXPECT_EQ(e.path().filename(), "pack");
 }
 
+// Calibration and quantization give the same bytes whatever the thread count.
+TEST(Gptq, ThreadCountDoesNotChangeTheBytes) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string flags = "--quant q3 --group-size 32 --gptq " + src + "/text.txt";
+  const std::string one = pack(src, "gptq-t1", flags + " -t 1"), two = pack(src, "gptq-t2", flags + " -t 2");
+  for (const std::string& f : PackManifest::load(one).expert_files)
+    EXPECT_EQ(test::read_file(one + "/" + f), test::read_file(two + "/" + f)) << f;
+}
+
 std::string write_profile(const std::string& name, const std::vector<std::vector<int>>& counts) {
   const std::string path = test::temp_dir(name) + "/profile.json";
   std::ofstream(path) << json{{"counts", counts}}.dump();
