@@ -5,6 +5,8 @@
 
 #include "cli/cli.h"
 #include "core/error.h"
+#include "core/quant.h"
+#include "io/expert_tiers.h"
 #include "io/hf_config.h"
 #include "io/pack.h"
 #include "models/registry.h"
@@ -16,6 +18,9 @@ void add_pack(CLI::App& app) {
   struct Flags {
     std::string src, out;
     PackOptions options;
+    std::string tiered;
+    int hot_bits = 4, cold_bits = 2;
+    double hot_share = 0.25;
   };
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("pack", "Convert a Hugging Face model directory into a moestream pack");
@@ -27,7 +32,26 @@ void add_pack(CLI::App& app) {
   cmd->add_flag("--clip-search", f->options.clip_search, "Choose per-group clipping by least squared error (for 2-bit)");
   cmd->add_option("-t,--threads", f->options.threads, "Experts converted at once (default: all hardware threads)")
       ->check(kNonNegative);
+  CLI::Option* gptq = cmd->add_option("--gptq", f->options.gptq_text,
+                                      "Quantize experts by GPTQ, calibrated on this text (not the one you measure on)");
+  cmd->add_option("--gptq-tokens", f->options.gptq_tokens, "Calibration tokens at most (default 65536; 0: all)")
+      ->check(kNonNegative)
+      ->needs(gptq);
+  CLI::Option* tiered = cmd->add_option("--tiered", f->tiered,
+                                        "Usage profile (--profile-out's JSON): each layer's most used experts at "
+                                        "--hot-bits, the rest at --cold-bits");
+  cmd->add_option("--hot-bits", f->hot_bits, "Bits of the hot experts (default 4)")->needs(tiered);
+  cmd->add_option("--cold-bits", f->cold_bits, "Bits of the other experts (default 2)")->needs(tiered);
+  cmd->add_option("--hot-share", f->hot_share, "Share of each layer's experts that are hot (default 0.25)")->needs(tiered);
   cmd->callback([f] {
+    if (!f->tiered.empty()) {
+      if (f->options.quant != "keep")
+        fail("--tiered: the expert formats come from --hot-bits and --cold-bits; leave out --quant");
+      for (const auto& [flag, bits] : {std::pair{"--hot-bits", f->hot_bits}, {"--cold-bits", f->cold_bits}})
+        check_quant_format(QuantFormat{bits, f->options.group_size}, flag);
+      f->options.expert_bits = tier_bits(read_usage_profile(f->tiered), f->hot_share, f->hot_bits, f->cold_bits);
+      f->options.quant = "q" + std::to_string(f->hot_bits);  // the resident weights' format under --quant-all
+    }
     const HfConfig config = HfConfig::load(f->src + "/config.json").text();
     const Architecture& arch = find_architecture(config.model_type(), config.path());
     f->options.skip = arch.unused_tensors;

@@ -121,6 +121,14 @@ struct PackOptions {
   bool clip_search = false;    // per-group clipping by least squared error
   bool progress = true;        // progress on stderr: a bar on a terminal, else a line every few seconds
   int threads = 0;             // experts converted at once; <= 0: one per hardware thread (same bytes)
+  // GPTQ (pack --gptq): experts quantized with error compensation under Hessians collected by
+  // running the model on this calibration text (io/gptq.h); empty: round to nearest.
+  std::string gptq_text;
+  int64_t gptq_tokens = 65536;   // calibration tokens at most (<= 0: the whole text)
+  int64_t gptq_min_tokens = 64;  // experts routed fewer tokens than this are rounded to nearest
+  // Per-expert bits (pack --tiered, io/expert_tiers.h): expert_bits[layer][expert] replaces the
+  // bits of --quant for that expert; empty: every expert at --quant.
+  std::vector<std::vector<int>> expert_bits;
   // Checkpoint tensors the architecture never reads (a multimodal checkpoint's vision tower,
   // multi-token-prediction layers), left out of the pack; empty: keep every tensor.
   std::function<bool(const std::string& name)> skip;

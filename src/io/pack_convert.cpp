@@ -5,8 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <tuple>
-
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <deque>
@@ -22,6 +21,7 @@
 #include "core/error.h"
 #include "core/quant.h"
 #include "core/thread_pool.h"
+#include "io/gptq.h"
 #include "io/pack.h"
 #include "io/pack_tensors.h"
 #include "io/safetensors.h"
@@ -225,8 +225,10 @@ struct ExpertBlock {
 // Converts tensors as --quant asks: keep (as they are, FP8 included), bf16, or q<N> (affine).
 class Converter {
  public:
-  Converter(const Checkpoint& c, const SortedTensors& sorted, const PackOptions& options)
-      : c_(c), sorted_(sorted), options_(options), keep_(options.quant == "keep"), to_bf16_(options.quant == "bf16"),
+  // hessians: GPTQ's calibration (pack --gptq), or nullptr for round to nearest.
+  Converter(const Checkpoint& c, const SortedTensors& sorted, const PackOptions& options,
+            const ExpertHessians* hessians = nullptr)
+      : c_(c), sorted_(sorted), options_(options), hessians_(hessians), keep_(options.quant == "keep"), to_bf16_(options.quant == "bf16"),
         fp8_experts_native_(keep_), fp8_resident_native_(!to_bf16_ && !(options.quant_all && !keep_)),
         fp8_values_(to_bf16_ ? DType::BF16 : DType::F32) {
     if (!keep_ && !to_bf16_) target_ = target_format(options);
@@ -269,13 +271,19 @@ class Converter {
   void release_resident() { owned_.clear(); }
 
   // One expert: its weights role by role (gate, up, down), then its biases.
-  ExpertBlock expert(int layer, const ExpertParts& source_parts, Progress& progress) const {
+  ExpertBlock expert(int layer, int expert, const ExpertParts& source_parts, Progress& progress) const {
     ExpertBlock b;
     ExpertParts sources = source_parts;
     if (!fp8_experts_native_)
       for (auto& [role, part] : sources) part.tensor = dequantized(part.tensor, b.bytes, b.views);
     const ExpertParts parts = to_pack_layout(sources, b.bytes, b.views);
-    for (const std::string role : {"gate", "up", "down"}) add_weight(b, layer, role, parts, progress);
+    const ExpertHessian* h = hessians_ ? hessians_->find(layer, expert) : nullptr;
+    if (hessians_ && !keep_ && !to_bf16_) {
+      if (h && h->tokens < options_.gptq_min_tokens) h = nullptr;  // too few tokens: round to nearest
+      ++(h ? gptq_experts_ : rtn_experts_);
+    }
+    const QuantFormat target = expert_target(layer, expert);
+    for (const std::string role : {"gate", "up", "down"}) add_weight(b, layer, role, parts, target, h, progress);
     for (const std::string role : {"gate_bias", "up_bias", "down_bias"})
       if (parts.count(role)) {
         const ExpertSource& bias = parts.at(role);
@@ -291,6 +299,9 @@ class Converter {
     q.update(quant_overrides_);
     return q;
   }
+  // Experts quantized by GPTQ, and those rounded to nearest for lack of calibration tokens.
+  int64_t gptq_experts() const { return gptq_experts_; }
+  int64_t rtn_experts() const { return rtn_experts_; }
   // Once no FP8 weights are left in the pack, its config no longer says fp8.
   bool fp8_gone() const { return c_.quant.method == "fp8" && !fp8_resident_native_ && !fp8_experts_native_; }
 
@@ -313,8 +324,17 @@ class Converter {
     out.push_back({name.substr(0, name.size() - 7) + ".scales", DType::F32, {rows, int64_t(sc.size() / 4) / rows}, sc.data()});
   }
 
-  // One weight role of an expert with its scales and biases, converted as --quant asks.
-  void add_weight(ExpertBlock& b, int layer, const std::string& role, const ExpertParts& parts, Progress& progress) const {
+  // An expert's quantized format: --quant's, with its bits from --tiered's plan when there is one.
+  QuantFormat expert_target(int layer, int expert) const {
+    QuantFormat f = target_;
+    if (!options_.expert_bits.empty()) f.bits = options_.expert_bits.at(size_t(layer)).at(size_t(expert));
+    return f;
+  }
+
+  // One weight role of an expert with its scales and biases, converted as --quant asks (in format
+  // `target`, by GPTQ when h is given).
+  void add_weight(ExpertBlock& b, int layer, const std::string& role, const ExpertParts& parts,
+                  const QuantFormat& target, const ExpertHessian* h, Progress& progress) const {
     const ExpertSource& w = parts.at(role);
     const ExpertSource* sc = parts.count(role + ".scales") ? &parts.at(role + ".scales") : nullptr;
     const ExpertSource* bi = parts.count(role + ".biases") ? &parts.at(role + ".biases") : nullptr;
@@ -331,7 +351,7 @@ class Converter {
     else if (to_bf16_)
       bf16_weight(b, role, w, sc, bi, fmt);
     else
-      requantize_weight(b, role, w, sc, bi, fmt);
+      requantize_weight(b, role, w, sc, bi, fmt, target, h ? (role == "down" ? &h->act : &h->in) : nullptr);
     progress.add(w.nbytes() + (sc ? sc->nbytes() : 0) + (bi ? bi->nbytes() : 0));
   }
 
@@ -390,18 +410,23 @@ class Converter {
     b.formats.insert("bf16");
   }
 
+  // The weight in format `target`: by GPTQ under `hessian` (its input's, [cols, cols]) when
+  // given, else rounded to nearest.
   void requantize_weight(ExpertBlock& b, const std::string& role, const ExpertSource& w, const ExpertSource* sc,
-                         const ExpertSource* bi, const QuantFormat& fmt) const {
+                         const ExpertSource* bi, const QuantFormat& fmt, const QuantFormat& target,
+                         const std::vector<double>* hessian) const {
     const auto [rows, cols] = logical_shape(w, fmt);
-    if (cols % target_.group_size)
-      fail("tensor ", w.tensor->name, ": ", cols, " columns are not a multiple of --group-size ", target_.group_size);
+    if (cols % target.group_size)
+      fail("tensor ", w.tensor->name, ": ", cols, " columns are not a multiple of --group-size ", target.group_size);
     std::vector<float> v = to_f32(w, sc, bi, fmt);
-    auto [words, scales, biases] = quantize(v, rows, cols, target_, b.bytes, w.tensor->name);
-    b.parts.push_back({role, DType::U32, {rows, cols * target_.bits / 32}, words->data(), words->size(), target_.bits,
-                       target_.group_size});
-    b.parts.push_back({role + ".scales", DType::BF16, {rows, cols / target_.group_size}, scales->data(), scales->size()});
-    b.parts.push_back({role + ".biases", DType::BF16, {rows, cols / target_.group_size}, biases->data(), biases->size()});
-    b.formats.insert(quant_format_name(target_));
+    if (hessian && hessian->size() != size_t(cols * cols))
+      fail("tensor ", w.tensor->name, ": its calibration Hessian does not fit ", cols, " columns");
+    auto [words, scales, biases] = quantize(v, rows, cols, target, b.bytes, w.tensor->name, hessian);
+    b.parts.push_back({role, DType::U32, {rows, cols * target.bits / 32}, words->data(), words->size(), target.bits,
+                       target.group_size});
+    b.parts.push_back({role + ".scales", DType::BF16, {rows, cols / target.group_size}, scales->data(), scales->size()});
+    b.parts.push_back({role + ".biases", DType::BF16, {rows, cols / target.group_size}, biases->data(), biases->size()});
+    b.formats.insert(quant_format_name(target));
   }
 
   // [out, in] of a weight in the checkpoint's format `fmt`.
@@ -410,16 +435,25 @@ class Converter {
     return {shape[0], fmt.bits ? shape[1] * int64_t(dtype_size(w.tensor->dtype)) * 8 / fmt.bits : shape[1]};
   }
 
-  // values [rows, cols] as affine codes, scales and biases (bf16), kept in `bytes`.
+  // values [rows, cols] as affine codes, scales and biases (bf16), kept in `bytes`: by GPTQ
+  // under `hessian` when given, else rounded to nearest.
   std::tuple<std::vector<char>*, std::vector<char>*, std::vector<char>*> quantize(
       const std::vector<float>& values, int64_t rows, int64_t cols, const QuantFormat& f,
-      std::deque<std::vector<char>>& bytes, const std::string& name) const {
+      std::deque<std::vector<char>>& bytes, const std::string& name,
+      const std::vector<double>* hessian = nullptr) const {
     auto& words = bytes.emplace_back(size_t(rows * cols * f.bits / 32) * 4);
     auto& scales = bytes.emplace_back(size_t(rows * cols / f.group_size) * 2);
     auto& biases = bytes.emplace_back(size_t(rows * cols / f.group_size) * 2);
-    quantize_affine(values.data(), rows, cols, f, reinterpret_cast<uint32_t*>(words.data()),
-                    reinterpret_cast<uint16_t*>(scales.data()), reinterpret_cast<uint16_t*>(biases.data()),
-                    QuantizeOptions{options_.clip_search}, name);
+    auto* w = reinterpret_cast<uint32_t*>(words.data());
+    auto* s = reinterpret_cast<uint16_t*>(scales.data());
+    auto* z = reinterpret_cast<uint16_t*>(biases.data());
+    if (hessian) {
+      GptqOptions g;
+      g.clip_search = options_.clip_search;
+      quantize_gptq(values.data(), rows, cols, hessian->data(), f, w, s, z, g, name);
+    } else {
+      quantize_affine(values.data(), rows, cols, f, w, s, z, QuantizeOptions{options_.clip_search}, name);
+    }
     return {&words, &scales, &biases};
   }
 
@@ -442,6 +476,8 @@ class Converter {
   const Checkpoint& c_;
   const SortedTensors& sorted_;
   const PackOptions& options_;
+  const ExpertHessians* hessians_;
+  mutable std::atomic<int64_t> gptq_experts_{0}, rtn_experts_{0};
   const bool keep_, to_bf16_, fp8_experts_native_, fp8_resident_native_;
   const DType fp8_values_;
   QuantFormat target_;
@@ -477,13 +513,39 @@ void rewrite_config(json config, const Converter& converter, const std::string& 
 
 void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
                 const PackOptions& options) {
-  Converter::target_format(options);  // a bad --quant fails before anything is read
+  const QuantFormat target = Converter::target_format(options);  // a bad --quant fails before anything is read
+  if (!options.gptq_text.empty() && target.bits == 0)
+    fail("--gptq: needs a quantized --quant (q2, q3, q4, q6 or q8), not ", options.quant);
+  if (!options.expert_bits.empty() && target.bits == 0)
+    fail("--tiered: needs a quantized --quant, not ", options.quant);
+  if (!options.gptq_text.empty() && !fs::is_regular_file(options.gptq_text))
+    fail("--gptq: ", options.gptq_text, ": no such file");
   if (fs::exists(out)) fail(out, ": already exists (remove it first)");
   const Checkpoint checkpoint = open_checkpoint(src);
   const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
   if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
   if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
-  Converter converter(checkpoint, sorted, options);
+  if (!options.expert_bits.empty())
+    for (const auto& [layer, list] : sorted.experts) {
+      if (size_t(layer) >= options.expert_bits.size() || options.expert_bits[size_t(layer)].size() != list.size())
+        fail("--tiered: the profile has ",
+             size_t(layer) < options.expert_bits.size() ? options.expert_bits[size_t(layer)].size() : 0,
+             " experts for layer ", layer, ", the checkpoint ", list.size());
+      for (int bits : options.expert_bits[size_t(layer)])
+        check_quant_format(QuantFormat{bits, target.group_size, target.scale_dtype}, "--tiered");
+    }
+
+  std::unique_ptr<ExpertHessians> hessians;
+  if (!options.gptq_text.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip};
+    hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
+    if (options.progress)
+      std::fprintf(stderr, "gptq: calibrated on %lld tokens of %s in %.1f s\n", (long long)hessians->tokens,
+                   options.gptq_text.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  Converter converter(checkpoint, sorted, options, hessians.get());
 
   const json& text_config = checkpoint.text_config();
   const int n_layers = std::max(sorted.experts.rbegin()->first + 1, text_config.value("num_hidden_layers", 0));
@@ -502,12 +564,12 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   // Experts are converted several at a time (quantizing is most of the work) and written in
   // order, so the pack's bytes do not depend on the thread count.
   struct Item {
-    int layer;
+    int layer, expert;
     const ExpertParts* parts;
   };
   std::vector<Item> items;
   for (const auto& [layer, list] : sorted.experts)
-    for (const auto& [e, parts] : list) items.push_back({layer, &parts});
+    for (const auto& [e, parts] : list) items.push_back({layer, e, &parts});
   ThreadPool pool(options.threads);
   const size_t batch = size_t(2 * pool.size());
   for (size_t i0 = 0; i0 < items.size(); i0 += batch) {
@@ -517,7 +579,7 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
     pool.parallel_for(n, [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         try {
-          blocks[i] = converter.expert(items[i0 + i].layer, *items[i0 + i].parts, progress);
+          blocks[i] = converter.expert(items[i0 + i].layer, items[i0 + i].expert, *items[i0 + i].parts, progress);
         } catch (...) {
           errors[i] = std::current_exception();
         }
@@ -532,6 +594,10 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   copy_side_files(src, writer.tmp_dir());
   rewrite_config(checkpoint.config, converter, writer.tmp_dir());
   writer.finish(n_layers);
+  if (hessians)  // experts without enough calibration tokens were rounded to nearest
+    std::fprintf(stderr, "gptq: %lld experts by GPTQ, %lld rounded to nearest (fewer than %lld calibration tokens)\n",
+                 (long long)converter.gptq_experts(), (long long)converter.rtn_experts(),
+                 (long long)options.gptq_min_tokens);
 }
 
 }  // namespace moestream

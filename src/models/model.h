@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -28,6 +29,9 @@ struct ModelOptions {
   // --kv-sinks); the default, f32 with no window, is exact.
   KvCacheSpec kv;
   std::string cache_dir;       // where Hugging Face directories are packed; "" = default_cache_dir()
+  // Wraps the backend the model makes (a decorator that watches its calls: pack --gptq's
+  // calibration recorder); empty: the backend as made.
+  std::function<std::unique_ptr<Backend>(std::unique_ptr<Backend>)> wrap_backend;
 };
 
 // $MOESTREAM_CACHE, else ~/.cache/moestream.

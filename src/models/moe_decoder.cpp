@@ -62,6 +62,7 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   bo.host_expert_mb = options.experts.cache_mb;
   for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
   backend_ = make_backend(bo);
+  if (options.wrap_backend) backend_ = options.wrap_backend(std::move(backend_));
   weights_ = std::make_unique<WeightSet>(pack_.open_weights());  // checks each resident tensor against the manifest
   info_.model_type = c.model_type;
   info_.dir = dir;

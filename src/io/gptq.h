@@ -1,0 +1,88 @@
+// GPTQ for pack --gptq (Frantar et al. 2022, "GPTQ: Accurate Post-Training Quantization for
+// Generative Pre-trained Transformers"), written from the paper's description.
+//
+// A linear layer y = W x (W [out, in]) is quantized one input column at a time. With H = sum over
+// calibration inputs of x x^T, the error a column's rounding adds to the layer's output on those
+// inputs is spread over the columns not yet quantized, in the proportions H^-1 gives, so that the
+// output error ||X W^T - X Q^T|| shrinks instead of each weight's own error. As in the paper:
+// H's diagonal gets a dampening of `damp` times its mean; the updates use the upper Cholesky
+// factor U of H^-1 (H^-1 = U^T U), whose row i holds what column i's error does to the later
+// columns; columns are processed in lazy blocks, later columns updated once per block.
+//
+// The result is the same affine layout quantize_affine writes (MLX's, core/quant.h), so the
+// kernels need no change. A group's scale and bias are computed with MLX's rule (clip search
+// included when asked): in stored column order from the group's weights as they stand when its
+// first column is reached, i.e. after the updates from earlier groups; with act order (the
+// default) from the original weights. Each column's codes use the stored (rounded) scale and
+// bias, so the error that is spread is the one the kernels will see.
+//
+// Calibration (gptq_recorder.cpp) runs the model on a text and collects, for every routed expert,
+// the Hessian of its gate/up input (the tokens routed to it) and of its down input (the SwiGLU
+// activation of those tokens).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "core/quant.h"
+#include "io/pack.h"
+
+namespace moestream {
+
+class Backend;
+
+struct GptqOptions {
+  double damp = 0.01;       // added to H's diagonal: this fraction of its mean
+  int64_t block = 128;      // columns per lazy block (rounded up to a multiple of the group size)
+  bool clip_search = false; // group parameters by QuantizeOptions::clip_search
+  // Columns by falling diagonal of H (the paper's "act order"); then each group's parameters are
+  // computed up front from the original weights, since its columns are met out of order. Lower
+  // error than in stored order on the tests' synthetic layer and on the trained model (PERFORMANCE.md).
+  bool act_order = true;
+};
+
+// Quantizes w (rows, cols) float32 to f (affine) with error compensation under h (cols, cols,
+// symmetric, row-major; the sum of x x^T over calibration inputs x [cols]). Writes words, scales
+// and biases as quantize_affine does. `what` names the matrix in errors.
+void quantize_gptq(const float* w, int64_t rows, int64_t cols, const double* h, const QuantFormat& f,
+                   uint32_t* words, uint16_t* scales, uint16_t* biases, const GptqOptions& options = {},
+                   std::string_view what = "matrix");
+
+// What calibration saw of one routed expert.
+struct ExpertHessian {
+  int64_t tokens = 0;       // tokens routed to it
+  std::vector<double> in;   // [hidden, hidden]: sum of x x^T over those tokens (gate and up)
+  std::vector<double> act;  // [inter, inter]: the same over its activations (down's input)
+};
+
+struct ExpertHessians {
+  std::vector<std::vector<ExpertHessian>> layers;  // [layer][expert]; empty for layers without experts
+  int64_t tokens = 0;                              // calibration tokens run through the model
+  const ExpertHessian* find(int layer, int expert) const;  // nullptr when never routed to
+};
+
+// A backend decorator that forwards every call to `inner` (the CPU backend) and, in moe(),
+// adds the inputs of each routed expert to `out` (upper triangles only, until
+// finish_hessians). The routing is the inner backend's own: each token is routed alone through
+// inner's moe() with an expert provider that notes the requested experts and hands none out.
+std::unique_ptr<Backend> make_hessian_recorder(std::unique_ptr<Backend> inner, ExpertHessians& out);
+// Mirrors the recorded upper triangles into full symmetric matrices.
+void finish_hessians(ExpertHessians& h);
+
+struct GptqCalibration {
+  std::string text_path;     // calibration text (never the text quality is measured on)
+  int64_t max_tokens = 0;    // tokens of it to run; <= 0: all
+  int64_t ctx = 512;         // tokens per window (a fresh sequence each)
+  int threads = 0;
+  std::function<bool(const std::string& name)> skip;  // PackOptions::skip
+};
+
+// Packs `src` as bf16 into a temporary directory beside `out` (removed afterwards), runs that
+// model on the calibration text on the CPU with the recorder, and returns the experts' Hessians.
+ExpertHessians collect_expert_hessians(const std::string& src, const std::string& out,
+                                       const ExpertTensorParser& experts, const GptqCalibration& c);
+
+}  // namespace moestream

@@ -1,0 +1,330 @@
+// pack --gptq and pack --tiered: GPTQ against round to nearest on a known Hessian, the Hessian
+// recorder's routed tokens, the packs' layouts, and the flags' errors.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "backend/backend.h"
+#include "backend/expert_provider.h"
+#include "core/quant.h"
+#include "io/gptq.h"
+#include "io/pack.h"
+#include "models/model.h"
+#include "test_util.h"
+
+namespace moestream {
+namespace {
+
+namespace fs = std::filesystem;
+using json = nlohmann::json;
+
+// ||X W^T - X Q^T||^2 over the rows of x (n, cols), Q the dequantized codes.
+double output_error(const std::vector<float>& x, int64_t n, const std::vector<float>& w, int64_t rows, int64_t cols,
+                    const QuantFormat& f, const std::vector<uint32_t>& words, const std::vector<uint16_t>& scales,
+                    const std::vector<uint16_t>& biases) {
+  std::vector<float> q(size_t(rows * cols));
+  const int64_t wpr = quant_words_per_row(f, cols), gpr = quant_groups_per_row(f, cols);
+  for (int64_t r = 0; r < rows; ++r)
+    dequantize_row(f, cols, words.data() + r * wpr, scales.data() + r * gpr, biases.data() + r * gpr, q.data() + r * cols);
+  double err = 0;
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t r = 0; r < rows; ++r) {
+      double d = 0;
+      for (int64_t c = 0; c < cols; ++c) d += double(x[size_t(t * cols + c)]) * (w[size_t(r * cols + c)] - q[size_t(r * cols + c)]);
+      err += d * d;
+    }
+  return err;
+}
+
+// Inputs whose features are correlated (a random mixing of normal samples, features of
+// different scales), as a layer's activations are; GPTQ's compensation has something to use.
+std::vector<float> correlated_inputs(int64_t n, int64_t cols, uint32_t seed) {
+  const std::vector<float> z = test::gaussian(size_t(n * cols), seed);
+  const std::vector<float> mix = test::gaussian(size_t(cols * cols), seed + 1, 0.3f);
+  std::vector<float> x(size_t(n * cols));
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < cols; ++i) {
+      double s = z[size_t(t * cols + i)];
+      for (int64_t k = 0; k < cols; ++k) s += mix[size_t(i * cols + k)] * z[size_t(t * cols + k)];
+      x[size_t(t * cols + i)] = float(s * (1.0 + double(i % 7)));
+    }
+  return x;
+}
+
+TEST(Gptq, LowersOutputErrorBelowRoundToNearest) {
+  const int64_t rows = 24, cols = 128, n = 512;
+  const std::vector<float> w = test::gaussian(size_t(rows * cols), 7);
+  const std::vector<float> x = correlated_inputs(n, cols, 11);
+  std::vector<double> h(size_t(cols * cols), 0.0);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t i = 0; i < cols; ++i)
+      for (int64_t j = 0; j < cols; ++j) h[size_t(i * cols + j)] += double(x[size_t(t * cols + i)]) * x[size_t(t * cols + j)];
+  for (int bits : {2, 3, 4, 8}) {
+    const QuantFormat f{bits, 32};
+    const int64_t wpr = quant_words_per_row(f, cols), gpr = quant_groups_per_row(f, cols);
+    std::vector<uint32_t> rw(size_t(rows * wpr)), gw(size_t(rows * wpr));
+    std::vector<uint16_t> rs(size_t(rows * gpr)), rb(size_t(rows * gpr)), gsc(size_t(rows * gpr)), gb(size_t(rows * gpr));
+    quantize_affine(w.data(), rows, cols, f, rw.data(), rs.data(), rb.data());
+    const double rtn = output_error(x, n, w, rows, cols, f, rw, rs, rb);
+    for (bool act_order : {false, true}) {
+      GptqOptions o;
+      o.block = 64;  // two lazy blocks: the batched update between them is exercised
+      o.act_order = act_order;
+      quantize_gptq(w.data(), rows, cols, h.data(), f, gw.data(), gsc.data(), gb.data(), o);
+      const double gptq = output_error(x, n, w, rows, cols, f, gw, gsc, gb);
+      RecordProperty("q" + std::to_string(bits) + (act_order ? "_act" : "") + "_gptq_over_rtn", test::sci(gptq / rtn));
+      EXPECT_LT(gptq, 0.9 * rtn) << bits << " bits";
+    }
+  }
+}
+
+TEST(Gptq, SingularHessianIsDampedAndDeadColumnsQuantize) {
+  const int64_t rows = 4, cols = 64;
+  const std::vector<float> w = test::gaussian(size_t(rows * cols), 3);
+  std::vector<double> h(size_t(cols * cols), 0.0);
+  const std::vector<float> x = test::gaussian(size_t(cols), 5);
+  for (int64_t i = 0; i < cols / 2; ++i)  // rank one, and half the inputs always zero
+    for (int64_t j = 0; j < cols / 2; ++j) h[size_t(i * cols + j)] = double(x[size_t(i)]) * x[size_t(j)];
+  const QuantFormat f{4, 32};
+  std::vector<uint32_t> words(size_t(rows * quant_words_per_row(f, cols)));
+  std::vector<uint16_t> scales(size_t(rows * 2)), biases(size_t(rows * 2));
+  quantize_gptq(w.data(), rows, cols, h.data(), f, words.data(), scales.data(), biases.data());
+  std::vector<uint32_t> rtn_words(words.size());
+  std::vector<uint16_t> rtn_scales(scales.size()), rtn_biases(biases.size());
+  quantize_affine(w.data(), rows, cols, f, rtn_words.data(), rtn_scales.data(), rtn_biases.data());
+  std::vector<float> q(static_cast<size_t>(cols)), rtn(static_cast<size_t>(cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    dequantize_row(f, cols, words.data() + r * 8, scales.data() + r * 2, biases.data() + r * 2, q.data());
+    dequantize_row(f, cols, rtn_words.data() + r * 8, rtn_scales.data() + r * 2, rtn_biases.data() + r * 2, rtn.data());
+    for (float v : q) ASSERT_TRUE(std::isfinite(v));
+    // Dead columns: no compensation reaches them (H is block diagonal), so they are rounded as
+    // round to nearest rounds them (up to a code where the rounded scale tips a tie).
+    for (int64_t c = cols / 2; c < cols; ++c)
+      EXPECT_NEAR(q[size_t(c)], rtn[size_t(c)], 1e-6 + std::fabs(scale_to_f32(rtn_scales[size_t(r * 2 + 1)], DType::BF16)) * 1.01)
+          << r << "," << c;
+  }
+}
+
+// Hands out F32 experts of a layer; counts requests.
+class TestExperts : public ExpertProvider {
+ public:
+  std::vector<MlpWeights> weights;
+  void request(int, std::span<const int> experts) override { pending_.assign(experts.begin(), experts.end()); }
+  bool next(int& e, MlpWeights& w) override {
+    if (pending_.empty()) return false;
+    e = pending_.front();
+    pending_.erase(pending_.begin());
+    w = weights[size_t(e)];
+    return true;
+  }
+  void release(int) override {}
+
+ private:
+  std::vector<int> pending_;
+};
+
+TEST(Gptq, RecorderSeesExactlyTheRoutedTokens) {
+  const int64_t T = 9, dim = 16, inter = 8;
+  const int n_experts = 4, top_k = 2;
+  ExpertHessians hs;
+  auto be = make_hessian_recorder(make_cpu_backend(1, true), hs);
+  const std::vector<float> router_w = test::gaussian(size_t(n_experts * dim), 21);
+  const auto load = [&](const std::vector<float>& v, int64_t rows, int64_t cols, const std::string& name) {
+    return be->load_matrix(TensorView{name, DType::F32, {rows, cols}, v.data(), v.size() * 4});
+  };
+  const Matrix router = load(router_w, n_experts, dim, "router");
+  std::vector<std::vector<float>> mats;
+  TestExperts experts;
+  for (int e = 0; e < n_experts; ++e) {
+    mats.push_back(test::gaussian(size_t(inter * dim), 100 + e));
+    mats.push_back(test::gaussian(size_t(inter * dim), 200 + e));
+    mats.push_back(test::gaussian(size_t(dim * inter), 300 + e));
+  }
+  for (int e = 0; e < n_experts; ++e)
+    experts.weights.push_back(MlpWeights{load(mats[size_t(3 * e)], inter, dim, "gate"),
+                                         load(mats[size_t(3 * e + 1)], inter, dim, "up"),
+                                         load(mats[size_t(3 * e + 2)], dim, inter, "down"), {}, {}, {}});
+  const std::vector<float> xv = test::gaussian(size_t(T * dim), 9);
+  Buffer x = be->alloc(T, dim), out = be->alloc(T, dim);
+  std::copy(xv.begin(), xv.end(), x.data);
+  MoeParams p;
+  p.n_experts = n_experts;
+  p.top_k = top_k;
+  p.layer = 1;
+  be->moe(x, router, experts, p, out);
+  finish_hessians(hs);
+
+  // The expected routing: softmax is monotonic, so the top-k logits.
+  ASSERT_EQ(hs.layers.size(), 2u);
+  EXPECT_TRUE(hs.layers[0].empty());
+  std::vector<std::vector<double>> in(n_experts, std::vector<double>(dim * dim, 0.0));
+  std::vector<std::vector<double>> act(n_experts, std::vector<double>(inter * inter, 0.0));
+  std::vector<int64_t> count(n_experts, 0);
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xt = xv.data() + t * dim;
+    std::vector<std::pair<float, int>> logits;
+    for (int e = 0; e < n_experts; ++e) {
+      float s = 0;
+      for (int64_t i = 0; i < dim; ++i) s += router_w[size_t(e * dim + i)] * xt[i];
+      logits.push_back({-s, e});
+    }
+    std::sort(logits.begin(), logits.end());
+    for (int k = 0; k < top_k; ++k) {
+      const int e = logits[size_t(k)].second;
+      ++count[size_t(e)];
+      std::vector<double> a(inter);
+      for (int64_t o = 0; o < inter; ++o) {
+        double g = 0, u = 0;
+        for (int64_t i = 0; i < dim; ++i) {
+          g += mats[size_t(3 * e)][size_t(o * dim + i)] * xt[i];
+          u += mats[size_t(3 * e + 1)][size_t(o * dim + i)] * xt[i];
+        }
+        a[size_t(o)] = g / (1 + std::exp(-g)) * u;
+      }
+      for (int64_t i = 0; i < dim; ++i)
+        for (int64_t j = 0; j < dim; ++j) in[size_t(e)][size_t(i * dim + j)] += double(xt[i]) * xt[j];
+      for (int64_t i = 0; i < inter; ++i)
+        for (int64_t j = 0; j < inter; ++j) act[size_t(e)][size_t(i * inter + j)] += a[size_t(i)] * a[size_t(j)];
+    }
+  }
+  ASSERT_EQ(hs.layers[1].size(), size_t(n_experts));
+  for (int e = 0; e < n_experts; ++e) {
+    const ExpertHessian& h = hs.layers[1][size_t(e)];
+    EXPECT_EQ(h.tokens, count[size_t(e)]) << e;
+    if (count[size_t(e)] == 0) continue;
+    ASSERT_EQ(h.in.size(), in[size_t(e)].size());
+    ASSERT_EQ(h.act.size(), act[size_t(e)].size());
+    for (size_t i = 0; i < h.in.size(); ++i) EXPECT_NEAR(h.in[i], in[size_t(e)][i], 1e-3 * (1 + std::fabs(in[size_t(e)][i])));
+    for (size_t i = 0; i < h.act.size(); ++i) EXPECT_NEAR(h.act[i], act[size_t(e)][i], 1e-3 * (1 + std::fabs(act[size_t(e)][i])));
+  }
+}
+
+std::string pack(const std::string& src, const std::string& name, const std::string& flags) {
+  const std::string out = test::temp_dir(name) + "/pack";
+  auto r = test::run_cli("pack " + src + " " + out + " " + flags);
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  return out;
+}
+
+// The manifest's layout without the checksums: which tensors, where, in what format.
+json layout_of(const std::string& dir) {
+  json m = json::parse(test::read_file(dir + "/moestream-pack.json"));
+  for (auto& layer : m["layers"])
+    for (auto& e : layer) e.erase("xxh64");
+  m.erase("manifest_xxh64");
+  m.erase("source");
+  return m;
+}
+
+std::vector<float> logits_of(const std::string& dir, const std::vector<int32_t>& ids) {
+  auto model = load_model(dir, ModelOptions{});
+  return test::prefill_logits(*model, ids);
+}
+
+const std::vector<int32_t> kIds = {1, 5, 9, 17, 33, 65, 129, 200, 3, 7};
+
+TEST(Gptq, PackHasTheLayoutOfRoundToNearest) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string rtn = pack(src, "gptq-rtn", "--quant q4 --group-size 32");
+  const std::string gptq = test::temp_dir("gptq-q4") + "/pack";
+  const auto r = test::run_cli("pack " + src + " " + gptq + " --quant q4 --group-size 32 --gptq " + src + "/text.txt");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  test::expect_contains(r.err, {"gptq: calibrated on", "experts by GPTQ"});
+  EXPECT_EQ(layout_of(gptq), layout_of(rtn));
+  EXPECT_EQ(test::read_file(gptq + "/weights.safetensors"), test::read_file(rtn + "/weights.safetensors"));
+  const PackManifest m = PackManifest::load(gptq), base = PackManifest::load(rtn);
+  int differ = 0;
+  for (size_t l = 0; l < m.layers.size(); ++l)
+    for (size_t e = 0; e < m.layers[l].size(); ++e) differ += m.layers[l][e].checksum != base.layers[l][e].checksum;
+  EXPECT_GT(differ, 0);
+  EXPECT_TRUE(verify_pack(gptq).problems.empty());
+  for (float v : logits_of(gptq, kIds)) ASSERT_TRUE(std::isfinite(v));
+  for (const auto& e : fs::directory_iterator(fs::path(gptq).parent_path()))  // the calibration pack is gone
+    EXPECT_EQ(e.path().filename(), "pack");
+}
+
+// Calibration and quantization give the same bytes whatever the thread count.
+TEST(Gptq, ThreadCountDoesNotChangeTheBytes) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string flags = "--quant q3 --group-size 32 --gptq " + src + "/text.txt";
+  const std::string one = pack(src, "gptq-t1", flags + " -t 1"), two = pack(src, "gptq-t2", flags + " -t 2");
+  for (const std::string& f : PackManifest::load(one).expert_files)
+    EXPECT_EQ(test::read_file(one + "/" + f), test::read_file(two + "/" + f)) << f;
+}
+
+std::string write_profile(const std::string& name, const std::vector<std::vector<int>>& counts) {
+  const std::string path = test::temp_dir(name) + "/profile.json";
+  std::ofstream(path) << json{{"counts", counts}}.dump();
+  return path;
+}
+
+TEST(Tiered, HotExpertsAtHotBitsByTheProfile) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  // Layer 0: experts 6 and 2 most used; layer 1: 0 and 5 (a tie with 7 goes to the lower id).
+  const std::string profile = write_profile("tiered-profile", {{1, 2, 30, 4, 5, 6, 70, 8}, {90, 1, 1, 1, 1, 50, 1, 50}});
+  const std::string tiered = pack(src, "tiered", "--group-size 32 --tiered " + profile + " --hot-bits 4 --cold-bits 2 --hot-share 0.25");
+  const std::string q4 = pack(src, "tiered-q4", "--group-size 32 --quant q4");
+  const std::string q2 = pack(src, "tiered-q2", "--group-size 32 --quant q2");
+  const PackManifest m = PackManifest::load(tiered), m4 = PackManifest::load(q4), m2 = PackManifest::load(q2);
+  const std::vector<std::vector<int>> hot = {{2, 6}, {0, 5}};
+  for (int l = 0; l < 2; ++l)
+    for (int e = 0; e < 8; ++e) {
+      const bool is_hot = std::count(hot[size_t(l)].begin(), hot[size_t(l)].end(), e) > 0;
+      EXPECT_EQ(m.expert(l, e).format, is_hot ? "q4g32" : "q2g32") << l << "/" << e;
+      // Each expert is the same bytes as in the pack of its format.
+      EXPECT_EQ(m.expert(l, e).checksum, (is_hot ? m4 : m2).expert(l, e).checksum) << l << "/" << e;
+    }
+  // Mixed formats load and compute: all hot is the q4 pack, bit for bit; the mix lies between.
+  const std::string all_hot = pack(src, "tiered-all", "--group-size 32 --tiered " + profile + " --hot-share 1");
+  const std::vector<float> a = logits_of(all_hot, kIds), b = logits_of(q4, kIds), mixed = logits_of(tiered, kIds);
+  EXPECT_EQ(a, b);
+  for (float v : mixed) ASSERT_TRUE(std::isfinite(v));
+  EXPECT_NE(mixed, b);
+  EXPECT_NE(mixed, logits_of(q2, kIds));
+}
+
+TEST(Tiered, CombinesWithGptq) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string profile = write_profile("tiered-gptq-profile", {{1, 2, 30, 4, 5, 6, 70, 8}, {90, 1, 1, 1, 1, 50, 1, 50}});
+  const std::string out = pack(src, "tiered-gptq", "--group-size 32 --tiered " + profile + " --gptq " + src + "/text.txt");
+  const PackManifest m = PackManifest::load(out);
+  EXPECT_EQ(m.expert(0, 6).format, "q4g32");
+  EXPECT_EQ(m.expert(0, 0).format, "q2g32");
+  for (float v : logits_of(out, kIds)) ASSERT_TRUE(std::isfinite(v));
+}
+
+TEST(Gptq, FlagErrorsAreOneLine) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string dir = test::temp_dir("gptq-flags");
+  const std::string profile = write_profile("gptq-flags-profile", {{1, 2, 3, 4, 5, 6, 7, 8}, {1, 2, 3, 4, 5, 6, 7, 8}});
+  const std::string short_profile = write_profile("gptq-flags-short", {{1, 2, 3, 4, 5, 6, 7, 8}});
+  const std::string text = src + "/text.txt";
+  const std::vector<std::pair<std::string, std::vector<std::string>>> cases = {
+      {"--quant q2 --gptq " + dir + "/missing.txt", {"--gptq", "missing.txt"}},
+      {"--quant bf16 --gptq " + text, {"--gptq", "quantized --quant", "bf16"}},
+      {"--gptq " + text, {"--gptq", "quantized --quant", "keep"}},
+      {"--quant q2 --gptq-tokens 10", {"--gptq-tokens", "--gptq"}},
+      {"--tiered " + dir + "/missing.json", {"missing.json", "cannot read"}},
+      {"--tiered " + text, {"text.txt", "not a usage profile"}},
+      {"--tiered " + profile + " --hot-share 1.5", {"--hot-share", "1.5"}},
+      {"--tiered " + profile + " --hot-bits 5", {"--hot-bits"}},
+      {"--tiered " + profile + " --quant q4", {"--tiered", "leave out --quant"}},
+      {"--quant q4 --hot-share 0.5", {"--hot-share", "--tiered"}},
+      {"--group-size 32 --tiered " + short_profile, {"--tiered", "layer 1"}},
+  };
+  for (const auto& [flags, parts] : cases) {
+    const auto r = test::run_cli("pack " + src + " " + dir + "/out " + flags);
+    EXPECT_NE(r.exit_code, 0) << flags;
+    test::expect_contains(r.err, parts);
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << flags << ": " << r.err;
+    EXPECT_FALSE(fs::exists(dir + "/out")) << flags;
+  }
+}
+
+}  // namespace
+}  // namespace moestream
