@@ -143,10 +143,14 @@ struct CliResult {
   std::string out, err;
 };
 
-// Runs the moestream binary with `args` (already shell-quoted as needed).
+// Runs the moestream binary with `args` (already shell-quoted as needed): the one built beside the
+// tests, or $MOESTREAM_TEST_BINARY (a command line: scripts/gpu-test runs carried binaries through
+// a loader).
 inline CliResult run_cli(const std::string& args) {
   const std::string err_path = temp_dir("cli") + "/stderr";
-  const std::string cmd = std::string(MOESTREAM_BINARY) + " " + args + " 2>" + err_path;
+  const char* over = std::getenv("MOESTREAM_TEST_BINARY");
+  const std::string bin = over && *over ? over : MOESTREAM_BINARY;
+  const std::string cmd = bin + " " + args + " 2>" + err_path;
   CliResult r;
   FILE* p = popen(cmd.c_str(), "r");
   char buf[4096];

@@ -1,12 +1,14 @@
-// A pack whose experts mix formats (pack --tiered: q4g32 and q2g32 in one layer): CUDA logits
-// against the CPU's --precise logits (1e-2 relative), and the same CUDA logits with every expert
-// streamed through one VRAM slot.
+// A pack whose experts mix formats (pack --tiered: q4g32 and q2g32 in one layer). The CPU computes
+// it (tests/gptq_test.cpp); the CUDA expert kernels take one format per layer, so CUDA refuses it
+// with an error naming the expert and the layer, whatever the VRAM budget, rather than reading
+// the experts with the wrong kernel. (Computing mixed layers on CUDA is still to do.)
 #include <gtest/gtest.h>
 
 #include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "backend/cuda/cuda_backend.h"
+#include "core/error.h"
 #include "io/pack.h"
 #include "models/model.h"
 #include "test_util.h"
@@ -26,7 +28,7 @@ std::vector<float> prefill(const std::string& dir, const std::string& device, do
   return test::prefill_logits(*m, {1, 5, 9, 17, 33, 65, 129, 200, 3, 7});
 }
 
-TEST(TieredGpu, MixedFormatsMatchTheCpu) {
+TEST(TieredGpu, MixedFormatsAreRefusedNamingTheExpert) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
   const std::string src = test::fixture("models/qwen3moe_ppl");
@@ -40,11 +42,15 @@ TEST(TieredGpu, MixedFormatsMatchTheCpu) {
   ASSERT_EQ(m.expert(0, 6).format, "q4g32");
   ASSERT_EQ(m.expert(0, 0).format, "q2g32");
 
-  const std::vector<float> want = prefill(dir + "/pack", "cpu");
-  const std::vector<float> got = prefill(dir + "/pack", "cuda");
-  EXPECT_LT(test::relative_error(got, want), 1e-2);
-  EXPECT_EQ(test::relative_error(prefill(dir + "/pack", "cuda", 0, 0), got), 0.0)
-      << "tiny expert budgets changed the CUDA logits";
+  EXPECT_FALSE(prefill(dir + "/pack", "cpu").empty());
+  for (double vram_mb : {-1.0, 0.0}) {
+    try {
+      prefill(dir + "/pack", "cuda", vram_mb, vram_mb);
+      ADD_FAILURE() << "CUDA computed a layer of mixed expert formats";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("of layer 0 is stored in another format"), std::string::npos) << e.what();
+    }
+  }
 }
 
 }  // namespace
