@@ -225,6 +225,25 @@ TEST(TextLimitsJinja, RecursiveMacrosStopWithAnError) {
             "91");
 }
 
+// Nested loops over the sandbox's largest range (10^10 iterations) stop at the step budget with an
+// error naming it, instead of holding the process for hours (found by fuzzing the renderer). The
+// budget is lowered here so that the test is quick; kMaxRenderSteps is the default.
+TEST(TextLimitsJinja, LongRendersStopAtTheStepBudget) {
+  jinja::RenderOptions small;
+  small.max_steps = 200'000;
+  auto run = [&](const std::string& src) { return jinja::Template::parse(src, "t").render(ordered_json::object(), small); };
+  expect_error([&] { run("{% for a in range(100000) %}{% for b in range(100000) %}{% endfor %}{% endfor %}"); },
+               {"RuntimeError", "200000 evaluation steps"});
+  // range() counts the items it makes: a loop of ranges is bounded too.
+  expect_error([&] { run("{% for a in range(100000) %}{{ range(100000) | length }}{% endfor %}"); },
+               {"evaluation steps"});
+  // A render well inside the budget: 5,000 loop iterations of a message-like body.
+  EXPECT_EQ(run("{% for m in range(5000) %}{% if m % 2 %}<u>{{ m }}</u>{% else %}<a>{{ m }}</a>{% endif %}"
+                "{% endfor %}").size(),
+            size_t(5000 * 7 + 18890));
+  EXPECT_GE(text_limits::kMaxRenderSteps, 1'000'000);
+}
+
 // ---- 4. Numbers ----
 
 TEST(TextLimitsJinja, BadIntegerLiteralsAreSyntaxErrors) {

@@ -47,7 +47,8 @@ std::string Template::render(const nlohmann::ordered_json& variables, const Rend
     context->set(it.key(), from_json(it.value()));
   }
   auto root = std::make_shared<Frame>(context);
-  Interp interp(options.now ? *options.now : std::time(nullptr));
+  Interp interp(options.now ? *options.now : std::time(nullptr),
+                options.max_steps > 0 ? options.max_steps : text_limits::kMaxRenderSteps);
   std::string out;
   try {
     interp.render(program_->body, root, out);

@@ -52,6 +52,8 @@ class TemplateError : public Error {
 struct RenderOptions {
   // The time strftime_now() formats (local time); unset: the current time.
   std::optional<std::time_t> now;
+  // Evaluation steps before the render fails (text_limits::kMaxRenderSteps; tests lower it).
+  int64_t max_steps = 0;  // 0: the limit
 };
 
 class Template {

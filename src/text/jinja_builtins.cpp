@@ -1140,7 +1140,7 @@ Value call_method(Interp& in, const Value& obj, std::string_view name, Args& arg
 
 FrameP make_globals() {
   auto g = std::make_shared<Frame>(nullptr);
-  g->set("range", Value::function("range", [](Interp&, Args& a) -> Value {
+  g->set("range", Value::function("range", [](Interp& in, Args& a) -> Value {
            if (!a.kw.empty() || a.pos.empty() || a.pos.size() > 3) throw_error("TypeError", "range expected 1 to 3 integer arguments");
            int64_t start = 0, stop, step = 1;
            if (a.pos.size() == 1) stop = need_int(a.pos[0], "range");
@@ -1153,6 +1153,7 @@ FrameP make_globals() {
              out.push_back(Value(i));
              if (__builtin_add_overflow(i, step, &i)) break;  // past int64 is past stop
            }
+           in.charge(int64_t(out.size()));
            return Value(std::move(out));
          }));
   g->set("namespace", Value::function("namespace", [](Interp&, Args& a) -> Value {

@@ -35,6 +35,12 @@ struct RenderDepth {
 
 }  // namespace
 
+void Interp::charge(int64_t steps) {
+  render_steps_ += steps;
+  if (render_steps_ > max_steps_)
+    throw_error("RuntimeError", "the template takes more than " + std::to_string(max_steps_) + " evaluation steps");
+}
+
 std::string object_type_repr(const Value& v) {
   if (v.is_none()) return "None";
   return std::string(type_name(v)) + " object";
@@ -174,6 +180,7 @@ void Interp::assign(const Target& t, Value v, const FrameP& frame) {
 }
 
 Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& out) {
+  charge(1);
   RenderDepth depth(render_depth_);
   switch (s.kind) {
     case Stmt::Text:
@@ -395,6 +402,7 @@ bool Interp::apply_test(std::string_view name, const Value& v, Args& args) {
 
 Value Interp::eval(const Expr& e, const FrameP& frame) {
   try {
+    charge(1);
     RenderDepth depth(render_depth_);
     switch (e.kind) {
       case Expr::Literal: return e.value;

@@ -33,7 +33,7 @@ using FrameP = std::shared_ptr<Frame>;
 
 class Interp {
  public:
-  explicit Interp(std::time_t now) : now_(now) {}
+  Interp(std::time_t now, int64_t max_steps) : now_(now), max_steps_(max_steps) {}
 
   void render(const Body& body, const FrameP& frame, std::string& out);
   Value eval(const Expr& e, const FrameP& frame);
@@ -41,6 +41,9 @@ class Interp {
   Value apply_filter(std::string_view name, const Value& v, Args& args);
   bool apply_test(std::string_view name, const Value& v, Args& args);
   std::time_t now() const { return now_; }
+  // Counts `steps` toward the render's budget (RenderOptions::max_steps): evaluations count one
+  // each, and builtins that do work in proportion to a size (range) count that size.
+  void charge(int64_t steps);
 
   // Python/jinja2 object protocol.
   Value getattr(const Value& obj, std::string_view name);
@@ -63,6 +66,8 @@ class Interp {
   std::time_t now_;
   int macro_depth_ = 0;   // macro calls in progress
   int render_depth_ = 0;  // eval and exec_stmt frames in progress
+  int64_t max_steps_;
+  int64_t render_steps_ = 0;  // steps so far in this render (charge)
 };
 
 // Python's int arithmetic on int64: OverflowError instead of wrapping ("+", "-", "*", "**", ...).

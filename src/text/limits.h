@@ -35,6 +35,12 @@ inline constexpr int kMaxMacroDepth = 200;
 // 8 MiB there): 1200 levels stay well inside the 8 MiB of a thread in both.
 inline constexpr int kMaxRenderDepth = 1200;
 
+// Evaluations (expressions and statements, plus the items range() makes) in one render: a loop
+// over range(100000) inside another would run for hours. A chat template takes ~100 steps a
+// message plus ~1,000 for its tools (a 10,000-message conversation with tools is ~1-2M steps); at
+// the 1-3M steps a second measured on the 2-core machine this bounds a render to a few seconds.
+inline constexpr int64_t kMaxRenderSteps = 5'000'000;
+
 // The largest string a template may build (by repetition, padding, concatenation or output) and
 // the most items in a list it builds by repetition or concatenation. A 1M-token conversation is
 // about 5 MB; templates build lists of a few items (a value is 24 bytes: 1M items is 24 MB).
