@@ -54,6 +54,14 @@ __device__ __forceinline__ float f16_bits_to_f32(uint16_t h) { return __half2flo
 __device__ __forceinline__ float silu(float x) { return x / (1.0f + expf(-x)); }
 __device__ __forceinline__ float sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
+// An expert's (or MLP's) activation of its gate and up values: SwiGLU, or gpt-oss's clamped
+// variant (gate clamped above at limit, up to [-limit, limit], sigmoid scaled by alpha).
+__device__ __forceinline__ float gated_activation(float g, float u, bool clamped, float limit, float alpha) {
+  if (!clamped) return g / (1.0f + expf(-g)) * u;
+  const float gc = fminf(g, limit), uc = fminf(fmaxf(u, -limit), limit);
+  return (uc + 1.0f) * (gc / (1.0f + expf(-alpha * gc)));
+}
+
 inline unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_block - 1) / per_block); }
 
 }  // namespace moestream::cuda

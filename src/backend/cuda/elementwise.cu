@@ -50,12 +50,7 @@ __global__ void activation_kernel(float* g, const float* u, int64_t rows, int64_
   if (i >= rows * cols) return;
   const int64_t c = i % cols;
   const float a = g[i] + (gb ? gb[c] : 0.0f), b = u[i] + (ub ? ub[c] : 0.0f);
-  if (!clamped) {
-    g[i] = a / (1.0f + expf(-a)) * b;
-  } else {
-    const float ac = fminf(a, limit), bc = fminf(fmaxf(b, -limit), limit);
-    g[i] = (bc + 1.0f) * (ac / (1.0f + expf(-alpha * ac)));
-  }
+  g[i] = gated_activation(a, b, clamped, limit, alpha);
 }
 
 }  // namespace

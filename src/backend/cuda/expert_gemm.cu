@@ -66,14 +66,7 @@ __global__ void activation_kernel(ActArgs a) {
     const int64_t c = i % a.inter;
     const float gv = __half2float(a.gate[i]) + (d.gate_bias ? d.gate_bias[c] : 0.0f);
     const float uv = __half2float(a.up[i]) + (d.up_bias ? d.up_bias[c] : 0.0f);
-    float h;
-    if (!a.clamped) {
-      h = gv / (1.0f + expf(-gv)) * uv;
-    } else {
-      const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
-      h = (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
-    }
-    a.hidden[i] = to_half_saturated(h);
+    a.hidden[i] = to_half_saturated(gated_activation(gv, uv, a.clamped, a.limit, a.alpha));
   }
 }
 

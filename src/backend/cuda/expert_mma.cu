@@ -139,14 +139,7 @@ __global__ void __launch_bounds__(kThreads) gate_up_mma_kernel(MmaArgs a) {
       if (t >= nt || row >= a.inter) continue;
       const float gv = out[0][warp][i] + (d.gate_bias ? d.gate_bias[row] : 0.0f);
       const float uv = out[1][warp][i] + (d.up_bias ? d.up_bias[row] : 0.0f);
-      float h;
-      if (!a.clamped) {
-        h = gv / (1.0f + expf(-gv)) * uv;
-      } else {
-        const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
-        h = (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
-      }
-      a.hidden[int64_t(t0 + t) * a.inter + row] = h;
+      a.hidden[int64_t(t0 + t) * a.inter + row] = gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
     }
     __syncwarp();
   }

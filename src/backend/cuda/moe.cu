@@ -201,9 +201,7 @@ struct ExpertArgs {
 
 // The expert's activation of its gate and up values: SwiGLU, or gpt-oss's clamped variant.
 __device__ __forceinline__ float activation(const ExpertArgs& a, float gv, float uv) {
-  if (!a.clamped) return gv / (1.0f + expf(-gv)) * uv;
-  const float ac = fminf(gv, a.limit), bc = fminf(fmaxf(uv, -a.limit), a.limit);
-  return (bc + 1.0f) * (ac / (1.0f + expf(-a.alpha * ac)));
+  return gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
 }
 
 __device__ __forceinline__ bool expert_of_block(const ExpertArgs& a, int& expert, int& r0, int& r1) {
