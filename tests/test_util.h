@@ -10,6 +10,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <mutex>
+#include <set>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -116,12 +118,39 @@ class TempDirTest : public ::testing::Test {
   std::string dir_;
 };
 
-// A fresh empty directory under the test temp dir.
+// The directories temp_dir made in this process, removed when it exits (set
+// MOESTREAM_KEEP_TEST_DIRS=1 to keep them for a look after a failure).
+class TempDirRegistry {
+ public:
+  static TempDirRegistry& get() {
+    static TempDirRegistry registry;
+    return registry;
+  }
+  void add(const std::filesystem::path& dir) {
+    std::lock_guard<std::mutex> lock(mu_);
+    dirs_.insert(dir);
+  }
+  ~TempDirRegistry() {
+    const char* keep = std::getenv("MOESTREAM_KEEP_TEST_DIRS");
+    if (keep && *keep && std::string(keep) != "0") return;
+    for (const auto& dir : dirs_) {
+      std::error_code ec;
+      std::filesystem::remove_all(dir, ec);
+    }
+  }
+
+ private:
+  std::mutex mu_;
+  std::set<std::filesystem::path> dirs_;
+};
+
+// A fresh empty directory under the test temp dir, removed when the test process exits.
 inline std::string temp_dir(const std::string& name) {
   auto dir = std::filesystem::temp_directory_path() /
              ("moestream-test-" + std::to_string(getpid()) + "-" + name);
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
+  TempDirRegistry::get().add(dir);
   return dir.string();
 }
 

@@ -13,6 +13,7 @@ export function fixtureCopy(prefix) {
   const fixture = path.join(root, 'tests/fixtures/serve/qwen3_tiny_chat');
   const ref = JSON.parse(fs.readFileSync(path.join(fixture, 'ref.json'), 'utf8'));
   const dir = fs.mkdtempSync(path.join(os.tmpdir(), prefix));
+  process.on('exit', () => fs.rmSync(dir, { recursive: true, force: true }));
   fs.cpSync(fixture, dir, { recursive: true });
   fs.copyFileSync(path.join(root, '.cache/tokenizer-qwen3/tokenizer.json'), path.join(dir, 'tokenizer.json'));
   return { dir, ref };
