@@ -155,6 +155,181 @@ __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnAr
   }
 }
 
+// Prefill attention in tiles: a block takes kPrefillRows (query token, head) rows that share one
+// KV head (kPrefillRows / group tokens x the group's heads) and walks the keys kPrefillKeys at a
+// time, staged in shared memory with the queries, so every key and value row read serves all the
+// block's rows (the per-row kernel above reads each once per head and query). Scores, online
+// softmax and value sums in float32, as above; only the order of the sums differs. Thread
+// (ty, tx) of the 8 x 16 grid owns rows ty and ty + 16, keys tx + 8i of a tile for the scores, and
+// dims 4 tx + 32 c (+0..3) of its two rows' outputs.
+constexpr int kPrefillRows = 32;
+constexpr int kPrefillKeys = 32;
+constexpr int kPrefillThreads = 128;
+
+template <int HD>
+constexpr size_t prefill_smem_floats() {
+  return size_t(kPrefillRows + 2 * kPrefillKeys) * (HD + 4) + size_t(kPrefillRows) * (kPrefillKeys + 1);
+}
+
+template <KvType T, int HD>
+__global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(AttnArgs a, int64_t n_tokens) {
+  extern __shared__ float smem[];
+  constexpr int ld = HD + 4, chunks = HD / 32;
+  float* qs = smem;                              // [rows][ld]
+  float* ks = qs + kPrefillRows * ld;            // [keys][ld]
+  float* vs = ks + kPrefillKeys * ld;            // [keys][ld]
+  float* ps = vs + kPrefillKeys * ld;            // [rows][keys + 1]
+  const int kvh = blockIdx.x, per_block = kPrefillRows / a.group;
+  const int64_t t0 = int64_t(blockIdx.y) * per_block;
+  const int tid = threadIdx.x, tx = tid % 8, ty = tid / 8;
+  // Row r: token t0 + r / group, head kvh * group + r % group.
+  for (int i = tid; i < kPrefillRows * HD; i += kPrefillThreads) {
+    const int r = i / HD, d = i % HD;
+    const int64_t t = t0 + r / a.group;
+    const int h = kvh * a.group + r % a.group;
+    qs[r * ld + d] = t < n_tokens ? a.q[t * a.q_ld + int64_t(h) * HD + d] : 0.0f;
+  }
+  // The visible keys of each of this thread's two rows: [first, sink_end) and [recent, n_keys).
+  int64_t first[2], sink_end[2], recent[2], n_keys[2];
+  float m[2], l[2], o[2][chunks][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = ty + 16 * i;
+    const int64_t t = t0 + r / a.group;
+    n_keys[i] = t < n_tokens ? a.n_past + t + 1 : 0;
+    first[i] = a.window > 0 && n_keys[i] > a.window ? n_keys[i] - a.window : 0;
+    sink_end[i] = n_keys[i];
+    recent[i] = n_keys[i];
+    if (a.kv_window > 0) {
+      recent[i] = max(first[i], n_keys[i] > a.kv_window ? n_keys[i] - a.kv_window : int64_t(0));
+      sink_end[i] = max(first[i], min(min(a.kv_sinks, recent[i]), n_keys[i]));
+    }
+    m[i] = -INFINITY;
+    l[i] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < chunks; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[i][c][e] = 0.0f;
+  }
+  const int64_t t_last = min(n_tokens, t0 + per_block) - 1;
+  const int64_t j_end = a.n_past + t_last + 1;  // past the last row's keys
+  int64_t j_begin = j_end;                      // the first row's first visible key
+  {
+    const int64_t nk = a.n_past + t0 + 1;
+    j_begin = a.window > 0 && nk > a.window ? nk - a.window : 0;
+  }
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += kPrefillKeys) {
+    // Skip tiles no row of the block sees (a KV window's gap between sinks and recent keys).
+    bool any = false;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      any |= (j0 < sink_end[i] && j0 + kPrefillKeys > first[i]) || (j0 < n_keys[i] && j0 + kPrefillKeys > recent[i]);
+    if (!__syncthreads_or(any)) continue;
+    for (int i = tid; i < kPrefillKeys * HD; i += kPrefillThreads) {
+      const int key = i / HD, d = i % HD;
+      const int64_t j = j0 + key;
+      float kv = 0.0f, vv = 0.0f;
+      if (j < j_end) {
+        const float* kr = a.k.row(j);
+        const float* vr = a.v.row(j);
+        const float ksc = T == KvType::Fp8 || T == KvType::Q8 ? kr[kvh] : 1.0f;
+        const float vsc = T == KvType::Fp8 || T == KvType::Q8 ? vr[kvh] : 1.0f;
+        kv = kv_value<T>(kr, a.k.heads, int64_t(kvh) * HD + d, ksc);
+        vv = kv_value<T>(vr, a.v.heads, int64_t(kvh) * a.v_head + d, vsc);
+      }
+      ks[key * ld + d] = kv;
+      vs[key * ld + d] = vv;
+    }
+    __syncthreads();
+    float sc[2][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) sc[i][k] = 0.0f;
+#pragma unroll 4
+    for (int d = 0; d < HD; d += 4) {
+      float4 q4[2], k4[4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) q4[i] = *reinterpret_cast<const float4*>(qs + (ty + 16 * i) * ld + d);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) k4[k] = *reinterpret_cast<const float4*>(ks + (tx + 8 * k) * ld + d);
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          sc[i][k] = fmaf(q4[i].x, k4[k].x, sc[i][k]);
+          sc[i][k] = fmaf(q4[i].y, k4[k].y, sc[i][k]);
+          sc[i][k] = fmaf(q4[i].z, k4[k].z, sc[i][k]);
+          sc[i][k] = fmaf(q4[i].w, k4[k].w, sc[i][k]);
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      float mx = -INFINITY;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int64_t j = j0 + tx + 8 * k;
+        const bool seen = (j >= first[i] && j < sink_end[i]) || (j >= recent[i] && j < n_keys[i]);
+        sc[i][k] = seen ? sc[i][k] * a.scale : -INFINITY;
+        mx = fmaxf(mx, sc[i][k]);
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+      const float m_new = fmaxf(m[i], mx);
+      const float correction = m_new == -INFINITY ? 1.0f : expf(m[i] - m_new);
+      float sum = 0.0f;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const float p = sc[i][k] == -INFINITY ? 0.0f : expf(sc[i][k] - m_new);
+        ps[(ty + 16 * i) * (kPrefillKeys + 1) + tx + 8 * k] = p;
+        sum += p;
+      }
+#pragma unroll
+      for (int off = 1; off < 8; off <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, off);
+      l[i] = l[i] * correction + sum;
+      m[i] = m_new;
+#pragma unroll
+      for (int c = 0; c < chunks; ++c)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[i][c][e] *= correction;
+    }
+    __syncwarp();  // a row's probabilities come from the 8 threads of its own warp
+#pragma unroll 4
+    for (int key = 0; key < kPrefillKeys; ++key) {
+      const float p0 = ps[ty * (kPrefillKeys + 1) + key], p1 = ps[(ty + 16) * (kPrefillKeys + 1) + key];
+#pragma unroll
+      for (int c = 0; c < chunks; ++c) {
+        const float4 v4 = *reinterpret_cast<const float4*>(vs + key * ld + 4 * tx + 32 * c);
+        o[0][c][0] = fmaf(p0, v4.x, o[0][c][0]);
+        o[0][c][1] = fmaf(p0, v4.y, o[0][c][1]);
+        o[0][c][2] = fmaf(p0, v4.z, o[0][c][2]);
+        o[0][c][3] = fmaf(p0, v4.w, o[0][c][3]);
+        o[1][c][0] = fmaf(p1, v4.x, o[1][c][0]);
+        o[1][c][1] = fmaf(p1, v4.y, o[1][c][1]);
+        o[1][c][2] = fmaf(p1, v4.z, o[1][c][2]);
+        o[1][c][3] = fmaf(p1, v4.w, o[1][c][3]);
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = ty + 16 * i;
+    const int64_t t = t0 + r / a.group;
+    if (t >= n_tokens) continue;
+    const int h = kvh * a.group + r % a.group;
+    // The sink (gpt-oss) joins the denominator only.
+    const float mx = a.sinks ? fmaxf(m[i], a.sinks[h]) : m[i];
+    const float w = m[i] == -INFINITY ? 0.0f : expf(m[i] - mx);
+    const float denom = l[i] * w + (a.sinks ? expf(a.sinks[h] - mx) : 0.0f);
+    float* ov = a.out + t * a.out_ld + int64_t(h) * HD;
+#pragma unroll
+    for (int c = 0; c < chunks; ++c)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ov[4 * tx + 32 * c + e] = o[i][c][e] * w / denom;
+  }
+}
+
 // The E4M3 code of x as kv_cache.cpp's f32_to_fp8_e4m3 computes it (nearest, ties to even).
 __device__ uint8_t fp8_code(float x) {
   const uint8_t sign = signbit(x) ? 0x80 : 0;
@@ -264,9 +439,34 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   a.kv_window = kv.window;
   a.kv_sinks = kv.sinks;
   a.sinks = sinks;
+  if (q.rows == 0) return;
+  // Prefill through the tiled kernel where it applies: value heads as wide as the keys (not MLA's
+  // latent), 64, 128 or 256 dims, and a head group that divides its rows.
+  const bool tiled = q.rows > 1 && !p.values_in_keys && vd == hd && kPrefillRows % a.group == 0 &&
+                     (hd == 64 || hd == 128 || hd == 256);
+  if (tiled) {
+    auto launch = [&]<int HD>() {
+      dispatch_kv(kv.type, [&](auto type) {
+        auto kernel = attention_prefill_kernel<decltype(type)::value, HD>;
+        const size_t bytes = prefill_smem_floats<HD>() * sizeof(float);
+        static bool configured = false;
+        if (!configured) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+          configured = true;
+        }
+        const int64_t per_block = kPrefillRows / a.group;
+        kernel<<<dim3(unsigned(p.n_kv_heads), unsigned((q.rows + per_block - 1) / per_block)), kPrefillThreads, bytes, s>>>(
+            a, q.rows);
+      });
+    };
+    if (hd == 64) launch.template operator()<64>();
+    else if (hd == 128) launch.template operator()<128>();
+    else launch.template operator()<256>();
+    MS_CUDA_CHECK_LAUNCH();
+    return;
+  }
   const int warps = q.rows == 1 ? kAttnDecodeWarps : kAttnWarps;
   const size_t smem = size_t(hd + warps * (2 + vd)) * sizeof(float);
-  if (q.rows == 0) return;
   dispatch_kv(kv.type, [&](auto type) {
     attention_kernel<decltype(type)::value>
         <<<dim3(unsigned(p.n_heads), unsigned(q.rows)), unsigned(warps) * 32, smem, s>>>(a);

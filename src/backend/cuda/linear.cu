@@ -4,6 +4,9 @@
 //    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x) (b = 0 but for affine).
 //  - GEMM: tiles of rows dequantized to FP16 and multiplied on the tensor cores (float32 sums),
 //    or to float32 and cuBLAS SGEMM (float32 math, no TF32) for GemmMath::F32.
+#include <cuda_bf16.h>
+
+#include <algorithm>
 #include <cstdlib>
 #include <string>
 
@@ -182,6 +185,14 @@ int64_t gemm_min_tokens() {
   return n;
 }
 
+bool exact_mma_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_EXACT_MMA");
+    return !(v && std::string(v) == "0");
+  }();
+  return on;
+}
+
 bool tensor_cores_for(int64_t T) {
   static const int64_t min_tokens = [] {
     const char* on = std::getenv("MOESTREAM_CUDA_TENSOR_CORES");
@@ -241,6 +252,44 @@ void linear_f16(const Matrix& m, const float* x, int64_t ldx, int64_t T, const f
   if (bias) add_bias(out, ldo, T, rows, bias, stream);
 }
 
+// x [T, cols] (row stride ldx) as three BF16 matrices [T, cols] one after the other: hi = bf16(x),
+// mid = bf16(x - hi), lo = bf16(x - hi - mid). Each difference is exact in float32 and lo takes
+// what mid leaves exactly, so hi + mid + lo == x (BF16 has float32's exponent range).
+__global__ void split_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t cols,
+                                  __nv_bfloat16* __restrict__ out) {
+  const int64_t n = T * cols;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t t = i / cols, c = i % cols;
+    const float v = x[t * ldx + c];
+    const __nv_bfloat16 hi = __float2bfloat16_rn(v);
+    const float r = v - __bfloat162float(hi);
+    const __nv_bfloat16 mid = __float2bfloat16_rn(r);
+    out[i] = hi;
+    out[n + i] = mid;
+    out[2 * n + i] = __float2bfloat16_rn(r - __bfloat162float(mid));
+  }
+}
+
+// BF16 weights times float32 activations on the tensor cores to float32 accuracy: the weights are
+// exact BF16 operands, the activations three BF16 parts that sum to them exactly, and every
+// product of two BF16 values is exact in the float32 sums; out = W lo + W mid + W hi.
+void linear_bf16_split(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
+                       int64_t ldo, GemmScratch& scratch, cudaStream_t stream) {
+  const int64_t rows = m.rows, cols = m.cols, n = T * cols;
+  cublasHandle_t h = scratch.tensor_handle(stream);
+  auto* parts = static_cast<__nv_bfloat16*>(scratch.area(kAreaX16, size_t(3 * n) * sizeof(__nv_bfloat16)));
+  split_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(x, ldx, T, cols, parts);
+  MS_CUDA_CHECK_LAUNCH();
+  const float one = 1.0f, zero = 0.0f;
+  for (int part = 2; part >= 0; --part) {
+    // Column-major view, as in linear(): C (rows x T, ld ldo) += W^T (rows x cols) * part (cols x T).
+    MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(rows), int(T), int(cols), &one, m.data, CUDA_R_16BF,
+                                 int(cols), parts + part * n, CUDA_R_16BF, int(cols), part == 2 ? &zero : &one, out,
+                                 CUDA_R_32F, int(ldo), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  }
+  if (bias) add_bias(out, ldo, T, rows, bias, stream);
+}
+
 }  // namespace
 
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
@@ -268,6 +317,10 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
   }
   if (math == GemmMath::Fp16 && tensor_cores_for(T) && w.cols % 8 == 0) {
     linear_f16(m, x, ldx, T, bias, out, ldo, scratch, stream);
+    return;
+  }
+  if (math == GemmMath::Fp16 && exact_mma_enabled() && tag.kind == kBF16 && w.cols % 8 == 0) {
+    linear_bf16_split(m, x, ldx, T, bias, out, ldo, scratch, stream);
     return;
   }
   // GEMM: dequantize up to ~32M elements of W at a time.

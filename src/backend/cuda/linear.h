@@ -50,10 +50,18 @@ struct GemmScratch {
   ~GemmScratch();
 };
 
+// Whether the exact tensor-core paths are on (the default; MOESTREAM_CUDA_EXACT_MMA=0 turns them
+// off, for comparison): the quantized experts of calls of more than one token (moe.h) and BF16
+// linear layers above the GEMV bound, both to float32 accuracy.
+bool exact_mma_enabled();
+
 // How linear() multiplies above the GEMV bound.
-//  Fp16: tiles of W dequantized to FP16, x rounded to FP16 (saturating at +-65504), products on
-//        the tensor cores summed in float32: a relative error of about 1e-3 per output (FP16
-//        keeps 11 significant bits), the tolerance docs/ARCHITECTURES.md states.
+//  Fp16: with MOESTREAM_CUDA_TENSOR_CORES=1 (tensor_cores_for), tiles of W dequantized to FP16,
+//        x rounded to FP16 (saturating at +-65504), products on the tensor cores summed in
+//        float32: a relative error of about 1e-3 per output (FP16 keeps 11 significant bits), the
+//        tolerance docs/ARCHITECTURES.md states. Otherwise float32 accuracy: BF16 weights on the
+//        tensor cores with x split into three BF16 parts that sum to it exactly (products exact,
+//        sums float32), other formats as F32.
 //  F32:  tiles dequantized to float32 and SGEMM: the GEMV's float32 arithmetic (the router,
 //        whose top-k compares logits).
 enum class GemmMath { Fp16, F32 };

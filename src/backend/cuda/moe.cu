@@ -577,6 +577,13 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
                                       b.inter, b.dim, n_blocks, false));
     return;
   }
+  if (!b.one_token && experts_exact_mma_supported(b)) {
+    const bool prof = b.profile && b.profile->on();
+    if (prof) b.profile->begin(s);
+    run_experts_exact_mma(b, s);
+    if (prof) b.profile->end(s, experts_label("moe experts, exact tensor-core kernels", b.inter, b.dim, n_blocks, false));
+    return;
+  }
   ExpertArgs a;
   a.table = b.table;
   a.g = b.groups;

@@ -79,6 +79,13 @@ bool use_expert_gemm(int64_t T, int k, int E, int64_t dim, int64_t inter);
 // cuBLAS path instead).
 bool experts_mma_supported(const ExpertBatch& b);
 void run_experts_mma(const ExpertBatch& b, cudaStream_t s);
+// The default for calls of more than one token (expert_exact_mma.cu): the codes of quantized
+// experts (exact in FP16) times activations split into two FP16 halves on the tensor cores, the
+// groups' scales and biases applied in float32: float32-level rounding, tensor-core speed. Taken
+// when both matrices are quantized and dim and inter are multiples of 32
+// (MOESTREAM_CUDA_EXACT_MMA=0: the CUDA-core kernels instead, for comparison).
+bool experts_exact_mma_supported(const ExpertBatch& b);
+void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s);
 void run_experts_gemm(const ExpertBatch& b, cudaStream_t s);
 // out[t] = sum_i sel_w[t, i] * y[row_of[t * k + i]]
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,

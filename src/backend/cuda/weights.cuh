@@ -100,11 +100,10 @@ __device__ __forceinline__ float code_value(uint32_t code) {
   else return float(code);
 }
 
-// The 32 code values of one pack of a packed format, from B words = 32 * B bits.
-template <int KIND>
-__device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]) {
-  constexpr int B = bits_of(KIND);
-  uint32_t w[B];
+// The B words (32 * B bits) of one pack of a packed format, with the widest loads its alignment
+// allows.
+template <int B>
+__device__ __forceinline__ void load_words(const uint32_t* words, uint32_t (&w)[B]) {
   if constexpr (B == 4) {
     const uint4 v = *reinterpret_cast<const uint4*>(words);
     w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
@@ -121,6 +120,12 @@ __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]
 #pragma unroll
     for (int j = 0; j < B; ++j) w[j] = words[j];
   }
+}
+
+// The 32 code values of one pack of a packed format from its B words.
+template <int KIND>
+__device__ __forceinline__ void decode_codes(const uint32_t (&w)[bits_of(KIND)], float (&q)[32]) {
+  constexpr int B = bits_of(KIND);
   constexpr uint32_t mask = (1u << B) - 1;
 #pragma unroll
   for (int i = 0; i < 32; ++i) {
@@ -131,17 +136,27 @@ __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]
   }
 }
 
+// The 32 code values of one pack of a packed format, from B words = 32 * B bits.
+template <int KIND>
+__device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]) {
+  uint32_t w[bits_of(KIND)];
+  load_words<bits_of(KIND)>(words, w);
+  decode_codes<KIND>(w, q);
+}
+
+// 32 FP8 bytes as 8 words, decoded.
+__device__ __forceinline__ void decode_fp8_words(const uint32_t (&u)[8], float (&q)[32]) {
+#pragma unroll
+  for (int k = 0; k < 32; ++k) q[k] = fp8_e4m3_value((u[k / 4] >> (8 * (k % 4))) & 0xff);
+}
+
 // FP8 bytes p[0..32): two 16-byte loads when `vec`, else one by one (only `n` < 32 valid at a
 // row's tail; the rest read as 0, never as whatever follows the row).
 __device__ __forceinline__ void load_fp8(const uint8_t* p, bool vec, int n, float (&q)[32]) {
   if (vec) {
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint4 v = reinterpret_cast<const uint4*>(p)[j];
-      const uint32_t u[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-      for (int k = 0; k < 16; ++k) q[16 * j + k] = fp8_e4m3_value((u[k / 4] >> (8 * (k % 4))) & 0xff);
-    }
+    uint32_t u[8];
+    load_words<8>(reinterpret_cast<const uint32_t*>(p), u);
+    decode_fp8_words(u, q);
   } else {
 #pragma unroll
     for (int i = 0; i < 32; ++i) q[i] = i < n ? fp8_e4m3_value(p[i]) : 0.0f;
@@ -203,6 +218,16 @@ __device__ __forceinline__ void load_pack(const WeightRef& w, int64_t row, int64
   }
 }
 
+// A quantized pack as loaded, not yet decoded (so that a kernel can issue the loads of its next
+// step before it computes the current one): the words of the codes and the raw bits of the
+// group's scale and (affine) bias. Whole packs only (cols a multiple of 32).
+template <int KIND>
+struct RawQuantPack {
+  static constexpr int kWords = KIND == kFp8 ? 8 : bits_of(KIND);
+  uint32_t words[kWords];
+  uint32_t scale, bias;
+};
+
 // Index of the scale (and bias) of element (row, col). A pack of 32 never straddles two groups
 // (group sizes are multiples of 32).
 __device__ __forceinline__ int64_t group_index(const WeightRef& w, int64_t row, int64_t col) {
@@ -214,6 +239,35 @@ __device__ __forceinline__ float group_scale(const WeightRef& w, int64_t g) {
   if constexpr (KIND == kMxfp4) return mxfp4_scale(static_cast<const uint8_t*>(w.scales)[g]);
   else if constexpr (KIND == kFp8) return static_cast<const float*>(w.scales)[g];
   else return scale_value<SF16>(static_cast<const uint16_t*>(w.scales)[g]);
+}
+
+// Pack p of `row` of a quantized matrix as raw words and scale/bias bits (RawQuantPack).
+template <int KIND>
+__device__ __forceinline__ void load_raw_pack(const WeightRef& w, int64_t row, int64_t p, RawQuantPack<KIND>& r) {
+  if constexpr (KIND == kFp8) {
+    load_words<8>(reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + row * w.cols + p * 32), r.words);
+  } else {
+    constexpr int B = bits_of(KIND);
+    load_words<B>(static_cast<const uint32_t*>(w.data) + row * (w.cols * B / 32) + p * B, r.words);
+  }
+  const int64_t g = group_index(w, row, p * 32);
+  if constexpr (KIND == kMxfp4) r.scale = static_cast<const uint8_t*>(w.scales)[g];
+  else if constexpr (KIND == kFp8) r.scale = __float_as_uint(static_cast<const float*>(w.scales)[g]);
+  else r.scale = static_cast<const uint16_t*>(w.scales)[g];
+  if constexpr (is_affine(KIND)) r.bias = w.biases[g];
+  else r.bias = 0;
+}
+
+// The code values of a raw pack and its group's scale and bias (0 unless affine): what
+// load_pack and group_scale give for the same pack.
+template <int KIND, bool SF16>
+__device__ __forceinline__ void decode_raw_pack(const RawQuantPack<KIND>& r, float (&q)[32], float& scale, float& bias) {
+  if constexpr (KIND == kFp8) decode_fp8_words(r.words, q);
+  else decode_codes<KIND>(r.words, q);
+  if constexpr (KIND == kMxfp4) scale = mxfp4_scale(r.scale);
+  else if constexpr (KIND == kFp8) scale = __uint_as_float(r.scale);
+  else scale = scale_value<SF16>(uint16_t(r.scale));
+  bias = is_affine(KIND) ? scale_value<SF16>(uint16_t(r.bias)) : 0.0f;
 }
 
 // Element (r, c) of w as float32: the dequantizers (GEMM tiles, embedding rows).
