@@ -12,8 +12,8 @@ namespace moestream::cuda {
 
 namespace {
 
-bool all_resident_formats_known(const std::vector<char>& known, int layer) {
-  return size_t(layer) < known.size() && known[size_t(layer)];
+bool formats_known(const std::vector<std::vector<std::pair<FormatTag, FormatTag>>>& formats, int layer) {
+  return size_t(layer) < formats.size() && !formats[size_t(layer)].empty();
 }
 
 // The byte range [lo, hi) of host memory an expert's tensors occupy.
@@ -150,9 +150,7 @@ void ExpertTier::ensure_table(int layer) {
   layers_cap_ = cap;
   where_.resize(size_t(cap));
   resident_.resize(size_t(cap), 0);
-  gate_up_fmt_.resize(size_t(cap));
-  down_fmt_.resize(size_t(cap));
-  fmt_known_.resize(size_t(cap), 0);
+  formats_.resize(size_t(cap));
 }
 
 void ExpertTier::upload_table_row(int layer) {
@@ -175,14 +173,8 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
     fail("cuda: expert ", expert, " of layer ", layer, " takes ", bytes, " bytes, more than a slot (", slot_bytes_, ")");
   const FormatTag gu = format_of(w.gate), dn = format_of(w.down);
   if (!(format_of(w.up) == gu)) fail("cuda: expert ", expert, " of layer ", layer, ": gate and up differ in format");
-  if (!fmt_known_[size_t(layer)]) {
-    gate_up_fmt_[size_t(layer)] = gu;
-    down_fmt_[size_t(layer)] = dn;
-    fmt_known_[size_t(layer)] = 1;
-  } else if (!(gate_up_fmt_[size_t(layer)] == gu) || !(down_fmt_[size_t(layer)] == dn)) {
-    fail("cuda: expert ", expert, " of layer ", layer,
-         " is stored in another format than the layer's other experts (mixed formats in one layer are not supported on CUDA)");
-  }
+  auto& formats = formats_[size_t(layer)];
+  if (std::find(formats.begin(), formats.end(), std::make_pair(gu, dn)) == formats.end()) formats.emplace_back(gu, dn);
   char* dst = slot_arena_ + uint64_t(slot) * slot_bytes_;
   // Evict the previous owner.
   auto [old_layer, old_expert] = slot_owner_[size_t(slot)];
@@ -207,6 +199,7 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
   d.gate_bias = static_cast<const float*>(rebase(w.gate_bias.data));
   d.up_bias = static_cast<const float*>(rebase(w.up_bias.data));
   d.down_bias = static_cast<const float*>(rebase(w.down_bias.data));
+  d.formats = format_pair(gu, dn);
   table_host_[size_t(layer) * n_experts_ + size_t(expert)] = d;
   slot_owner_[size_t(slot)] = {layer, expert};
   where_[size_t(layer)][size_t(expert)] = slot;
@@ -279,7 +272,7 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
   if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
   c.resident = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E &&
-               all_resident_formats_known(fmt_known_, layer);
+               formats_known(formats_, layer);
   cuda::route(logits, T, p, p.router_bias ? p.router_bias->data : nullptr, c.sel_ids, c.sel_w,
               c.resident && T == 1 ? &g : nullptr, compute_);
 
@@ -296,17 +289,29 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   return c;
 }
 
-// The layer's expert table, formats and buffers, once its tier state is known.
+// The layer's expert table and buffers, once its tier state is known.
 void ExpertTier::bind_layer(Call& c) {
   ExpertBatch& b = c.b;
   b.table = table_dev_ + size_t(c.layer) * c.E;
-  b.gate_up = gate_up_fmt_[size_t(c.layer)];
-  b.down = down_fmt_[size_t(c.layer)];
   b.inter = inter_[size_t(c.layer)];
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
   b.gemm = &gemm_;
-  b.tensor_cores = use_expert_gemm(c.T, c.K, c.E, c.dim, b.inter);
+  // The opt-in cuBLAS path dequantizes a whole batch in one format.
+  b.tensor_cores = formats_[size_t(c.layer)].size() == 1 && use_expert_gemm(c.T, c.K, c.E, c.dim, b.inter);
+}
+
+// The batch's experts through the kernels of each of the layer's formats in turn (one pass, and
+// no filter, when the layer has one format).
+void ExpertTier::run_formats(Call& c) {
+  ExpertBatch& b = c.b;
+  const auto& formats = formats_[size_t(c.layer)];
+  for (const auto& [gu, dn] : formats) {
+    b.gate_up = gu;
+    b.down = dn;
+    b.only_formats = formats.size() > 1 ? format_pair(gu, dn) : -1;
+    cuda::run_experts(b, compute_);
+  }
 }
 
 // Every expert of the layer in VRAM: groups, expert kernels and combine on the GPU.
@@ -319,7 +324,7 @@ void ExpertTier::run_resident(Call& c) {
   b.a_begin = 0;
   b.a_end = int(std::min<int64_t>(c.E, c.pairs));
   b.profile = &prof_;
-  cuda::run_experts(b, compute_);
+  run_formats(c);
   prof_.begin(compute_);
   cuda::combine(b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
   if (prof_.on()) prof_.end(compute_, op_label("moe combine", c.T));
@@ -384,7 +389,7 @@ void ExpertTier::launch(Call& c, HostGroups& h) {
   b.count_on_device = false;
   b.a_begin = a0;
   b.a_end = a1;
-  cuda::run_experts(b, compute_);
+  run_formats(c);
   h.launched = a1;
 }
 

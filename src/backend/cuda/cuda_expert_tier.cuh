@@ -135,6 +135,7 @@ class ExpertTier {
   int free_slot(Call& c, HostGroups& h);
   void combine_through_host(Call& c, HostGroups& h);
   void bind_layer(Call& c);
+  void run_formats(Call& c);
   void append(HostGroups& h, int e);
   void launch(Call& c, HostGroups& h);
 
@@ -180,8 +181,9 @@ class ExpertTier {
   std::vector<std::vector<int>> where_;   // [layer][expert] -> slot or -1
   std::vector<int> resident_;             // experts of each layer in VRAM
   int full_layers_ = 0;                   // layers with every expert in VRAM
-  std::vector<FormatTag> gate_up_fmt_, down_fmt_;
-  std::vector<char> fmt_known_;
+  // [layer]: the (gate/up, down) formats of the experts loaded so far, in order of first sight;
+  // more than one in a tiered pack (each format's kernels then run over its own experts).
+  std::vector<std::vector<std::pair<FormatTag, FormatTag>>> formats_;
   int n_experts_ = 0, layers_cap_ = 0;
   DevExpert* table_dev_ = nullptr;        // [layers_cap_][n_experts_]
   DevExpert* table_host_ = nullptr;       // pinned mirror

@@ -33,29 +33,7 @@ constexpr int kTiles = kTok / 8;    // MMA column tiles per pass
 constexpr int kK = 64;              // columns per step: two packs of 32
 constexpr int kLd = kK + 8;         // halves per shared row: fragment loads hit 32 distinct banks
 
-struct ExactArgs {
-  const DevExpert* table;
-  MoeGroups g;
-  int a_begin, a_end;
-  bool count_on_device;
-  int k;
-  const float* x;
-  float* hidden;
-  float* y;
-  int64_t dim, inter;
-  bool clamped;
-  float limit, alpha;
-};
 
-__device__ __forceinline__ bool expert_of(const ExactArgs& a, int& expert, int& r0, int& r1) {
-  const int ai = a.a_begin + int(blockIdx.y);
-  const int end = a.count_on_device ? *a.g.n_active : a.a_end;
-  if (ai >= end) return false;
-  expert = a.g.active[ai];
-  r0 = a.g.offset[ai];
-  r1 = a.g.offset[ai + 1];
-  return true;
-}
 
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
@@ -257,11 +235,11 @@ __device__ __forceinline__ void expert_passes(const WeightRef* const (&mats)[M],
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExactArgs a) {
+__global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExpertArgs a) {
   __shared__ __align__(16) WeightTile w[2];
   __shared__ __align__(16) TokenTile xt;
   int e, r0, r1;
-  if (!expert_of(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
@@ -285,11 +263,11 @@ __global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExactArgs a) {
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) down_exact_kernel(ExactArgs a) {
+__global__ void __launch_bounds__(kThreads) down_exact_kernel(ExpertArgs a) {
   __shared__ __align__(16) WeightTile w[1];
   __shared__ __align__(16) TokenTile xt;
   int e, r0, r1;
-  if (!expert_of(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
@@ -319,21 +297,7 @@ bool experts_exact_mma_supported(const ExpertBatch& b) {
 void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   const int n_blocks = b.a_end - b.a_begin;
   if (n_blocks <= 0) return;
-  ExactArgs a;
-  a.table = b.table;
-  a.g = b.groups;
-  a.a_begin = b.a_begin;
-  a.a_end = b.a_end;
-  a.count_on_device = b.count_on_device;
-  a.k = b.params->top_k;
-  a.x = b.x;
-  a.hidden = b.hidden;
-  a.y = b.y;
-  a.dim = b.dim;
-  a.inter = b.inter;
-  a.clamped = b.params->activation == ExpertActivation::ClampedSwiGlu;
-  a.limit = b.params->swiglu_limit;
-  a.alpha = b.params->swiglu_alpha;
+  const ExpertArgs a = expert_args(b);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       gate_up_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kRows), unsigned(n_blocks)), kThreads, 0, s>>>(a);

@@ -27,29 +27,7 @@ constexpr int kK = 64;        // columns per step: two packs of 32
 constexpr int kLd = kK + 8;   // padded row of a shared tile (halves)
 constexpr int kThreads = 128;
 
-struct MmaArgs {
-  const DevExpert* table;
-  MoeGroups g;
-  int a_begin, a_end;
-  bool count_on_device;
-  int k;
-  const float* x;
-  float* hidden;
-  float* y;
-  int64_t dim, inter;
-  bool clamped;
-  float limit, alpha;
-};
 
-__device__ __forceinline__ bool expert_of(const MmaArgs& a, int& expert, int& r0, int& r1) {
-  const int ai = a.a_begin + int(blockIdx.y);
-  const int end = a.count_on_device ? *a.g.n_active : a.a_end;
-  if (ai >= end) return false;
-  expert = a.g.active[ai];
-  r0 = a.g.offset[ai];
-  r1 = a.g.offset[ai + 1];
-  return true;
-}
 
 // Rows [row0, row0 + kRows) x columns [k0, k0 + kK) of w as FP16 into tile [kRows][kLd]; rows
 // or packs past the matrix are zeros. Thread i: row i / 2, pack i % 2.
@@ -97,13 +75,13 @@ __device__ __forceinline__ void stage_x16(RowOf row_of, int nt, int64_t cols, in
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) gate_up_mma_kernel(MmaArgs a) {
+__global__ void __launch_bounds__(kThreads) gate_up_mma_kernel(ExpertArgs a) {
   __shared__ __align__(32) __half wg[kRows * kLd];
   __shared__ __align__(32) __half wu[kRows * kLd];
   __shared__ __align__(32) __half xs[kTok * kLd];
   __shared__ __align__(32) float out[2][4][kTok * 16];
   int e, r0, r1;
-  if (!expert_of(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
   const int warp = int(threadIdx.x) / 32;
@@ -146,12 +124,12 @@ __global__ void __launch_bounds__(kThreads) gate_up_mma_kernel(MmaArgs a) {
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) down_mma_kernel(MmaArgs a) {
+__global__ void __launch_bounds__(kThreads) down_mma_kernel(ExpertArgs a) {
   __shared__ __align__(32) __half wd[kRows * kLd];
   __shared__ __align__(32) __half xs[kTok * kLd];
   __shared__ __align__(32) float out[4][kTok * 16];
   int e, r0, r1;
-  if (!expert_of(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
   const int warp = int(threadIdx.x) / 32;
@@ -198,21 +176,7 @@ bool experts_mma_supported(const ExpertBatch& b) {
 void run_experts_mma(const ExpertBatch& b, cudaStream_t s) {
   const int n_blocks = b.a_end - b.a_begin;
   if (n_blocks <= 0) return;
-  MmaArgs a;
-  a.table = b.table;
-  a.g = b.groups;
-  a.a_begin = b.a_begin;
-  a.a_end = b.a_end;
-  a.count_on_device = b.count_on_device;
-  a.k = b.params->top_k;
-  a.x = b.x;
-  a.hidden = b.hidden;
-  a.y = b.y;
-  a.dim = b.dim;
-  a.inter = b.inter;
-  a.clamped = b.params->activation == ExpertActivation::ClampedSwiGlu;
-  a.limit = b.params->swiglu_limit;
-  a.alpha = b.params->swiglu_alpha;
+  const ExpertArgs a = expert_args(b);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     gate_up_mma_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kRows), unsigned(n_blocks)), kThreads, 0, s>>>(a);
     MS_CUDA_CHECK_LAUNCH();

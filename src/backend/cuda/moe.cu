@@ -185,40 +185,16 @@ __global__ void group_kernel(const int* sel, int total, int n_experts, MoeGroups
   }
 }
 
-struct ExpertArgs {
-  const DevExpert* table;
-  MoeGroups g;
-  int a_begin, a_end;
-  bool count_on_device;
-  int k, nt_max;
-  const float* x;
-  float* hidden;
-  float* y;
-  int64_t dim, inter;
-  bool clamped;
-  float limit, alpha;
-};
-
 // The expert's activation of its gate and up values: SwiGLU, or gpt-oss's clamped variant.
 __device__ __forceinline__ float activation(const ExpertArgs& a, float gv, float uv) {
   return gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
-}
-
-__device__ __forceinline__ bool expert_of_block(const ExpertArgs& a, int& expert, int& r0, int& r1) {
-  const int ai = a.a_begin + int(blockIdx.y);
-  const int end = a.count_on_device ? *a.g.n_active : a.a_end;
-  if (ai >= end) return false;
-  expert = a.g.active[ai];
-  r0 = a.g.offset[ai];
-  r1 = a.g.offset[ai + 1];
-  return true;
 }
 
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kGemvWarps * 32) gate_up_kernel(ExpertArgs a) {
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!expert_of_block(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   float* xs = smem;
   float* xsum = smem + a.nt_max * padded_cols(a.dim);
@@ -250,7 +226,7 @@ template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!expert_of_block(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   float* xs = smem;
   float* xsum = smem + a.nt_max * padded_cols(a.inter);
@@ -460,7 +436,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
   constexpr int R = one_rows<KIND, 2>();
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!expert_of_block(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
@@ -489,7 +465,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
   constexpr int R = one_rows<KIND, 1>();
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!expert_of_block(a, e, r0, r1)) return;
+  if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const WeightRef* const w[1] = {&d.down};
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
@@ -564,6 +540,27 @@ void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGro
   MS_CUDA_CHECK_LAUNCH();
 }
 
+ExpertArgs expert_args(const ExpertBatch& b) {
+  ExpertArgs a;
+  a.table = b.table;
+  a.g = b.groups;
+  a.a_begin = b.a_begin;
+  a.a_end = b.a_end;
+  a.count_on_device = b.count_on_device;
+  a.only_formats = b.only_formats;
+  a.k = b.params->top_k;
+  a.nt_max = 0;
+  a.x = b.x;
+  a.hidden = b.hidden;
+  a.y = b.y;
+  a.dim = b.dim;
+  a.inter = b.inter;
+  a.clamped = b.params->activation == ExpertActivation::ClampedSwiGlu;
+  a.limit = b.params->swiglu_limit;
+  a.alpha = b.params->swiglu_alpha;
+  return a;
+}
+
 void run_experts(const ExpertBatch& b, cudaStream_t s) {
   const int n_blocks = b.a_end - b.a_begin;
   if (n_blocks <= 0) return;
@@ -584,21 +581,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     if (prof) b.profile->end(s, experts_label("moe experts, exact tensor-core kernels", b.inter, b.dim, n_blocks, false));
     return;
   }
-  ExpertArgs a;
-  a.table = b.table;
-  a.g = b.groups;
-  a.a_begin = b.a_begin;
-  a.a_end = b.a_end;
-  a.count_on_device = b.count_on_device;
-  a.k = b.params->top_k;
-  a.x = b.x;
-  a.hidden = b.hidden;
-  a.y = b.y;
-  a.dim = b.dim;
-  a.inter = b.inter;
-  a.clamped = b.params->activation == ExpertActivation::ClampedSwiGlu;
-  a.limit = b.params->swiglu_limit;
-  a.alpha = b.params->swiglu_alpha;
+  const ExpertArgs a = expert_args(b);
   const size_t limit = max_gemv_smem();
   // One token: the single-token kernels where they read the format (x rows 16-byte aligned).
   const bool one = b.one_token && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;

@@ -20,7 +20,14 @@ struct DevExpert {
   const float* gate_bias = nullptr;  // [inter] or null
   const float* up_bias = nullptr;
   const float* down_bias = nullptr;  // [dim] or null
+  int formats = 0;                   // format_pair(gate/up format, down format)
 };
+
+// One code for an expert's (gate/up, down) formats: a layer whose experts differ in format (a
+// tiered pack's hot and cold experts) runs each format's kernels over the experts of that code.
+inline int format_pair(FormatTag gate_up, FormatTag down) {
+  return (gate_up.kind * 2 + int(gate_up.scale_f16)) * 64 + down.kind * 2 + int(down.scale_f16);
+}
 
 // (token, expert) pairs grouped by expert. Pairs of active expert a occupy rows
 // [offset[a], offset[a + 1]) of the hidden / output buffers; row_token[row] is the token,
@@ -52,6 +59,9 @@ struct ExpertBatch {
   float* y;           // [T*k, dim]
   const MoeParams* params;
   bool one_token = false;  // the call has one token (each active expert one row): the decode kernels
+  // When the layer mixes formats: the format_pair of gate_up and down, and the kernels skip the
+  // experts of other formats (the caller runs each of the layer's formats); -1 runs every expert.
+  int only_formats = -1;
   // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
   // once per MoE call, never per batch, so that how a call's experts split into batches (what
   // is resident, the budgets) does not change how any expert is computed.
@@ -59,6 +69,39 @@ struct ExpertBatch {
   GemmScratch* gemm = nullptr;
   OpProfile* profile = nullptr;  // when profiling: the gate/up and down kernels as entries of their own
 };
+// What the expert kernels read (expert_args(batch) fills it): the table, the groups, the
+// buffers and the activation.
+struct ExpertArgs {
+  const DevExpert* table;
+  MoeGroups g;
+  int a_begin, a_end;
+  bool count_on_device;
+  int only_formats;
+  int k, nt_max;
+  const float* x;
+  float* hidden;
+  float* y;
+  int64_t dim, inter;
+  bool clamped;
+  float limit, alpha;
+};
+ExpertArgs expert_args(const ExpertBatch& b);
+
+#ifdef __CUDACC__
+// The expert of this block (blockIdx.y indexes the batch's active experts) and its rows
+// [r0, r1); false when the block has none (past the active count, or another format's expert).
+__device__ __forceinline__ bool block_expert(const ExpertArgs& a, int& expert, int& r0, int& r1) {
+  const int ai = a.a_begin + int(blockIdx.y);
+  const int end = a.count_on_device ? *a.g.n_active : a.a_end;
+  if (ai >= end) return false;
+  expert = a.g.active[ai];
+  if (a.only_formats >= 0 && a.table[expert].formats != a.only_formats) return false;
+  r0 = a.g.offset[ai];
+  r1 = a.g.offset[ai + 1];
+  return true;
+}
+#endif
+
 // hidden = act(gate x, up x) and y = down hidden for every (token, expert) row of the batch.
 // Calls that take the tensor cores (use_expert_gemm) go to run_experts_gemm.
 void run_experts(const ExpertBatch& b, cudaStream_t s);
