@@ -15,6 +15,26 @@ bool plain_dtype(DType d) { return d == DType::F32 || d == DType::BF16 || d == D
 
 }  // namespace
 
+void Backend::linear_shared_input(const Buffer& x, std::span<const Matrix* const> w,
+                                  std::span<const Vector* const> bias, std::span<Buffer* const> out) {
+  if (w.size() != bias.size() || w.size() != out.size())
+    fail("linear_shared_input: ", w.size(), " matrices, ", bias.size(), " biases and ", out.size(), " outputs");
+  for (size_t i = 0; i < w.size(); ++i) linear(x, *w[i], bias[i], *out[i]);
+}
+
+void Backend::add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps, Buffer& out) {
+  add(x, y);
+  rmsnorm(x, w, eps, x.cols, out);
+}
+
+void Backend::qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,
+                           int n_heads, int n_kv_heads, int head_dim, const RopeTable& rope, int64_t n_past) {
+  if (q_norm) rmsnorm(q, q_norm, eps, head_dim, q);
+  if (k_norm) rmsnorm(k, k_norm, eps, head_dim, k);
+  this->rope(q, n_heads, head_dim, rope, n_past);
+  this->rope(k, n_kv_heads, head_dim, rope, n_past);
+}
+
 void check_matrix_tensor(const TensorView& t) {
   if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
   if (!plain_dtype(t.dtype)) fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");

@@ -215,6 +215,18 @@ class Backend {
   virtual void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
                          Buffer& v_cache, const AttentionParams& p, Buffer& out) = 0;
   virtual void add(Buffer& x, const Buffer& y) = 0;  // x += y
+
+  // Fused steps: each equals the calls its default makes (bit for bit in both backends), so model
+  // code may use them everywhere; a backend overrides them to save passes over memory and launches.
+  // out[i] = x @ w[i]^T (+ bias[i], when non-null) for matrices reading the same x (q, k and v).
+  virtual void linear_shared_input(const Buffer& x, std::span<const Matrix* const> w,
+                                   std::span<const Vector* const> bias, std::span<Buffer* const> out);
+  // x += y, then out = RMSNorm(x) over whole rows (a residual add and the next norm).
+  virtual void add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps, Buffer& out);
+  // q and k normalized per head of head_dim (each only when its weight is non-empty), then both
+  // rotated at positions n_past + t (attention's query and key preparation).
+  virtual void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,
+                            int n_heads, int n_kv_heads, int head_dim, const RopeTable& rope, int64_t n_past);
   virtual void clamp(Buffer& x, float limit) = 0;    // x = min(max(x, -limit), limit)
   // dst[t, to block g + i] = src[t, from block g + i] for g < blocks, i < width.
   virtual void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to,

@@ -205,18 +205,23 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& 
                            Buffer& out) const {
   const int64_t T = x.rows;
   Buffer q = ws.q.rows_view(0, T), k = ws.k.rows_view(0, T), v = ws.v.rows_view(0, T);
-  be.linear(x, q_proj, q_bias ? &q_bias : nullptr, q);
-  be.linear(x, k_proj, k_bias ? &k_bias : nullptr, k);
-  be.linear(x, v_proj, v_bias ? &v_bias : nullptr, v);
-  if (q_norm) be.rmsnorm(q, q_norm, norm_eps, options.qk_norm_whole ? q.cols : params.head_dim, q);
-  if (k_norm) be.rmsnorm(k, k_norm, norm_eps, options.qk_norm_whole ? k.cols : params.head_dim, k);
-  if (options.clip_qkv > 0) {
-    be.clamp(q, options.clip_qkv);
-    be.clamp(k, options.clip_qkv);
-    be.clamp(v, options.clip_qkv);
+  const Matrix* w[3] = {&q_proj, &k_proj, &v_proj};
+  const Vector* b[3] = {q_bias ? &q_bias : nullptr, k_bias ? &k_bias : nullptr, v_bias ? &v_bias : nullptr};
+  Buffer* o[3] = {&q, &k, &v};
+  be.linear_shared_input(x, w, b, o);
+  if (options.qk_norm_whole || options.clip_qkv > 0) {
+    if (q_norm) be.rmsnorm(q, q_norm, norm_eps, options.qk_norm_whole ? q.cols : params.head_dim, q);
+    if (k_norm) be.rmsnorm(k, k_norm, norm_eps, options.qk_norm_whole ? k.cols : params.head_dim, k);
+    if (options.clip_qkv > 0) {
+      be.clamp(q, options.clip_qkv);
+      be.clamp(k, options.clip_qkv);
+      be.clamp(v, options.clip_qkv);
+    }
+    be.rope(q, params.n_heads, params.head_dim, rope, n_past);
+    be.rope(k, params.n_kv_heads, params.head_dim, rope, n_past);
+  } else {
+    be.qk_norm_rope(q, k, q_norm, k_norm, norm_eps, params.n_heads, params.n_kv_heads, params.head_dim, rope, n_past);
   }
-  be.rope(q, params.n_heads, params.head_dim, rope, n_past);
-  be.rope(k, params.n_kv_heads, params.head_dim, rope, n_past);
   AttentionParams p = params;
   p.n_past = n_past;
   p.sinks = sinks ? &sinks : nullptr;

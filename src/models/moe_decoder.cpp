@@ -43,8 +43,7 @@ void MoeDecoder::run_layer(int l, int64_t T, SequenceState& state) {
   auto& seq = static_cast<KvSequence&>(state);
   const MoeDecoderLayer& layer = layers_[size_t(l)];
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-  attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T);
-  backend_->rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
+  attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T, &layer.post_attention_norm);
   const int next = next_moe_layer(layers_, l);
   layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
 }
@@ -84,13 +83,15 @@ void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
 }
 
 void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
-                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T) {
+                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T,
+                                      const Vector* next_norm) {
   Backend& be = *backend_;
   ScopedTimer timer(be.times().attention);
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
   be.rmsnorm(x, norm, norm_eps, x.cols, xn);
   attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope, out);
-  be.add(x, out);
+  if (next_norm) be.add_rmsnorm(x, out, *next_norm, norm_eps, xn);
+  else be.add(x, out);
 }
 
 void DecoderModel::load_experts(const ModelOptions& options, const std::vector<bool>& moe_layers, int n_experts,

@@ -48,9 +48,10 @@ class DecoderModel : public Model {
   // moe_layers, then opens the expert store.
   void load_experts(const ModelOptions& options, const std::vector<bool>& moe_layers, int n_experts,
                     int64_t expert_size, ExpertNaming naming, const std::string& model = "model.");
-  // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase.
+  // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase; with next_norm,
+  // also ws_.xn[:T] = rmsnorm(ws_.x[:T]) with it (the FFN's input), fused with the add.
   void attention_residual(const Vector& norm, const GqaAttention& attn, KvSequence& seq, int l,
-                          const RopeTable& rope, int64_t T);
+                          const RopeTable& rope, int64_t T, const Vector* next_norm = nullptr);
 
   std::unique_ptr<Backend> backend_;
   PackManifest pack_;

@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -498,6 +499,82 @@ TEST_F(Pair, MoeEveryExpertFormat) {
       }
       std::printf("[ moe      ] %s experts, T=%d: max rel err %.2e per token\n", fmt.c_str(), int(T), worst);
       EXPECT_LT(worst, 2e-5) << "T=" << T;
+    }
+  }
+}
+
+// The fused steps of backend.h against the ops they replace, on the GPU (bit for bit: the model
+// code uses them wherever it can, so they must not move a logit) and against the CPU.
+TEST_F(Pair, FusedStepsEqualTheirParts) {
+  auto same = [&](const Buffer& a, const Buffer& b) { return host(*gpu, a) == host(*gpu, b); };
+  // q, k and v projections in one launch (GEMV sizes) or, above the GEMV bound, one by one.
+  for (const std::string fmt : {"bf16", "q4g64", "fp8g128"}) {
+    HostMatrix hq = make_matrix(64, 256, fmt, 31), hk = make_matrix(32, 256, fmt, 32), hv = make_matrix(48, 256, fmt, 33);
+    const Matrix q = load(*gpu, hq, fmt), k = load(*gpu, hk, fmt), v = load(*gpu, hv, fmt);
+    const Matrix qc = load(*cpu, hq, fmt), kc = load(*cpu, hk, fmt), vc = load(*cpu, hv, fmt);
+    std::vector<float> bias_values = random(48, 34);
+    const TensorView bt{"b", DType::F32, {48}, bias_values.data(), 48 * 4};
+    const Vector bg = gpu->load_vector(bt), bc = cpu->load_vector(bt);
+    for (int64_t T : {1, 3, 12}) {
+      Buf x = buf(T, 256, 35);
+      Buf oq = poisoned(T, 64), ok = poisoned(T, 32), ov = poisoned(T, 48);
+      const Matrix* wg[3] = {&q, &k, &v};
+      const Matrix* wc[3] = {&qc, &kc, &vc};
+      const Vector* bgs[3] = {nullptr, nullptr, &bg};
+      const Vector* bcs[3] = {nullptr, nullptr, &bc};
+      Buffer* og[3] = {&oq.g, &ok.g, &ov.g};
+      Buffer* oc[3] = {&oq.c, &ok.c, &ov.c};
+      gpu->linear_shared_input(x.g, wg, bgs, og);
+      cpu->linear_shared_input(x.c, wc, bcs, oc);
+      Buffer lq = gpu->alloc(T, 64), lk = gpu->alloc(T, 32), lv = gpu->alloc(T, 48);
+      gpu->linear(x.g, q, nullptr, lq);
+      gpu->linear(x.g, k, nullptr, lk);
+      gpu->linear(x.g, v, &bg, lv);
+      EXPECT_TRUE(same(oq.g, lq) && same(ok.g, lk) && same(ov.g, lv)) << fmt << " T=" << T;
+      EXPECT_LT(std::max({err(oq), err(ok), err(ov)}), linear_tolerance(T)) << fmt << " T=" << T;
+    }
+  }
+  // Residual add and the next RMSNorm.
+  for (int64_t T : {1, 5}) {
+    std::vector<float> xv = random(size_t(T * 2048), 36), wv = random(2048, 37);
+    const TensorView wt{"w", DType::F32, {2048}, wv.data(), 2048 * 4};
+    const Vector wg = gpu->load_vector(wt), wc = cpu->load_vector(wt);
+    Buf x = buf(T, 2048, xv), y = buf(T, 2048, 38), out = poisoned(T, 2048);
+    Buf x2 = buf(T, 2048, xv), out2 = poisoned(T, 2048);
+    gpu->add_rmsnorm(x.g, y.g, wg, 1e-6f, out.g);
+    cpu->add_rmsnorm(x.c, y.c, wc, 1e-6f, out.c);
+    gpu->add(x2.g, y.g);
+    gpu->rmsnorm(x2.g, wg, 1e-6f, 2048, out2.g);
+    EXPECT_TRUE(same(x.g, x2.g) && same(out.g, out2.g)) << "T=" << T;
+    EXPECT_LT(err(out), 1e-5);
+  }
+  // Per-head q/k norms and RoPE (rotating all of each head, or part of it after an offset).
+  for (int head_dim : {64, 128}) {
+    for (bool partial : {false, true}) {
+      RopeTable r;
+      r.rot_dim = partial ? 32 : head_dim;
+      r.rot_offset = partial ? 16 : 0;
+      r.interleaved = partial;
+      for (int i = 0; i < r.rot_dim / 2; ++i) r.inv_freq.push_back(1.0f / std::pow(10000.0f, float(2 * i) / float(r.rot_dim)));
+      std::vector<float> qn = random(size_t(head_dim), 40), kn = random(size_t(head_dim), 41);
+      const TensorView qt{"qn", DType::F32, {head_dim}, qn.data(), qn.size() * 4}, kt{"kn", DType::F32, {head_dim}, kn.data(), kn.size() * 4};
+      const Vector qg = gpu->load_vector(qt), kg = gpu->load_vector(kt), qc = cpu->load_vector(qt), kc = cpu->load_vector(kt);
+      for (bool norms : {true, false}) {
+        const int64_t T = 3;
+        std::vector<float> qv = random(size_t(T * 8 * head_dim), 42), kv = random(size_t(T * 2 * head_dim), 43);
+        Buf q = buf(T, 8 * head_dim, qv), k = buf(T, 2 * head_dim, kv), q2 = buf(T, 8 * head_dim, qv), k2 = buf(T, 2 * head_dim, kv);
+        const Vector none;
+        gpu->qk_norm_rope(q.g, k.g, norms ? qg : none, norms ? kg : none, 1e-6f, 8, 2, head_dim, r, 77);
+        cpu->qk_norm_rope(q.c, k.c, norms ? qc : none, norms ? kc : none, 1e-6f, 8, 2, head_dim, r, 77);
+        if (norms) {
+          gpu->rmsnorm(q2.g, qg, 1e-6f, head_dim, q2.g);
+          gpu->rmsnorm(k2.g, kg, 1e-6f, head_dim, k2.g);
+        }
+        gpu->rope(q2.g, 8, head_dim, r, 77);
+        gpu->rope(k2.g, 2, head_dim, r, 77);
+        EXPECT_TRUE(same(q.g, q2.g) && same(k.g, k2.g)) << head_dim << " partial " << partial << " norms " << norms;
+        EXPECT_LT(std::max(err(q), err(k)), 1e-5) << head_dim << " partial " << partial << " norms " << norms;
+      }
     }
   }
 }

@@ -19,6 +19,18 @@ namespace moestream::cuda {
 
 namespace {
 
+// Pair p of one head (head points at its first rotated dim) rotated at `pos`. Angles in float32,
+// as transformers computes them.
+__device__ __forceinline__ void rotate_pair(float* head, int p, int half, int64_t pos, const float* inv_freq,
+                                            float factor, bool interleaved) {
+  const float angle = float(pos) * inv_freq[p];
+  const float c = cosf(angle) * factor, s = sinf(angle) * factor;
+  const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
+  const float x0 = head[a], x1 = head[b];
+  head[a] = x0 * c - x1 * s;
+  head[b] = x1 * c + x0 * s;
+}
+
 __global__ void rope_kernel(float* x, int64_t T, int64_t ld, int n_heads, int head_dim, int half, const float* inv_freq,
                             float factor, bool interleaved, int rot_offset, int64_t n_past) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -26,14 +38,30 @@ __global__ void rope_kernel(float* x, int64_t T, int64_t ld, int n_heads, int he
   const int p = int(i % half);
   const int h = int((i / half) % n_heads);
   const int64_t t = i / (int64_t(half) * n_heads);
-  // Angles in float32, as transformers computes them.
-  const float angle = float(n_past + t) * inv_freq[p];
-  const float c = cosf(angle) * factor, s = sinf(angle) * factor;
-  float* v = x + t * ld + int64_t(h) * head_dim + rot_offset;
-  const int a = interleaved ? 2 * p : p, b = interleaved ? 2 * p + 1 : p + half;
-  const float x0 = v[a], x1 = v[b];
-  v[a] = x0 * c - x1 * s;
-  v[b] = x1 * c + x0 * s;
+  rotate_pair(x + t * ld + int64_t(h) * head_dim + rot_offset, p, half, n_past + t, inv_freq, factor, interleaved);
+}
+
+// One block per (token, head) of q then k: the head's RMSNorm (when its weight is given; the sums
+// of rmsnorm_kernel with the same threads), then its RoPE, as rmsnorm() then rope() compute them.
+__global__ void qk_norm_rope_kernel(float* q, float* k, const float* q_norm, const float* k_norm, float eps,
+                                    int n_heads, int head_dim, int half, const float* inv_freq, float factor,
+                                    bool interleaved, int rot_offset, int64_t n_past, int64_t ldq, int64_t ldk) {
+  __shared__ float scratch[32];
+  const int64_t t = blockIdx.x;
+  const int h = blockIdx.y;
+  const bool is_q = h < n_heads;
+  float* head = is_q ? q + t * ldq + int64_t(h) * head_dim : k + t * ldk + int64_t(h - n_heads) * head_dim;
+  const float* w = is_q ? q_norm : k_norm;
+  if (w) {
+    float ss = 0;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) ss += head[i] * head[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / float(head_dim) + eps);
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) head[i] = w[i] * (head[i] * inv);
+    __syncthreads();
+  }
+  for (int p = threadIdx.x; p < half; p += blockDim.x)
+    rotate_pair(head + rot_offset, p, half, n_past + t, inv_freq, factor, interleaved);
 }
 
 constexpr int kAttnWarps = 4;         // warps per block for several query tokens
@@ -412,6 +440,16 @@ void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, const float*
   if (n == 0) return;
   rope_kernel<<<blocks_for(n, 256), 256, 0, s>>>(x.data, x.rows, x.cols, n_heads, head_dim, half, inv_freq,
                                                  r.attention_factor, r.interleaved, r.rot_offset, n_past);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm, float eps, int n_heads,
+                  int n_kv_heads, int head_dim, const RopeTable& r, const float* inv_freq, int64_t n_past,
+                  int threads, cudaStream_t s) {
+  if (q.rows == 0) return;
+  qk_norm_rope_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads + n_kv_heads)), unsigned(threads), 0, s>>>(
+      q.data, k.data, q_norm, k_norm, eps, n_heads, head_dim, r.rot_dim / 2, inv_freq, r.attention_factor,
+      r.interleaved, r.rot_offset, n_past, q.cols, k.cols);
   MS_CUDA_CHECK_LAUNCH();
 }
 

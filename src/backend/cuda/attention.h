@@ -13,6 +13,13 @@ namespace moestream::cuda {
 void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, const float* inv_freq, int64_t n_past,
           cudaStream_t s);
 
+// Each head of q (n_heads) and k (n_kv_heads) RMS-normalized with q_norm / k_norm (device
+// pointers, null: no norm; `threads` per block, cuda::rmsnorm_threads(head_dim) for rmsnorm()'s
+// sums) then rotated at positions n_past + t, in one launch.
+void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm, float eps, int n_heads,
+                  int n_kv_heads, int head_dim, const RopeTable& rope, const float* inv_freq, int64_t n_past,
+                  int threads, cudaStream_t s);
+
 // Causal attention of q (T, n_heads * head_dim) over positions [0, n_past + t] (those p.kv's
 // window keeps; the caches already hold this call's keys and values, or with a ring k_staged and
 // v_staged do, as kv_pack wrote them): out (T, n_heads * v_head_dim). sinks: device pointer or null.

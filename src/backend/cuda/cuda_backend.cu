@@ -181,6 +181,58 @@ class CudaBackend final : public Backend {
     op_done([&] { return weight_label("linear", w, x.rows); }, stored_bytes(w));
   }
 
+  void linear_shared_input(const Buffer& x, std::span<const Matrix* const> w, std::span<const Vector* const> bias,
+                           std::span<Buffer* const> out) override {
+    if (w.size() == bias.size() && w.size() == out.size() && w.size() <= 4) {
+      bool fits = true;
+      const float* b[4] = {};
+      float* o[4] = {};
+      for (size_t i = 0; i < w.size(); ++i) {
+        if (x.cols != w[i]->cols) fail("linear ", w[i]->name, ": input has ", x.cols, " columns, weight expects ", w[i]->cols);
+        fits = fits && out[i]->cols == w[i]->rows;
+        b[i] = bias[i] ? bias[i]->data : nullptr;
+        o[i] = out[i]->data;
+      }
+      prof_.begin(compute_);
+      if (fits && cuda::linear_shared_input(w, x.data, x.cols, x.rows, std::span<const float* const>(b, w.size()),
+                                            std::span<float* const>(o, w.size()), compute_)) {
+        op_done([&] { return weight_label("linear, shared input", *w[0], x.rows) + " x" + std::to_string(w.size()); },
+                [&] {
+                  double bytes = 0;
+                  for (const Matrix* m : w) bytes += stored_bytes(*m);
+                  return bytes;
+                }());
+        return;
+      }
+    }  // else the fallback's own ops are profiled (a begin without an end is replaced by the next)
+    Backend::linear_shared_input(x, w, bias, out);
+  }
+
+  void add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps, Buffer& out) override {
+    if (y.rows != x.rows || y.cols != x.cols || out.rows != x.rows || out.cols != x.cols || w.size != x.cols) {
+      Backend::add_rmsnorm(x, y, w, eps, out);  // the unfused ops name what is wrong
+      return;
+    }
+    prof_.begin(compute_);
+    cuda::add_rmsnorm(x.data, y.data, w.data, eps, x.rows, x.cols, out.data, compute_);
+    op_done([&] { return op_label("add + rmsnorm", x.rows); });
+  }
+
+  void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps, int n_heads,
+                    int n_kv_heads, int head_dim, const RopeTable& r, int64_t n_past) override {
+    const bool shapes = q.rows == k.rows && q.cols == int64_t(n_heads) * head_dim &&
+                        k.cols == int64_t(n_kv_heads) * head_dim && (!q_norm || q_norm.size == head_dim) &&
+                        (!k_norm || k_norm.size == head_dim) && r.rot_offset + r.rot_dim <= head_dim;
+    if (!shapes) {
+      Backend::qk_norm_rope(q, k, q_norm, k_norm, eps, n_heads, n_kv_heads, head_dim, r, n_past);
+      return;
+    }
+    prof_.begin(compute_);
+    cuda::qk_norm_rope(q, k, q_norm ? q_norm.data : nullptr, k_norm ? k_norm.data : nullptr, eps, n_heads, n_kv_heads,
+                       head_dim, r, inv_freq(r), n_past, cuda::rmsnorm_threads(head_dim), compute_);
+    op_done([&] { return op_label("q/k norm + rope", q.rows); });
+  }
+
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, int64_t n_past) override {
     prof_.begin(compute_);
     cuda::rope(x, n_heads, head_dim, r, inv_freq(r), n_past, compute_);

@@ -19,6 +19,25 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
   for (int64_t i = threadIdx.x; i < group; i += blockDim.x) dst[i] = w[i] * (src[i] * inv);
 }
 
+// x += y, then out = RMSNorm(x) per row: one block per row, the same sums as add_kernel then
+// rmsnorm_kernel with as many threads.
+__global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
+                                   float eps, int64_t cols, float* __restrict__ out) {
+  __shared__ float scratch[32];
+  float* row = x + int64_t(blockIdx.x) * cols;
+  const float* add = y + int64_t(blockIdx.x) * cols;
+  float* dst = out + int64_t(blockIdx.x) * cols;
+  float ss = 0;
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+    const float v = row[i] + add[i];
+    row[i] = v;
+    ss += v * v;
+  }
+  ss = block_sum(ss, scratch);
+  const float inv = 1.0f / sqrtf(ss / float(cols) + eps);
+  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = w[i] * (row[i] * inv);
+}
+
 __global__ void add_kernel(float* x, const float* y, int64_t n) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i < n) x[i] += y[i];
@@ -55,10 +74,18 @@ __global__ void activation_kernel(float* g, const float* u, int64_t rows, int64_
 
 }  // namespace
 
+int rmsnorm_threads(int64_t group) { return group >= 1024 ? 1024 : group >= 256 ? 256 : group > 64 ? 128 : 32; }
+
 void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s) {
   if (n == 0) return;
-  const int threads = group >= 1024 ? 1024 : group >= 256 ? 256 : group > 64 ? 128 : 32;
-  rmsnorm_kernel<<<unsigned(n / group), threads, 0, s>>>(x, w, eps, group, out);
+  rmsnorm_kernel<<<unsigned(n / group), rmsnorm_threads(group), 0, s>>>(x, w, eps, group, out);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
+                 cudaStream_t s) {
+  if (rows * cols == 0) return;
+  add_rmsnorm_kernel<<<unsigned(rows), rmsnorm_threads(cols), 0, s>>>(x, y, w, eps, cols, out);
   MS_CUDA_CHECK_LAUNCH();
 }
 

@@ -12,6 +12,12 @@ namespace moestream::cuda {
 
 // out = RMSNorm over groups of `group` consecutive values of x (n values), times w[i % group].
 void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s);
+// The threads per block of the RMSNorm kernels for groups of `group` values (which fixes the order
+// of the sum of squares: the fused kernels that norm use the same).
+int rmsnorm_threads(int64_t group);
+// x += y; out = RMSNorm of each row of x (rows x cols) times w: as add() then rmsnorm(), bit for bit.
+void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
+                 cudaStream_t s);
 void add(float* x, const float* y, int64_t n, cudaStream_t s);
 void clamp(float* x, float limit, int64_t n, cudaStream_t s);
 // dst[t, to.offset + g * to.stride + i] = src[t, from.offset + g * from.stride + i]

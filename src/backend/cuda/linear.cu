@@ -82,15 +82,15 @@ size_t max_gemv_smem() {
 
 namespace {
 
+// Row block `block` (kGemvRows rows) of out = x W^T for T tokens.
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kGemvWarps * 32)
-    gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
-                const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
+__device__ __forceinline__ void gemv_rows(const WeightRef& w, const float* __restrict__ x, int64_t ldx, int T,
+                                          int nt_max, const float* __restrict__ bias, float* __restrict__ out,
+                                          int64_t ldo, int64_t block) {
   extern __shared__ float smem[];
-  const int64_t packs = (w.cols + 31) >> 5;
   float* xs = smem;
   float* xsum = smem + nt_max * padded_cols(w.cols);
-  const int64_t row0 = int64_t(blockIdx.x) * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
+  const int64_t row0 = block * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
   for (int t0 = 0; t0 < T; t0 += nt_max) {
     const int nt = min(nt_max, T - t0);
     if (t0 > 0) __syncthreads();  // the previous chunk's reads of xs are done
@@ -105,7 +105,33 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
         if (lane == r * kTokens + t && t < nt && row0 + r < w.rows)
           out[(t0 + t) * ldo + row0 + r] = acc[r][t] + (bias ? bias[row0 + r] : 0.0f);
   }
-  (void)packs;
+}
+
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
+                const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
+  gemv_rows<KIND, SF16>(w, x, ldx, T, nt_max, bias, out, ldo, blockIdx.x);
+}
+
+// Up to kMaxShared matrices of one format and width that read the same x, in one launch: the
+// blocks of matrix i are [first_block[i], first_block[i + 1]).
+constexpr int kMaxShared = 4;
+struct SharedInput {
+  WeightRef w[kMaxShared];
+  const float* bias[kMaxShared];
+  float* out[kMaxShared];
+  int64_t ldo[kMaxShared];
+  unsigned first_block[kMaxShared + 1];
+  int n;
+};
+
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kGemvWarps * 32)
+    gemv_shared_kernel(SharedInput m, const float* __restrict__ x, int64_t ldx, int T, int nt_max) {
+  int i = 0;
+  while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
+  gemv_rows<KIND, SF16>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
 }
 
 // Rows [r0, r0 + n) of w as float32 into tile [n, cols].
@@ -354,6 +380,40 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     add_bias_kernel<<<blocks_for(T * w.rows, 256), 256, 0, stream>>>(out, ldo, T, w.rows, bias);
     MS_CUDA_CHECK_LAUNCH();
   }
+}
+
+bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                         std::span<const float* const> bias, std::span<float* const> out, cudaStream_t stream) {
+  if (T == 0 || w.empty() || w.size() > size_t(kMaxShared) || T >= gemm_min_tokens()) return false;
+  const FormatTag tag = format_of(*w[0]);
+  for (const Matrix* m : w)
+    if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
+  const size_t smem_limit = max_gemv_smem();
+  int nt_max = kTokens;
+  while (nt_max > 0 && gemv_smem_bytes(w[0]->cols, nt_max) > smem_limit) --nt_max;
+  if (nt_max == 0) return false;
+  SharedInput m{};
+  m.n = int(w.size());
+  m.first_block[0] = 0;
+  for (int i = 0; i < m.n; ++i) {
+    m.w[i] = weight_ref(*w[size_t(i)]);
+    m.bias[i] = bias[size_t(i)];
+    m.out[i] = out[size_t(i)];
+    m.ldo[i] = w[size_t(i)]->rows;
+    m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
+  }
+  dispatch_format(tag, [&]<int KIND, bool SF16>() {
+    static bool configured = false;
+    if (!configured) {
+      MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_shared_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         int(smem_limit)));
+      configured = true;
+    }
+    gemv_shared_kernel<KIND, SF16><<<m.first_block[m.n], kGemvWarps * 32, gemv_smem_bytes(w[0]->cols, nt_max), stream>>>(
+        m, x, ldx, int(T), nt_max);
+    MS_CUDA_CHECK_LAUNCH();
+  });
+  return true;
 }
 
 void embed(const Matrix& table, const int32_t* tokens, int64_t T, float* out, cudaStream_t stream) {

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <span>
 #include <utility>
 #include <vector>
 
@@ -69,6 +70,12 @@ enum class GemmMath { Fp16, F32 };
 // out[t, :] (row stride ldo) = x[t, :] (row stride ldx) @ W^T (+ bias[r]) for t < T.
 void linear(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
             int64_t ldo, GemmScratch& scratch, cudaStream_t stream, GemmMath math = GemmMath::Fp16);
+
+// out[i][t, :] (row stride w[i].rows) = x[t, :] @ W[i]^T (+ bias[i]) in one GEMV launch, when the
+// call is below the GEMV bound and the matrices (at most 4) share format and width; each row sums
+// exactly as linear()'s GEMV does. False (nothing launched) otherwise.
+bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                         std::span<const float* const> bias, std::span<float* const> out, cudaStream_t stream);
 
 // Rows [r0, r0 + n) of w as FP16 into dst [n, w.cols] (saturating), for the tensor-core paths.
 void dequantize_rows_f16(const Matrix& w, int64_t r0, int64_t n, void* dst, cudaStream_t stream);
