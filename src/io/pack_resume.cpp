@@ -229,12 +229,16 @@ void PackWriter::resume(const PackKey& key, int threads) {
     std::vector<std::pair<int, json>> layers;
     while (std::getline(in, line)) {
       json j = json::parse(line, nullptr, false);
-      if (j.is_object() && j.contains("weights") && j.contains("note")) weights = j;
+      if (j.is_object() && j.contains("weights") && j["note"].is_string() && json::accept(j["note"].get<std::string>()))
+        weights = j;
       if (j.is_object() && j.contains("layer") && j["layer"].is_number_integer() && j.contains("experts") &&
           j["experts"].is_array() && j.contains("file") && j["file"].is_string())
         layers.emplace_back(j["layer"].get<int>(), j);
     }
     in.close();
+    // Checking reads every kept byte (at disk speed, minutes for hundreds of GB): say so first.
+    std::fprintf(stderr, "pack: checking the %zu files that process %d completed in %s (%s)\n",
+                 layers.size() + (weights.is_null() ? 0 : 1), claimed_pid, claimed.c_str(), human(bytes_under(tmp_)).c_str());
     std::vector<std::string> problems;
     uint64_t kept_bytes = 0;
     if (!weights.is_null()) {
