@@ -102,6 +102,21 @@ TEST(PackResume, ContinuesAndWritesTheSameBytes) {
   EXPECT_TRUE(leftovers(out2).empty());
 }
 
+// GPTQ calibrates again for the layers left (its scratch pack is not resumed): the same bytes.
+TEST(PackResume, GptqPackResumes) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string flags = "--quant q3 --group-size 32 --gptq " + src + "/text.txt";
+  const std::string clean = clean_pack(src, "gptq-clean", flags);
+  const std::string out = test::temp_dir("gptq-out") + "/pack";
+  interrupted(src, out, flags, 2);
+  const auto r = pack_cli(src + " " + out + " " + flags);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("kept 2 of 2 completed files"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("gptq: calibrated"), std::string::npos) << r.err;
+  EXPECT_EQ(tree(out), tree(clean));
+  EXPECT_TRUE(leftovers(out).empty());
+}
+
 TEST(PackResume, CorruptedKeptFilesAreWrittenAgain) {
   const std::string src = source_copy("corrupt-src");
   const std::string clean = clean_pack(src, "corrupt-clean", "--quant q8 --group-size 32");

@@ -186,6 +186,9 @@ void PackWriter::journal(const std::string& line) {
 }
 
 void PackWriter::resume(const PackKey& key, int threads) {
+  // A destination named like a temporary is another pack's scratch pack (GPTQ calibration's),
+  // made under a new name by each run and removed by it: nothing to resume or journal.
+  if (fs::path(out_).filename().string().find(".tmp-") != std::string::npos) return;
   journaling_ = true;
   const fs::path parent = fs::path(out_).parent_path();
   std::string claimed;
