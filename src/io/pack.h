@@ -134,9 +134,15 @@ struct PackOptions {
   std::function<bool(const std::string& name)> skip;
 };
 
+// What a pack is made from, for resuming (PackWriter::resume): field -> value ("source": a
+// fingerprint of the source's files, "quant": "q4", ...). Equal keys, equal bytes.
+using PackKey = std::map<std::string, std::string>;
+PackKey pack_key(const std::string& src, const PackOptions& options);
+
 // Writes a pack: non-expert weights, then experts layer by layer (experts of a layer in order),
 // then finish() writes the manifest and renames the temporary directory into place. Destroyed
-// before finish(), it removes the temporary directory: an interrupted write leaves nothing.
+// before finish() (an error), it removes the temporary directory. A process killed before
+// finish() leaves it, with a journal of the files it completed, for resume() to continue from.
 class PackWriter {
  public:
   struct Part {  // one tensor of an expert
@@ -151,11 +157,29 @@ class PackWriter {
   PackWriter(const std::string& out, const std::string& model_type, const std::string& source);
   ~PackWriter();
   const std::string& tmp_dir() const { return tmp_; }  // configs and tokenizer files go here
+
+  // Before anything is written: temporaries of this destination that dead writers left
+  // (`OUT.tmp-PID`, `OUT.calib.tmp-PID`) are removed, one line each on stderr, except one made
+  // with the same `key`: it becomes this writer's temporary directory, and the files it had
+  // completed are verified against their checksums (`threads` at once) and kept, the rest
+  // removed. From then on each completed file is noted in the temporary directory's journal.
+  void resume(const PackKey& key, int threads);
+  // weights.safetensors was kept by resume(): not to be written again. Its note (what
+  // weights_written was given) comes with it.
+  bool kept_weights() const { return kept_weights_; }
+  const std::string& weights_note() const { return weights_note_; }
+  // The experts of this layer were kept by resume(): add_expert must not be called for it.
+  bool kept_layer(int layer) const { return kept_layers_.count(layer) > 0; }
+  // Called once weights.safetensors is written: its checksums are computed and journaled with
+  // `note` (anything the caller needs again to resume without rewriting it).
+  void weights_written(const std::string& note = "");
   void add_expert(int layer, const std::string& format, const std::vector<Part>& parts);
   void finish(int n_layers);
 
  private:
   void close_layer();
+  void next_layer(int layer);
+  void journal(const std::string& line);
   std::string out_, tmp_, model_type_, source_;
   std::vector<std::string> files_;
   std::vector<std::vector<std::string>> layers_json_;  // [layer] serialized expert entries
@@ -164,6 +188,12 @@ class PackWriter {
   uint64_t pos_ = 0;
   std::vector<char> block_;
   bool finished_ = false;
+  bool journaling_ = false;          // resume() was called
+  int journaled_ = 0;                // files completed by this process (MOESTREAM_PACK_STOP_AFTER)
+  std::string weights_checksums_;    // JSON: header and tensor checksums, once known
+  bool kept_weights_ = false;
+  std::string weights_note_;
+  std::map<int, std::vector<std::string>> kept_layers_;  // layer -> serialized expert entries
 };
 
 // Temporary directories (`OUT.tmp-PID`) that PackWriters left in `dir` when their process died
@@ -174,8 +204,9 @@ struct AbandonedPack {
   bool writer_alive = false;  // the PID still runs (then it is not abandoned yet)
 };
 std::vector<AbandonedPack> pack_temporaries(const std::string& dir);
-// Removes the temporaries of dead writers in `dir`; returns what it removed.
-std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir);
+// Removes the temporaries of dead writers in `dir`, but those of the pack `except` (a path in
+// `dir`), which its writer resumes from; returns what it removed.
+std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir, const std::string& except = "");
 
 // Converts the Hugging Face model directory `src` into a pack at `out` (which must not exist),
 // through a temporary directory renamed into place at the end; `src` is never modified.

@@ -23,6 +23,7 @@
 #include "core/thread_pool.h"
 #include "io/gptq.h"
 #include "io/pack.h"
+#include "io/pack_format.h"
 #include "io/pack_tensors.h"
 #include "io/safetensors.h"
 
@@ -40,6 +41,12 @@ namespace {
 class Progress {
  public:
   Progress(bool enabled, uint64_t total) : on_(enabled), tty_(isatty(2)), total_(total) {}
+  // Bytes a resumed pack kept: done, but not counted in the rate.
+  void skip(uint64_t bytes) {
+    std::lock_guard lock(mu_);
+    done_ += bytes;
+    skipped_ += bytes;
+  }
   void add(uint64_t bytes) {  // from any thread
     std::lock_guard lock(mu_);
     done_ += bytes;
@@ -51,7 +58,7 @@ class Progress {
     const double s = std::chrono::duration<double>(now - start_).count();
     char rate_text[48] = "   --- MB/s ETA    ?";
     if (s >= 0.5) {
-      const double rate = done_ / s, eta = rate > 0 ? (total_ - done_) / rate : 0;
+      const double rate = (done_ - skipped_) / s, eta = rate > 0 ? (total_ - done_) / rate : 0;
       std::snprintf(rate_text, sizeof rate_text, "%6.1f MB/s ETA %4.0fs", rate / 1e6, eta);
     }
     const double pct = total_ ? 100.0 * double(done_) / double(total_) : 100.0;
@@ -68,7 +75,7 @@ class Progress {
  private:
   std::mutex mu_;
   bool on_, tty_;
-  uint64_t total_, done_ = 0;
+  uint64_t total_, done_ = 0, skipped_ = 0;
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
 };
 
@@ -269,6 +276,8 @@ class Converter {
     out.push_back({module + ".biases", DType::BF16, {rows, cols / f.group_size}, biases->data()});
   }
   void release_resident() { owned_.clear(); }
+  // What resident_quantization() said when the weights a resumed pack kept were written.
+  void restore_resident_quantization(const std::string& text) { restored_ = json::parse(text); }
 
   // One expert: its weights role by role (gate, up, down), then its biases.
   ExpertBlock expert(int layer, int expert, const ExpertParts& source_parts, Progress& progress) const {
@@ -294,6 +303,7 @@ class Converter {
 
   // config.json's "quantization" for --quant-all (routers at 8 bits); null otherwise.
   json resident_quantization() const {
+    if (!restored_.is_null()) return restored_;
     if (!options_.quant_all || keep_ || to_bf16_) return nullptr;
     json q = {{"bits", target_.bits}, {"group_size", target_.group_size}};
     q.update(quant_overrides_);
@@ -484,6 +494,7 @@ class Converter {
   std::deque<std::vector<char>> owned_;  // converted resident tensors, until they are written
   std::deque<TensorView> owned_views_;
   json quant_overrides_ = json::object();
+  json restored_;
 };
 
 // Configs, tokenizer and template files travel with the pack.
@@ -511,8 +522,9 @@ void rewrite_config(json config, const Converter& converter, const std::string& 
 
 }  // namespace
 
-void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
+void write_pack(const std::string& src, const std::string& out_arg, const ExpertTensorParser& parse,
                 const PackOptions& options) {
+  const std::string out = pack_format::without_trailing_slashes(out_arg);
   const QuantFormat target = Converter::target_format(options);  // a bad --quant fails before anything is read
   if (!options.gptq_text.empty() && target.bits == 0)
     fail("--gptq: needs a quantized --quant (q2, q3, q4, q6 or q8), not ", options.quant);
@@ -535,8 +547,16 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
         check_quant_format(QuantFormat{bits, target.group_size, target.scale_dtype}, "--tiered");
     }
 
+  const json& text_config = checkpoint.text_config();
+  const int n_layers = std::max(sorted.experts.rbegin()->first + 1, text_config.value("num_hidden_layers", 0));
+  const std::string model_type = text_config.value("model_type", checkpoint.config.value("model_type", ""));
+  PackWriter writer(out, model_type, fs::absolute(src).string());
+  writer.resume(pack_key(src, options), options.threads);
+  const bool experts_left = std::any_of(sorted.experts.begin(), sorted.experts.end(),
+                                        [&](const auto& layer) { return !writer.kept_layer(layer.first); });
+
   std::unique_ptr<ExpertHessians> hessians;
-  if (!options.gptq_text.empty()) {
+  if (!options.gptq_text.empty() && experts_left) {
     const auto t0 = std::chrono::steady_clock::now();
     GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip};
     hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
@@ -546,20 +566,21 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
   Converter converter(checkpoint, sorted, options, hessians.get());
-
-  const json& text_config = checkpoint.text_config();
-  const int n_layers = std::max(sorted.experts.rbegin()->first + 1, text_config.value("num_hidden_layers", 0));
-  const std::string model_type = text_config.value("model_type", checkpoint.config.value("model_type", ""));
-  PackWriter writer(out, model_type, fs::absolute(src).string());
   Progress progress(options.progress, sorted.total_bytes);
 
-  std::vector<TensorToWrite> resident;
-  for (const TensorView* t : sorted.resident) {
-    progress.add(t->nbytes);
-    converter.add_resident(*t, resident);
+  if (writer.kept_weights()) {
+    for (const TensorView* t : sorted.resident) progress.skip(t->nbytes);
+    converter.restore_resident_quantization(writer.weights_note());
+  } else {
+    std::vector<TensorToWrite> resident;
+    for (const TensorView* t : sorted.resident) {
+      progress.add(t->nbytes);
+      converter.add_resident(*t, resident);
+    }
+    write_safetensors(writer.tmp_dir() + "/weights.safetensors", resident, {{"format", "pt"}});
+    converter.release_resident();
+    writer.weights_written(converter.resident_quantization().dump());
   }
-  write_safetensors(writer.tmp_dir() + "/weights.safetensors", resident, {{"format", "pt"}});
-  converter.release_resident();
 
   // Experts are converted several at a time (quantizing is most of the work) and written in
   // order, so the pack's bytes do not depend on the thread count.
@@ -569,7 +590,13 @@ void write_pack(const std::string& src, const std::string& out, const ExpertTens
   };
   std::vector<Item> items;
   for (const auto& [layer, list] : sorted.experts)
-    for (const auto& [e, parts] : list) items.push_back({layer, e, &parts});
+    for (const auto& [e, parts] : list) {
+      if (!writer.kept_layer(layer)) {
+        items.push_back({layer, e, &parts});
+        continue;
+      }
+      for (const auto& [role, part] : parts) progress.skip(part.nbytes());
+    }
   ThreadPool pool(options.threads);
   const size_t batch = size_t(2 * pool.size());
   for (size_t i0 = 0; i0 < items.size(); i0 += batch) {

@@ -74,6 +74,19 @@ std::vector<uint64_t> tensor_checksums(const std::vector<const TensorView*>& ten
   return sums;
 }
 
+json weight_checksums(const std::string& path) {
+  json out;
+  out["weights_header_xxh64"] = hex64(safetensors_header_checksum(path));
+  const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(path);
+  std::vector<const TensorView*> tensors;
+  for (const auto& [name, t] : file->tensors()) tensors.push_back(&t);
+  const std::vector<uint64_t> sums = tensor_checksums(tensors);
+  json by_name = json::object();
+  for (size_t i = 0; i < tensors.size(); ++i) by_name[tensors[i]->name] = hex64(sums[i]);
+  out["weights_xxh3"] = by_name;
+  return out;
+}
+
 }  // namespace pack_format
 
 namespace {

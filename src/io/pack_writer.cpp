@@ -23,29 +23,11 @@ namespace fs = std::filesystem;
 using json = nlohmann::json;
 using pack_format::align_up;
 
-namespace {
-
-// The checksums of the resident weights (written by the caller before finish()): each tensor's
-// bytes, and the header that says where they are and what they hold.
-void add_weight_checksums(json& manifest, const std::string& path) {
-  manifest["weights_header_xxh64"] = pack_format::hex64(pack_format::safetensors_header_checksum(path));
-  const std::unique_ptr<SafetensorsFile> file = SafetensorsFile::open(path);
-  std::vector<const TensorView*> tensors;
-  for (const auto& [name, t] : file->tensors()) tensors.push_back(&t);
-  const std::vector<uint64_t> sums = pack_format::tensor_checksums(tensors);
-  json by_name = json::object();
-  for (size_t i = 0; i < tensors.size(); ++i) by_name[tensors[i]->name] = pack_format::hex64(sums[i]);
-  manifest["weights_xxh3"] = by_name;
-}
-
-}  // namespace
-
-
 PackWriter::PackWriter(const std::string& out, const std::string& model_type,
                        const std::string& source)
-    : out_(out), tmp_(out + ".tmp-" + std::to_string(getpid())), model_type_(model_type),
+    : out_(pack_format::without_trailing_slashes(out)), tmp_(out_ + ".tmp-" + std::to_string(getpid())), model_type_(model_type),
       source_(source) {
-  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
+  if (fs::exists(out_)) fail(out_, ": already exists (remove it first)");
   fs::remove_all(tmp_);
   fs::create_directories(tmp_ + "/experts");
 }
@@ -62,23 +44,54 @@ void PackWriter::close_layer() {
   if (fd_ < 0) return;
   if (::close(fd_) != 0) fail(tmp_, "/", files_.back(), ": close failed: ", std::strerror(errno));
   fd_ = -1;
+  json line = {{"layer", layer_}, {"file", files_.back()}, {"experts", json::array()}};
+  for (const std::string& e : layers_json_[size_t(layer_)]) line["experts"].push_back(json::parse(e));
+  journal(line.dump());
+}
+
+// Moves on to `layer` (or past the last layer: INT_MAX), taking in the layers resume() kept on
+// the way; their entries name their file by its index, which is the same as when they were
+// written because the layers with experts are the same (the source is).
+void PackWriter::next_layer(int layer) {
+  close_layer();
+  const auto check_count = [this] {
+    if (layer_ < 0) return;
+    const int n = int(layers_json_[size_t(layer_)].size());
+    if (n_experts_ > 0 && n != n_experts_) fail("pack writer: layer ", layer_, " has ", n, " experts, expected ", n_experts_);
+    n_experts_ = n;
+  };
+  check_count();
+  for (auto it = kept_layers_.upper_bound(layer_); it != kept_layers_.end() && it->first < layer; ++it) {
+    files_.push_back("experts/layer-" + std::to_string(it->first) + ".bin");
+    layer_ = it->first;
+    layers_json_.resize(size_t(layer_) + 1);
+    for (const std::string& e : it->second) {
+      json entry = json::parse(e);
+      if (entry.value("file", size_t(0)) != files_.size() - 1)
+        fail("pack writer: kept layer ", layer_, " was file ", entry.value("file", size_t(0)), ", now ", files_.size() - 1);
+      layers_json_[size_t(layer_)].push_back(e);
+    }
+    check_count();
+  }
+  if (layer == INT_MAX) return;
+  if (kept_layers_.count(layer)) fail("pack writer: layer ", layer, " was kept, not to be written again");
+  layer_ = layer;
+  layers_json_.resize(size_t(layer) + 1);
+  files_.push_back("experts/layer-" + std::to_string(layer) + ".bin");
+  const std::string path = tmp_ + "/" + files_.back();
+  fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  MS_CHECK_SYS(fd_ >= 0, "open", path);
+  pos_ = 0;
+}
+
+void PackWriter::weights_written(const std::string& note) {
+  weights_checksums_ = pack_format::weight_checksums(tmp_ + "/weights.safetensors").dump();
+  journal(json{{"weights", json::parse(weights_checksums_)}, {"note", note}}.dump());
 }
 
 void PackWriter::add_expert(int layer, const std::string& format, const std::vector<Part>& parts) {
   if (layer < layer_) fail("pack writer: layer ", layer, " after layer ", layer_);
-  if (layer != layer_) {
-    close_layer();
-    if (layer_ >= 0 && int(layers_json_[size_t(layer_)].size()) != n_experts_ && n_experts_ > 0)
-      fail("pack writer: layer ", layer_, " has ", layers_json_[size_t(layer_)].size(), " experts, expected ", n_experts_);
-    if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
-    layer_ = layer;
-    layers_json_.resize(size_t(layer) + 1);
-    files_.push_back("experts/layer-" + std::to_string(layer) + ".bin");
-    const std::string path = tmp_ + "/" + files_.back();
-    fd_ = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    MS_CHECK_SYS(fd_ >= 0, "open", path);
-    pos_ = 0;
-  }
+  if (layer != layer_) next_layer(layer);
   json tensors = json::array();
   block_.clear();
   for (const Part& p : parts) {
@@ -111,8 +124,7 @@ void PackWriter::add_expert(int layer, const std::string& format, const std::vec
 }
 
 void PackWriter::finish(int n_layers) {
-  close_layer();
-  if (layer_ >= 0 && n_experts_ == 0) n_experts_ = int(layers_json_[size_t(layer_)].size());
+  next_layer(INT_MAX);
   if (int(layers_json_.size()) > n_layers) fail("pack writer: experts for layer ", layers_json_.size() - 1, " of ", n_layers);
   layers_json_.resize(size_t(n_layers));
   json layers = json::array();
@@ -128,13 +140,15 @@ void PackWriter::finish(int n_layers) {
                    {"model_type", model_type_},    {"weights", "weights.safetensors"},
                    {"expert_files", files_},       {"n_experts", n_experts_},
                    {"layers", layers}};
-  add_weight_checksums(manifest, tmp_ + "/weights.safetensors");
+  manifest.update(weights_checksums_.empty() ? pack_format::weight_checksums(tmp_ + "/weights.safetensors")
+                                             : json::parse(weights_checksums_));
   manifest["manifest_xxh64"] = pack_format::hex64(pack_format::manifest_checksum(manifest));
   const std::string path = tmp_ + "/" + kPackManifestName;
   std::ofstream mf(path);
   mf << manifest.dump(1) << "\n";
   mf.close();
   if (!mf) fail(path, ": write failed");
+  fs::remove(tmp_ + "/" + pack_format::kJournalName);
   fs::rename(tmp_, out_);
   finished_ = true;
 }
@@ -155,10 +169,10 @@ std::vector<AbandonedPack> pack_temporaries(const std::string& dir) {
   return found;
 }
 
-std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir) {
+std::vector<AbandonedPack> remove_abandoned_packs(const std::string& dir, const std::string& except) {
   std::vector<AbandonedPack> removed;
   for (const AbandonedPack& a : pack_temporaries(dir)) {
-    if (a.writer_alive) continue;
+    if (a.writer_alive || (!except.empty() && pack_format::is_temporary_of(a.path, except))) continue;
     std::error_code ec;
     fs::remove_all(a.path, ec);
     if (!ec) removed.push_back(a);

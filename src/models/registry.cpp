@@ -114,8 +114,9 @@ std::string ensure_pack(const std::string& dir, const std::string& cache_dir) {
   const std::string out = packs + "/" + pack_name(dir) + "-" + hex;
   if (is_pack_dir(out)) return out;
   fs::create_directories(packs);
-  // Packs an earlier run left unfinished (killed or interrupted) are of no use: remove them.
-  for (const AbandonedPack& a : remove_abandoned_packs(packs))
+  // Packs an earlier run left unfinished (killed or interrupted): this source's is resumed by
+  // write_pack (unless the options changed), the others, of other sources, removed.
+  for (const AbandonedPack& a : remove_abandoned_packs(packs, out))
     std::fprintf(stderr, "moestream: removed %s, an unfinished pack left by process %d\n", a.path.c_str(), a.pid);
   std::fprintf(stderr, "moestream: packing %s (%.2f GB) into %s; later runs reuse it\n", dir.c_str(),
                bytes_in(dir) / 1e9, out.c_str());
