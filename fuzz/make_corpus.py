@@ -2,7 +2,8 @@
 """Writes the seed corpora fuzz/corpus/<target>/ from tests/fixtures (and a few hand-written
 inputs). Run from the repository root; the output is committed, so this only needs running again
 when the fixtures change. Everything stays small: safetensors seeds keep a few tensors of each
-fixture's header with zeroed data, tokenizer seeds use the small fixture tokenizers."""
+fixture's header with zeroed data, tokenizer seeds use the small fixture tokenizers
+and cut-down copies of the large ones."""
 import glob
 import hashlib
 import json
@@ -61,10 +62,32 @@ def hf_config_seeds():
         put("hf_config", config + (b"\0" + open(gen, "rb").read() if os.path.exists(gen) else b""))
 
 
+def small_tokenizer(tok, merges=64):
+    """The tokenizer with its components as they are but a vocab cut down to the ids below 259
+    (added tokens and the byte alphabet) and the tokens of its first `merges` usable merges:
+    libFuzzer cuts an input at -max_len (64 KB), so a whole 8k-token vocab only ever arrived as
+    a truncated, malformed file, and large seeds make every mutation slow."""
+    model = tok["model"]
+    full = model["vocab"]
+    vocab = {t: i for t, i in full.items() if i < 259}
+    kept = []
+    for m in model["merges"]:
+        a, b = m.split(" ", 1) if isinstance(m, str) else m
+        if a in vocab and b in vocab and a + b in full:
+            vocab[a + b] = full[a + b]
+            kept.append(m)
+            if len(kept) == merges:
+                break
+    model["vocab"], model["merges"] = vocab, kept
+    return json.dumps(tok, ensure_ascii=False, indent=1).encode()
+
+
 def tokenizer_seeds():
     texts = ["Hello world! 123", "<|im_start|>user\nhi<|im_end|>", "  a  b\n\n\tc é 中文 🙂", "<s>[INST] x [/INST]"]
     for path in sorted(glob.glob("tests/fixtures/**/tokenizer.json", recursive=True)):
         tok = open(path, "rb").read()
+        if len(tok) > 16384:
+            tok = small_tokenizer(json.loads(tok))
         cfg_path = os.path.join(os.path.dirname(path), "tokenizer_config.json")
         cfg = open(cfg_path, "rb").read() if os.path.exists(cfg_path) else b"{}"
         put("tokenizer", tok)

@@ -244,6 +244,27 @@ TEST(TextLimitsJinja, LongRendersStopAtTheStepBudget) {
   EXPECT_GE(text_limits::kMaxRenderSteps, 1'000'000);
 }
 
+// What an evaluation builds counts too (a step per 32 bytes of a string, per item of a list): one
+// step can build 64 MB, and loops of a few hundred such steps ran for minutes inside the budget.
+TEST(TextLimitsJinja, BigStringsAndListsCountAgainstTheStepBudget) {
+  jinja::RenderOptions small;
+  small.max_steps = 200'000;
+  auto run = [&](const std::string& src) { return jinja::Template::parse(src, "t").render(ordered_json::object(), small); };
+  expect_error([&] { run("{% for i in range(300) %}{% set x = 'a' * 5000000 %}{% endfor %}"); },
+               {"RuntimeError", "200000 evaluation steps"});
+  expect_error([&] { run("{% set s = 'a' * 2000000 %}{% for i in range(300) %}{% if s == s + '' %}{% endif %}{% endfor %}"); },
+               {"evaluation steps"});
+  expect_error([&] { run("{% set s = 'a' * 2000000 %}{% for i in range(300) %}{{ s | upper | length }}{% endfor %}"); },
+               {"evaluation steps"});
+  expect_error([&] { run("{% for i in range(300) %}{% set l = [0] * 100000 %}{% endfor %}"); }, {"evaluation steps"});
+  // Referring to a big value costs nothing more; repetition (now by doubling) makes the same strings.
+  EXPECT_EQ(run("{% set s = 'a' * 2000000 %}{% set ns = namespace(s=s) %}{% for i in range(1000) %}{% if s and ns.s "
+                "and [s][0] %}{% endif %}{% endfor %}"),
+            "");
+  EXPECT_EQ(run("{{ 'ab' * 3 }}|{{ 'x' * 0 }}|{{ 3 * 'c' }}|{{ 'q' * -2 }}|{{ 'xyz' * 5 }}|{{ [1, 2] * 2 }}"),
+            "ababab||ccc||xyzxyzxyzxyzxyz|[1, 2, 1, 2]");
+}
+
 // ---- 4. Numbers ----
 
 TEST(TextLimitsJinja, BadIntegerLiteralsAreSyntaxErrors) {

@@ -141,6 +141,9 @@ std::string metrics_text(ServerContext& ctx, const TransportStats& t) {
   metric("moestream_expert_bytes_read_total", "counter", "Bytes of expert weights read from disk.", double(s.experts.bytes_read));
   metric("moestream_http_connections_open", "gauge", "Client connections open.", double(t.open));
   metric("moestream_http_connections_total", "counter", "Client connections accepted.", double(t.accepted));
+  metric("moestream_memory_trims_total", "counter",
+         "Times freed heap memory was given back to the system when no request was being answered.",
+         double(t.memory_trims));
   o << "# HELP moestream_http_refused_total Requests or connections refused before routing (timeouts, limits).\n"
        "# TYPE moestream_http_refused_total counter\n";
   for (const auto& [reason, n] : t.rejected) o << "moestream_http_refused_total{reason=\"" << reason << "\"} " << n << '\n';

@@ -47,6 +47,7 @@ struct TransportStats {
   int64_t open = 0;  // connections open now
   int64_t accepted = 0;
   std::map<std::string, int64_t> rejected;  // reason -> count (timeouts and limits)
+  int64_t memory_trims = 0;  // malloc_trim calls when the server went idle (Impl::reactor)
 };
 
 class Transport {

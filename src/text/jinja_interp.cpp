@@ -400,7 +400,20 @@ bool Interp::apply_test(std::string_view name, const Value& v, Args& args) {
   return t(*this, v, args);
 }
 
+// A single step can build 64 MB ("a" * 50000000, s | upper), so a loop of a few hundred such
+// steps ran for minutes inside the step budget; what an expression builds counts by its size.
+// Only the kinds that make a new value count (a name, an attribute, an item, `and`, `or`, `if`
+// hand back one that exists).
 Value Interp::eval(const Expr& e, const FrameP& frame) {
+  Value v = eval_node(e, frame);
+  const bool builds = e.kind == Expr::Slice || e.kind == Expr::Call || e.kind == Expr::Filter ||
+                      e.kind == Expr::Binary || e.kind == Expr::ListLit || e.kind == Expr::TupleLit;
+  if (builds && v.is_string()) charge(int64_t(v.str().size() / 32));
+  if (builds && v.is_list()) charge(int64_t(v.list().size()));
+  return v;
+}
+
+Value Interp::eval_node(const Expr& e, const FrameP& frame) {
   try {
     charge(1);
     RenderDepth depth(render_depth_);

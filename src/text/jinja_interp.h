@@ -42,7 +42,8 @@ class Interp {
   bool apply_test(std::string_view name, const Value& v, Args& args);
   std::time_t now() const { return now_; }
   // Counts `steps` toward the render's budget (RenderOptions::max_steps): evaluations count one
-  // each, and builtins that do work in proportion to a size (range) count that size.
+  // each, and builtins that do work in proportion to a size (range) count that size. eval also
+  // counts the strings (a step per 32 bytes) and lists (a step per item) an expression builds.
   void charge(int64_t steps);
 
   // Python/jinja2 object protocol.
@@ -52,6 +53,7 @@ class Interp {
   static bool contains(const Value& container, const Value& item);
 
  private:
+  Value eval_node(const Expr& e, const FrameP& frame);  // eval without the size charge
   enum class Flow { Normal, Break, Continue };
   Flow exec(const Body& body, const FrameP& frame, std::string& out);
   Flow exec_stmt(const Stmt& s, const FrameP& frame, std::string& out);

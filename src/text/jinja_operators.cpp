@@ -1,6 +1,7 @@
 // The evaluator's operators: arithmetic with Python's int semantics on int64 (floor division and
 // modulo of negatives, OverflowError where Python's big ints would not fit), string and list
 // concatenation and repetition within text_limits, printf-style %, and slicing.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -156,9 +157,13 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
       }
       if (unit == 0) return seq->is_string() ? Value(std::string()) : Value(List{});
       if (seq->is_string()) {
+        // By doubling: one append per copy took 50M appends for "a" * 50000000.
+        const size_t total = unit * size_t(n);
+        if (total == 0) return Value(std::string());
         std::string r;
-        r.reserve(unit * size_t(n));
-        for (int64_t k = 0; k < n; ++k) r += seq->str();
+        r.reserve(total);
+        r += seq->str();
+        while (r.size() < total) r.append(r, 0, std::min(r.size(), total - r.size()));
         return Value(std::move(r));
       }
       List r;

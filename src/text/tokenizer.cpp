@@ -23,12 +23,11 @@ namespace {
 using nlohmann::json;
 namespace fs = std::filesystem;
 
-json parse_json_file(const fs::path& path) {
-  std::string text = read_file(path);
+json parse_json_text(std::string_view text, const std::string& file) {
   try {
     return json::parse(text);
   } catch (const json::exception& e) {
-    fail(path.string(), ": malformed JSON: ", e.what());
+    fail(file, ": malformed JSON: ", e.what());
   }
 }
 
@@ -60,7 +59,9 @@ std::string config_chat_template(const json& config, const std::string& file) {
 
 class HfTokenizer final : public Tokenizer {
  public:
-  explicit HfTokenizer(const fs::path& dir);
+  HfTokenizer(std::string_view tokenizer_json, std::optional<std::string_view> config_json,
+              const fs::path& dir);
+  void set_chat_template(std::string text) { chat_template_ = std::move(text); }
 
   std::vector<int32_t> encode(std::string_view text) const override;
   std::string decode(const std::vector<int32_t>& ids) const override;
@@ -83,8 +84,8 @@ class HfTokenizer final : public Tokenizer {
   const std::string& chat_template() const override { return chat_template_; }
 
  private:
-  void load_tokenizer_json(const fs::path& path);
-  void load_config(const fs::path& dir);
+  void load_tokenizer_json(std::string_view text, const std::string& file);
+  void load_config(std::string_view text, const std::string& file);
   const std::string& token_text(int32_t id) const;
   void encode_plain(std::string_view text, bool at_input_start, std::vector<int32_t>& ids) const;
 
@@ -105,16 +106,14 @@ class HfTokenizer final : public Tokenizer {
   std::string chat_template_;
 };
 
-HfTokenizer::HfTokenizer(const fs::path& dir) {
-  fs::path path = dir / "tokenizer.json";
-  if (!fs::exists(path)) fail(path.string(), ": tokenizer file not found");
-  load_tokenizer_json(path);
-  load_config(dir);
+HfTokenizer::HfTokenizer(std::string_view tokenizer_json,
+                         std::optional<std::string_view> config_json, const fs::path& dir) {
+  load_tokenizer_json(tokenizer_json, (dir / "tokenizer.json").string());
+  if (config_json) load_config(*config_json, (dir / "tokenizer_config.json").string());
 }
 
-void HfTokenizer::load_tokenizer_json(const fs::path& path) {
-  const std::string file = path.string();
-  tok::TokenizerFile parsed = tok::read_tokenizer_file(file);
+void HfTokenizer::load_tokenizer_json(std::string_view text, const std::string& file) {
+  tok::TokenizerFile parsed = tok::parse_tokenizer_file(text, file);
   const json& root = parsed.root;
   if (!root.is_object()) fail(file, ": expected a JSON object at the top level");
   try {
@@ -176,30 +175,24 @@ void HfTokenizer::load_tokenizer_json(const fs::path& path) {
   normalized_matcher_ = tok::AddedTokenMatcher(normalized_patterns, normalized_tokens);
 }
 
-void HfTokenizer::load_config(const fs::path& dir) {
-  fs::path path = dir / "tokenizer_config.json";
-  if (fs::exists(path)) {
-    const std::string file = path.string();
-    json config = parse_json_file(path);
-    if (!config.is_object()) fail(file, ": expected a JSON object at the top level");
-    auto it = config.find("add_bos_token");
-    if (it != config.end() && !it->is_null()) {
-      if (!it->is_boolean()) fail(file, ": field 'add_bos_token' must be true or false");
-      add_bos_ = it->get<bool>();
-    }
-    auto resolve = [&](const char* key) -> std::optional<int32_t> {
-      auto text = config_token(config, key, file);
-      if (!text) return std::nullopt;
-      auto id = token_id(*text);
-      if (!id) fail(file, ": ", key, " '", *text, "' is not in the vocabulary");
-      return id;
-    };
-    bos_id_ = resolve("bos_token");
-    eos_id_ = resolve("eos_token");
-    chat_template_ = config_chat_template(config, file);
+void HfTokenizer::load_config(std::string_view text, const std::string& file) {
+  json config = parse_json_text(text, file);
+  if (!config.is_object()) fail(file, ": expected a JSON object at the top level");
+  auto it = config.find("add_bos_token");
+  if (it != config.end() && !it->is_null()) {
+    if (!it->is_boolean()) fail(file, ": field 'add_bos_token' must be true or false");
+    add_bos_ = it->get<bool>();
   }
-  if (fs::path jinja = dir / "chat_template.jinja"; fs::exists(jinja))
-    chat_template_ = read_file(jinja);
+  auto resolve = [&](const char* key) -> std::optional<int32_t> {
+    auto text = config_token(config, key, file);
+    if (!text) return std::nullopt;
+    auto id = token_id(*text);
+    if (!id) fail(file, ": ", key, " '", *text, "' is not in the vocabulary");
+    return id;
+  };
+  bos_id_ = resolve("bos_token");
+  eos_id_ = resolve("eos_token");
+  chat_template_ = config_chat_template(config, file);
 }
 
 const std::string& HfTokenizer::token_text(int32_t id) const {
@@ -258,7 +251,22 @@ std::string HfTokenizer::decode(const std::vector<int32_t>& ids) const {
 }  // namespace
 
 std::unique_ptr<Tokenizer> Tokenizer::load(const std::string& dir) {
-  return std::make_unique<HfTokenizer>(fs::path(dir));
+  const fs::path path = fs::path(dir) / "tokenizer.json";
+  if (!fs::exists(path)) fail(path.string(), ": tokenizer file not found");
+  const std::string text = read_file(path.string());
+  std::optional<std::string> config;
+  if (fs::path config_path = fs::path(dir) / "tokenizer_config.json"; fs::exists(config_path))
+    config = read_file(config_path.string());
+  auto tok = std::make_unique<HfTokenizer>(text, config, fs::path(dir));
+  if (fs::path jinja = fs::path(dir) / "chat_template.jinja"; fs::exists(jinja))
+    tok->set_chat_template(read_file(jinja.string()));
+  return tok;
+}
+
+std::unique_ptr<Tokenizer> Tokenizer::from_json(std::string_view tokenizer_json,
+                                                std::optional<std::string_view> config_json,
+                                                const std::string& dir) {
+  return std::make_unique<HfTokenizer>(tokenizer_json, config_json, fs::path(dir));
 }
 
 // The window always decodes to a prefix-stable string (decoding more ids only appends), so

@@ -24,6 +24,12 @@ class Tokenizer {
  public:
   // dir must contain tokenizer.json; tokenizer_config.json is read when present.
   static std::unique_ptr<Tokenizer> load(const std::string& dir);
+  // The same from the files' contents (config_json: nullopt when there is no
+  // tokenizer_config.json). `dir` only names the files in errors. No file is read, so there is no
+  // chat_template.jinja either: the fuzz target builds thousands of tokenizers a second this way.
+  static std::unique_ptr<Tokenizer> from_json(std::string_view tokenizer_json,
+                                              std::optional<std::string_view> config_json,
+                                              const std::string& dir);
   virtual ~Tokenizer() = default;
 
   // No special tokens are added (no BOS); special tokens written in the text are recognized.

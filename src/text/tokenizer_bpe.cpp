@@ -194,11 +194,16 @@ Bpe::Bpe(const json& spec, VocabAndMerges tables, const Where& where)
   }
 
   if (!unk_token_.empty()) unk_id_ = token_to_id(unk_token_);
-  for (int b = 0; b < 256; ++b) {
-    char name[8];
-    std::snprintf(name, sizeof(name), "<0x%02X>", b);
-    byte_ids_[b] = token_to_id(name).value_or(-1);
-  }
+  static const std::array<std::string, 256> byte_names = [] {  // "<0x00>" .. "<0xFF>"
+    std::array<std::string, 256> names;
+    for (int b = 0; b < 256; ++b) {
+      char name[8];
+      std::snprintf(name, sizeof(name), "<0x%02X>", b);
+      names[b] = name;
+    }
+    return names;
+  }();
+  for (int b = 0; b < 256; ++b) byte_ids_[b] = token_to_id(byte_names[b]).value_or(-1);
 }
 
 void Bpe::add_merge(const std::string& a, const std::string& b, uint32_t rank, const Where& where) {

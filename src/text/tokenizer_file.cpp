@@ -5,7 +5,6 @@
 
 #include "core/error.h"
 #include "text/limits.h"
-#include "core/files.h"
 
 namespace moestream::tok {
 
@@ -181,9 +180,7 @@ class Reader {
 
 }  // namespace
 
-TokenizerFile read_tokenizer_file(const std::string& path) {
-  std::string text = read_file(path);
-
+TokenizerFile parse_tokenizer_file(std::string_view text, const std::string& path) {
   TokenizerFile file;
   file.tables.vocab.reserve(text.size() / 64);
   file.tables.merges.reserve(text.size() / 64);

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 #include <string>
+#include <string_view>
 
 #include "text/tokenizer_components.h"
 
@@ -15,8 +16,8 @@ struct TokenizerFile {
   VocabAndMerges tables;  // model.vocab and model.merges
 };
 
-// Errors (unreadable file, malformed JSON, a vocab id that is not an integer, a merge that is
-// neither "a b" nor ["a", "b"]) name the path.
-TokenizerFile read_tokenizer_file(const std::string& path);
+// Parses the text of tokenizer.json. Errors (malformed JSON, a vocab id that is not an integer, a
+// merge that is neither "a b" nor ["a", "b"]) name `path`.
+TokenizerFile parse_tokenizer_file(std::string_view text, const std::string& path);
 
 }  // namespace moestream::tok
