@@ -200,9 +200,8 @@ GqaAttention GqaAttention::load(WeightLoader& w, const std::string& prefix, int6
   return a;
 }
 
-void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& k_cache,
-                           Buffer& v_cache, int64_t n_past, const RopeTable& rope,
-                           Buffer& out) const {
+void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, std::span<const RowSpan> seqs, int l,
+                           const RopeTable& rope, Buffer& out) const {
   const int64_t T = x.rows;
   Buffer q = ws.q.rows_view(0, T), k = ws.k.rows_view(0, T), v = ws.v.rows_view(0, T);
   be.linear(x, q_proj, q_bias ? &q_bias : nullptr, q);
@@ -215,15 +214,20 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& 
     be.clamp(k, options.clip_qkv);
     be.clamp(v, options.clip_qkv);
   }
-  be.rope(q, params.n_heads, params.head_dim, rope, n_past);
-  be.rope(k, params.n_kv_heads, params.head_dim, rope, n_past);
-  AttentionParams p = params;
-  p.n_past = n_past;
-  p.sinks = sinks ? &sinks : nullptr;
-  p.kv = ws.kv;
   Buffer attn = ws.attn_out.rows_view(0, T);
   attn.cols = q.cols;
-  be.attention(q, k, v, k_cache, v_cache, p, attn);
+  for (const RowSpan& s : seqs) {
+    auto& seq = static_cast<KvSequence&>(*s.state);
+    Buffer qs = q.rows_view(s.row0, s.rows), ks = k.rows_view(s.row0, s.rows), vs = v.rows_view(s.row0, s.rows);
+    be.rope(qs, params.n_heads, params.head_dim, rope, seq.n_past);
+    be.rope(ks, params.n_kv_heads, params.head_dim, rope, seq.n_past);
+    AttentionParams p = params;
+    p.n_past = seq.n_past;
+    p.sinks = sinks ? &sinks : nullptr;
+    p.kv = ws.kv;
+    Buffer as = attn.rows_view(s.row0, s.rows);
+    be.attention(qs, ks, vs, seq.k[size_t(l)], seq.v[size_t(l)], p, as);
+  }
   be.linear(attn, o_proj, o_bias ? &o_bias : nullptr, out);
 }
 
