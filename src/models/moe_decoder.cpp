@@ -188,6 +188,13 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
     if (rows > 0) {
       Buffer xn = ws_.xn.rows_view(0, rows), out = ws_.logits.rows_view(0, rows);
       be.linear(xn, lm_head, nullptr, out);
+      // One copy to the host for the whole pass (on a GPU each is a synchronization), unless a
+      // single item takes every row.
+      const bool gathered = pass_spans_.size() > 1;
+      if (gathered) {
+        pass_logits_.resize(size_t(rows * vocab));
+        be.to_host(out, pass_logits_.data());
+      }
       rows = 0;
       for (size_t k = 0; k < pass_spans_.size(); ++k) {
         const RowSpan& s = pass_spans_[k];
@@ -197,7 +204,11 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
         const bool all = int64_t(it.logits.size()) == n * vocab;
         if (!all && done_[i] + s.rows != n) continue;
         const int64_t count = all ? s.rows : 1;
-        be.to_host(out.rows_view(rows, count), it.logits.data() + (all ? done_[i] * vocab : 0));
+        float* dst = it.logits.data() + (all ? done_[i] * vocab : 0);
+        if (gathered)
+          std::copy_n(pass_logits_.data() + rows * vocab, size_t(count * vocab), dst);
+        else
+          be.to_host(out.rows_view(rows, count), dst);
         rows += count;
       }
     }

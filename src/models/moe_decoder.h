@@ -70,6 +70,7 @@ class DecoderModel : public Model {
   std::vector<int32_t> pass_tokens_;
   std::vector<RowSpan> pass_spans_;
   std::vector<int64_t> pass_items_, done_;
+  std::vector<float> pass_logits_;
 };
 
 struct MoeDecoderLayer {
