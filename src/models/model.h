@@ -105,8 +105,8 @@ class Model {
   // Several sequences at once, as forward would run each: the decode tokens of some and the
   // prompt chunks of others go through the layers together, so each expert (and every other
   // weight) is read once per step for all of them. An item's logits may differ from its lone
-  // forward in the last bits (the CPU kernels sum a batch of rows in another order than one row;
-  // tests/batch_test.cpp bounds it). Bad input (a logits span, a full context, a token id, a state
+  // forward in the last bits (the CPU kernels sum a batch of rows in another order than one row),
+  // or by a code step with a compact --kv-type; tests/batch_test.cpp bounds both. Bad input (a logits span, a full context, a token id, a state
   // twice) is an Error before any state moves. The default runs forward per item.
   virtual void forward_batch(std::span<const SequenceBatch> items) {
     for (const SequenceBatch& it : items) forward(it.tokens, *it.state, it.logits);
