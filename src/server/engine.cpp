@@ -189,8 +189,8 @@ void Engine::step() {
       batch_.push_back(&s);
     }
   }
-  // Prompt chunks share a budget of prefill_chunk tokens per step, in slot order.
-  int64_t budget = options_.prefill_chunk;
+  // Prompt chunks share what is left of prefill_chunk rows after the decode tokens, in slot order.
+  int64_t budget = std::max<int64_t>(1, options_.prefill_chunk - int64_t(items_.size()));
   for (Slot& s : slots_) {
     const int64_t left = s.job ? int64_t(s.job->request().prompt.size()) - s.prompt_done : 0;
     if (left <= 0 || budget <= 0) continue;

@@ -101,8 +101,10 @@ struct EngineOptions {
   int64_t ctx = 4096;          // positions per sequence (prompt + generated); ServedModel::load
                                // takes 0 as the model's own, at most 4096
   int kv_slots = 8;            // sequence states kept by the prefix cache
-  int64_t prefill_chunk = 256; // prompt tokens per step (shared by the requests still reading their
-                               // prompts), so a long prompt does not stall the decoding ones
+  // Rows per step: the decoding requests' tokens, then prompt tokens of those still reading their
+  // prompts up to this many in all (at least one), so a long prompt does not stall the decoding
+  // ones; 128 keeps a step within one pass of the model (DecoderModel::kMaxBatch rows).
+  int64_t prefill_chunk = 128;
 };
 
 struct EngineStats {
