@@ -188,6 +188,7 @@ void add_bench(CLI::App& app) {
     int n_prompt = 512, n_gen = 128;
     double raw_mb = 1024;
     int repetitions = 1;
+    int batch = 1;
     bool json = false;
   };
   auto f = std::make_shared<Flags>();
@@ -198,6 +199,10 @@ void add_bench(CLI::App& app) {
   cmd->add_option("--raw-read-mb", f->raw_mb, "Bytes of experts read for the raw read rate (default 1024)")->check(kNonNegative);
   cmd->add_option("-r,--repetitions", f->repetitions, "Runs of each test; t/s is their mean +- standard deviation (default 1)")
       ->check(kPositive);
+  cmd->add_option("-b,--batch", f->batch,
+                  "Sequences decoded together in the decode test, one batched forward step for all of them; "
+                  "t/s is their aggregate (default 1)")
+      ->check(CLI::Range(1, 128));
   cmd->add_flag("--json", f->json, "Print the results as one JSON object");
   cmd->callback([f] {
     ModelOptions opt = f->model.options;
@@ -258,34 +263,47 @@ void add_bench(CLI::App& app) {
       out["pp"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
     }
     if (f->n_gen > 0) {
-      // Each repetition decodes n_gen tokens after a one-token prompt of its own; the counters
-      // below cover all of them, the rate is their mean.
+      // Each repetition decodes n_gen tokens in each of `batch` sequences after a one-token prompt
+      // of their own, all sequences in one forward_batch call per step; the counters below cover
+      // all of them, the rate (tokens of all sequences per second) is their mean.
+      const int n_seq = f->batch;
       std::vector<double> rates;
       const ExpertStats before = model->expert_stats();
       const std::optional<GpuTierStats> tier_before = gpu_tier_stats(model->backend());
       const PhaseTimes phases_before = model->backend().times();
       double secs = 0;
       for (int rep = 0; rep < f->repetitions; ++rep) {
-        auto seq = model->new_sequence(f->n_gen + 1);
-        int32_t next = token(rng);
-        model->forward(std::span(&next, 1), *seq, logits);
+        std::vector<std::unique_ptr<SequenceState>> seqs;
+        std::vector<int32_t> next(static_cast<size_t>(n_seq));
+        std::vector<std::vector<float>> seq_logits(size_t(n_seq), logits);
+        std::vector<SequenceBatch> items;
+        for (int j = 0; j < n_seq; ++j) {
+          seqs.push_back(model->new_sequence(f->n_gen + 1));
+          next[size_t(j)] = token(rng);
+        }
+        for (int j = 0; j < n_seq; ++j)
+          items.push_back({std::span(&next[size_t(j)], 1), seqs[size_t(j)].get(), seq_logits[size_t(j)]});
+        model->forward_batch(items);
         auto t0 = clock_type::now();
         for (int i = 0; i < f->n_gen; ++i) {
-          next = int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
-          model->forward(std::span(&next, 1), *seq, logits);
+          for (int j = 0; j < n_seq; ++j) {
+            const auto& l = seq_logits[size_t(j)];
+            next[size_t(j)] = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+          }
+          model->forward_batch(items);
         }
         const double rep_secs = seconds_since(t0);
         secs += rep_secs;
-        rates.push_back(f->n_gen / rep_secs);
+        rates.push_back(double(f->n_gen) * n_seq / rep_secs);
       }
-      const int64_t generated = int64_t(f->n_gen) * f->repetitions;
+      const int64_t generated = int64_t(f->n_gen) * f->repetitions * n_seq;
       const Spread tg = spread(rates);
       const ExpertStats after = model->expert_stats();
       const uint64_t hits = after.hits - before.hits, misses = after.misses - before.misses;
       const uint64_t bytes = after.bytes_read - before.bytes_read;
       const double busy = after.io_busy_seconds - before.io_busy_seconds;
       const double read = busy > 0 ? bytes / busy / 1e9 : 0;
-      out["tg"] = {{"tokens", f->n_gen}, {"tok_per_s", tg.mean}, {"tok_per_s_sd", tg.sd}, {"samples", rates},
+      out["tg"] = {{"tokens", f->n_gen}, {"sequences", n_seq}, {"tok_per_s", tg.mean}, {"tok_per_s_sd", tg.sd}, {"samples", rates},
                    {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
                    {"bytes_read", bytes}, {"bytes_read_per_token", bytes / uint64_t(generated)},
                    {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
@@ -368,7 +386,7 @@ void add_bench(CLI::App& app) {
     if (info.weight_bytes >= (int64_t(1) << 30)) std::snprintf(size_text, sizeof size_text, "%.2f GiB", info.weight_bytes / 1073741824.0);
     else std::snprintf(size_text, sizeof size_text, "%.2f MiB", info.weight_bytes / 1048576.0);
     const std::string backend_name = model->backend().name().substr(0, model->backend().name().find('('));
-    char test[16];
+    char test[32];
     if (out.contains("pp")) {
       std::snprintf(test, sizeof test, "pp%d", f->n_prompt);
       std::printf("| %-24s | %9s | %9s | %-7s | %7d | %6s | %18s | %8s | %9s | %8s |\n", model_name, size_text,
@@ -376,7 +394,8 @@ void add_bench(CLI::App& app) {
     }
     if (out.contains("tg")) {
       const auto& tg = out["tg"];
-      std::snprintf(test, sizeof test, "tg%d", f->n_gen);
+      if (f->batch > 1) std::snprintf(test, sizeof test, "tg%dx%d", f->n_gen, f->batch);
+      else std::snprintf(test, sizeof test, "tg%d", f->n_gen);
       char hit[16], read[16], bound[16];
       std::snprintf(hit, sizeof hit, "%.1f%%", 100 * tg["hit_rate"].get<double>());
       std::snprintf(read, sizeof read, "%.2f", tg["read_gb_per_s"].get<double>());

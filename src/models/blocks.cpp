@@ -200,16 +200,17 @@ GqaAttention GqaAttention::load(WeightLoader& w, const std::string& prefix, int6
   return a;
 }
 
-void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& k_cache,
-                           Buffer& v_cache, int64_t n_past, const RopeTable& rope,
-                           Buffer& out) const {
+void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, std::span<const RowSpan> seqs, int l,
+                           const RopeTable& rope, Buffer& out) const {
   const int64_t T = x.rows;
   Buffer q = ws.q.rows_view(0, T), k = ws.k.rows_view(0, T), v = ws.v.rows_view(0, T);
   const Matrix* w[3] = {&q_proj, &k_proj, &v_proj};
   const Vector* b[3] = {q_bias ? &q_bias : nullptr, k_bias ? &k_bias : nullptr, v_bias ? &v_bias : nullptr};
   Buffer* o[3] = {&q, &k, &v};
   be.linear_shared_input(x, w, b, o);
-  if (options.qk_norm_whole || options.clip_qkv > 0) {
+  // Per-head q/k norms go with RoPE in one step; a whole-vector norm or a clamp between them not.
+  const bool fused = !options.qk_norm_whole && options.clip_qkv <= 0;
+  if (!fused) {
     if (q_norm) be.rmsnorm(q, q_norm, norm_eps, options.qk_norm_whole ? q.cols : params.head_dim, q);
     if (k_norm) be.rmsnorm(k, k_norm, norm_eps, options.qk_norm_whole ? k.cols : params.head_dim, k);
     if (options.clip_qkv > 0) {
@@ -217,18 +218,26 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& 
       be.clamp(k, options.clip_qkv);
       be.clamp(v, options.clip_qkv);
     }
-    be.rope(q, params.n_heads, params.head_dim, rope, n_past);
-    be.rope(k, params.n_kv_heads, params.head_dim, rope, n_past);
-  } else {
-    be.qk_norm_rope(q, k, q_norm, k_norm, norm_eps, params.n_heads, params.n_kv_heads, params.head_dim, rope, n_past);
   }
-  AttentionParams p = params;
-  p.n_past = n_past;
-  p.sinks = sinks ? &sinks : nullptr;
-  p.kv = ws.kv;
   Buffer attn = ws.attn_out.rows_view(0, T);
   attn.cols = q.cols;
-  be.attention(q, k, v, k_cache, v_cache, p, attn);
+  for (const RowSpan& s : seqs) {
+    auto& seq = static_cast<KvSequence&>(*s.state);
+    Buffer qs = q.rows_view(s.row0, s.rows), ks = k.rows_view(s.row0, s.rows), vs = v.rows_view(s.row0, s.rows);
+    if (fused) {
+      be.qk_norm_rope(qs, ks, q_norm, k_norm, norm_eps, params.n_heads, params.n_kv_heads, params.head_dim, rope,
+                      seq.n_past);
+    } else {
+      be.rope(qs, params.n_heads, params.head_dim, rope, seq.n_past);
+      be.rope(ks, params.n_kv_heads, params.head_dim, rope, seq.n_past);
+    }
+    AttentionParams p = params;
+    p.n_past = seq.n_past;
+    p.sinks = sinks ? &sinks : nullptr;
+    p.kv = ws.kv;
+    Buffer as = attn.rows_view(s.row0, s.rows);
+    be.attention(qs, ks, vs, seq.k[size_t(l)], seq.v[size_t(l)], p, as);
+  }
   be.linear(attn, o_proj, o_bias ? &o_bias : nullptr, out);
 }
 

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -77,6 +78,15 @@ struct Workspace {
   std::vector<int> lookahead_ids;
 };
 
+// One sequence's rows in a forward pass: rows [row0, row0 + rows) of the workspace hold its
+// tokens at positions state->n_past.. (n_past advances after the last layer). Everything
+// row-wise runs over all rows of a pass at once; what depends on the sequence (rotary positions,
+// its caches, recurrent state) runs per RowSpan.
+struct RowSpan {
+  int64_t row0 = 0, rows = 0;
+  SequenceState* state = nullptr;
+};
+
 // Variants of GqaAttention that a family's config selects.
 struct GqaOptions {
   bool qk_norm_whole = false;   // q_norm/k_norm span the whole projection (OLMoE), not one head
@@ -99,9 +109,10 @@ struct GqaAttention {
   static GqaAttention load(WeightLoader& w, const std::string& prefix, int64_t hidden,
                            int n_heads, int n_kv_heads, int head_dim, float norm_eps,
                            const GqaOptions& options = {});
-  // out (T, hidden) = attention of x (T, hidden); k/v appended to the caches at n_past.
-  void forward(Backend& be, Workspace& ws, const Buffer& x, Buffer& k_cache, Buffer& v_cache,
-               int64_t n_past, const RopeTable& rope, Buffer& out) const;
+  // out (T, hidden) = attention of x (T, hidden), the rows of `seqs` (KvSequence states): each
+  // span's k/v appended to its layer-l caches at its n_past, its queries attending to them.
+  void forward(Backend& be, Workspace& ws, const Buffer& x, std::span<const RowSpan> seqs, int l,
+               const RopeTable& rope, Buffer& out) const;
 };
 
 // The KV cache of a decoder-only model: one K and one V buffer per layer, rows of

@@ -151,8 +151,7 @@ class DeepseekV3 final : public DecoderModel {
   }
 
  protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<KvSequence&>(state);
+  void run_layer(int l, int64_t T, std::span<const RowSpan> seqs) override {
     const DeepseekV3Layer& layer = layers_[size_t(l)];
     Backend& be = *backend_;
     Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
@@ -160,7 +159,7 @@ class DeepseekV3 final : public DecoderModel {
     {
       ScopedTimer timer(be.times().attention);
       be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
-      attention(layer.attn, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, out);
+      attention(layer.attn, xn, seqs, l, out);
       be.add(x, out);
     }
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
@@ -201,9 +200,9 @@ class DeepseekV3 final : public DecoderModel {
     return a;
   }
 
-  // out (T, hidden) = latent attention of x (T, hidden); [c, k_rope] appended to the key cache.
-  void attention(const MlaWeights& a, const Buffer& x, Buffer& k_cache, Buffer& v_cache, int64_t n_past,
-                 Buffer& out) {
+  // out (T, hidden) = latent attention of x (T, hidden), the rows of `seqs`; each span's [c, k_rope]
+  // appended to its layer-l key cache.
+  void attention(const MlaWeights& a, const Buffer& x, std::span<const RowSpan> seqs, int l, Buffer& out) {
     Backend& be = *backend_;
     const int64_t T = x.rows, H = cfg_.n_heads, R = cfg_.kv_lora_rank;
     const int64_t nope = cfg_.nope_dim, rope = cfg_.rope_dim, qk = cfg_.qk_dim();
@@ -217,9 +216,12 @@ class DeepseekV3 final : public DecoderModel {
     } else {
       be.linear(x, a.q_proj, nullptr, q);
     }
-    be.rope(q, int(H), int(qk), q_rope_, n_past);
     be.linear(x, a.kv_a_proj, nullptr, kv_a);                // (T, R + rope): [c, k_rope]
-    be.rope(kv_a, 1, int(R + rope), k_rope_, n_past);
+    for (const RowSpan& s : seqs) {
+      Buffer qs = q.rows_view(s.row0, s.rows), ks = kv_a.rows_view(s.row0, s.rows);
+      be.rope(qs, int(H), int(qk), q_rope_, s.state->n_past);
+      be.rope(ks, 1, int(R + rope), k_rope_, s.state->n_past);
+    }
     be.copy_columns(kv_a, {0, 0}, latent, {0, 0}, R, 1);
     be.rmsnorm(latent, a.kv_a_norm, norm_eps, R, latent);    // c (T, R)
     be.copy_columns(latent, {0, 0}, kv_a, {0, 0}, R, 1);     // key row [c, k_rope]
@@ -231,11 +233,16 @@ class DeepseekV3 final : public DecoderModel {
     be.copy_columns(q_abs, {0, R}, q_lat, {0, R + rope}, R, H);
     be.copy_columns(q, {nope, qk}, q_lat, {R, R + rope}, rope, H);
 
-    AttentionParams p = attn_params_;
-    p.n_past = n_past;
-    p.kv = ws_.kv;
     Buffer o_lat = rows(buf_.o_latent), o_heads = rows(buf_.o_heads);
-    be.attention(q_lat, kv_a, latent, k_cache, v_cache, p, o_lat);  // (T, H * R)
+    for (const RowSpan& s : seqs) {
+      auto& seq = static_cast<KvSequence&>(*s.state);
+      AttentionParams p = attn_params_;
+      p.n_past = seq.n_past;
+      p.kv = ws_.kv;
+      const auto part = [&s](const Buffer& b) { return b.rows_view(s.row0, s.rows); };
+      Buffer o = part(o_lat);
+      be.attention(part(q_lat), part(kv_a), part(latent), seq.k[size_t(l)], seq.v[size_t(l)], p, o);  // (T, H * R)
+    }
     be.linear_per_head(o_lat, a.uv, o_heads);                      // (T, H * v)
     be.linear(o_heads, a.o_proj, nullptr, out);
   }

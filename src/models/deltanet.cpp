@@ -195,7 +195,7 @@ DeltaNetBuffers DeltaNetBuffers::alloc(Backend& be, int64_t max_batch, const Del
 }
 
 void linear_attention(Backend& be, const LinearAttention& d, const DeltaNetParams& dp, DeltaNetBuffers& buf,
-                      const Buffer& x, DeltaNetState& state, Buffer& out) {
+                      const Buffer& x, std::span<const RowSpan> seqs, int l, Buffer& out) {
   const int64_t T = x.rows;
   Buffer qkv = buf.qkv.rows_view(0, T), z = buf.z.rows_view(0, T), core = buf.core.rows_view(0, T);
   Buffer b = buf.b.rows_view(0, T), a = buf.a.rows_view(0, T);
@@ -203,7 +203,12 @@ void linear_attention(Backend& be, const LinearAttention& d, const DeltaNetParam
   be.linear(x, d.z_proj, nullptr, z);
   be.linear(x, d.b_proj, nullptr, b);
   be.linear(x, d.a_proj, nullptr, a);
-  be.gated_delta_net(qkv, z, b, a, d.weights, dp, state, core);
+  for (const RowSpan& s : seqs) {
+    DeltaNetState state = static_cast<HybridSequence&>(*s.state).delta(l);
+    const auto part = [&s](const Buffer& buffer) { return buffer.rows_view(s.row0, s.rows); };
+    Buffer cs = part(core);
+    be.gated_delta_net(part(qkv), part(z), part(b), part(a), d.weights, dp, state, cs);
+  }
   be.linear(core, d.out_proj, nullptr, out);
 }
 

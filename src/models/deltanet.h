@@ -37,9 +37,10 @@ struct DeltaNetBuffers {
   static DeltaNetBuffers alloc(Backend& be, int64_t max_batch, const DeltaNetParams& dp);
 };
 
-// out (T, hidden) = Gated DeltaNet of x (T, hidden), continuing the layer's state.
+// out (T, hidden) = Gated DeltaNet of x (T, hidden), the rows of `seqs` (HybridSequence states):
+// projections over all rows, the recurrence per span continuing its layer-l state.
 void linear_attention(Backend& be, const LinearAttention& d, const DeltaNetParams& dp, DeltaNetBuffers& buf,
-                      const Buffer& x, DeltaNetState& state, Buffer& out);
+                      const Buffer& x, std::span<const RowSpan> seqs, int l, Buffer& out);
 
 // Widths of the DeltaNet activations.
 inline int64_t deltanet_key_dim(const DeltaNetParams& d) { return int64_t(d.n_k_heads) * d.k_head_dim; }

@@ -79,6 +79,13 @@ class SequenceState {
   virtual int64_t bytes() const = 0;
 };
 
+// One sequence's share of a batched forward step (Model::forward_batch).
+struct SequenceBatch {
+  std::span<const int32_t> tokens;  // at positions state->n_past..; may be empty (nothing to do)
+  SequenceState* state = nullptr;   // distinct for every item of a batch
+  std::span<float> logits;          // tokens.size() * vocab floats (every position) or vocab (the last)
+};
+
 class Model {
  public:
   virtual ~Model() = default;
@@ -94,6 +101,16 @@ class Model {
   // last token only. Long inputs are split into batches internally.
   virtual void forward(std::span<const int32_t> tokens, SequenceState& state,
                        std::span<float> logits) = 0;
+
+  // Several sequences at once, as forward would run each: the decode tokens of some and the
+  // prompt chunks of others go through the layers together, so each expert (and every other
+  // weight) is read once per step for all of them. An item's logits may differ from its lone
+  // forward in the last bits (the CPU kernels sum a batch of rows in another order than one row),
+  // or by a code step with a compact --kv-type; tests/batch_test.cpp bounds both. Bad input (a logits span, a full context, a token id, a state
+  // twice) is an Error before any state moves. The default runs forward per item.
+  virtual void forward_batch(std::span<const SequenceBatch> items) {
+    for (const SequenceBatch& it : items) forward(it.tokens, *it.state, it.logits);
+  }
 };
 
 // Loads the model in `dir` with the architecture its config.json names (see registry.h). `dir` is

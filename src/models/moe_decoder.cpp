@@ -39,11 +39,10 @@ void MoeDecoder::finish_load(const HfConfig& hf, const ModelOptions& options, co
   set_weight_bytes(info_, *weights_, pack_, moe_layers, c.n_experts, c.top_k);
 }
 
-void MoeDecoder::run_layer(int l, int64_t T, SequenceState& state) {
-  auto& seq = static_cast<KvSequence&>(state);
+void MoeDecoder::run_layer(int l, int64_t T, std::span<const RowSpan> seqs) {
   const MoeDecoderLayer& layer = layers_[size_t(l)];
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-  attention_residual(layer.input_norm, layer.attn, seq, l, rope_, T, &layer.post_attention_norm);
+  attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm);
   const int next = next_moe_layer(layers_, l);
   layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
 }
@@ -83,13 +82,13 @@ void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
 }
 
 void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
-                                      KvSequence& seq, int l, const RopeTable& rope, int64_t T,
+                                      std::span<const RowSpan> seqs, int l, const RopeTable& rope, int64_t T,
                                       const Vector* next_norm) {
   Backend& be = *backend_;
   ScopedTimer timer(be.times().attention);
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
   be.rmsnorm(x, norm, norm_eps, x.cols, xn);
-  attn.forward(be, ws_, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, rope, out);
+  attn.forward(be, ws_, xn, seqs, l, rope, out);
   if (next_norm) be.add_rmsnorm(x, out, *next_norm, norm_eps, xn);
   else be.add(x, out);
 }
@@ -124,34 +123,97 @@ void DecoderModel::init_workspace(int64_t q_dim, int64_t kv_dim) {
 
 void DecoderModel::forward(std::span<const int32_t> tokens, SequenceState& state,
                            std::span<float> logits) {
-  const int64_t n = int64_t(tokens.size()), vocab = info_.vocab_size;
-  const bool all = int64_t(logits.size()) == n * vocab;
-  if (!all && int64_t(logits.size()) != vocab)
-    fail("forward: logits span holds ", logits.size(), " floats, expected ", vocab, " or ", n * vocab);
-  if (state.n_past + n > state.capacity())
-    fail("context full: ", state.n_past + n, " positions needed, the sequence holds ", state.capacity());
-  for (int32_t t : tokens)
-    if (t < 0 || t >= vocab) fail("token id ", t, " out of range [0, ", vocab, ")");
+  const SequenceBatch item{tokens, &state, logits};
+  forward_batch(std::span(&item, 1));
+}
+
+void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
+  const int64_t vocab = info_.vocab_size;
+  for (size_t i = 0; i < items.size(); ++i) {
+    const SequenceBatch& it = items[i];
+    const int64_t n = int64_t(it.tokens.size());
+    if (!it.state) fail("forward: item ", i, " of the batch has no sequence state");
+    if (int64_t(it.logits.size()) != n * vocab && int64_t(it.logits.size()) != vocab)
+      fail("forward: logits span holds ", it.logits.size(), " floats, expected ", vocab, " or ", n * vocab);
+    if (it.state->n_past + n > it.state->capacity())
+      fail("context full: ", it.state->n_past + n, " positions needed, the sequence holds ", it.state->capacity());
+    for (int32_t t : it.tokens)
+      if (t < 0 || t >= vocab) fail("token id ", t, " out of range [0, ", vocab, ")");
+    for (size_t j = 0; j < i; ++j)
+      if (items[j].state == it.state && n > 0 && !items[j].tokens.empty())
+        fail("forward: one sequence state appears twice in a batch (items ", j, " and ", i, ")");
+  }
   Backend& be = *backend_;
-  for (int64_t begin = 0; begin < n; begin += ws_.max_batch) {
-    const int64_t T = std::min(ws_.max_batch, n - begin);
+  done_.assign(items.size(), 0);
+  for (;;) {
+    // The next pass: the items' remaining tokens in order, up to max_batch rows.
+    pass_tokens_.clear();
+    pass_spans_.clear();
+    pass_items_.clear();
+    int64_t T = 0;
+    for (size_t i = 0; i < items.size() && T < ws_.max_batch; ++i) {
+      const int64_t left = int64_t(items[i].tokens.size()) - done_[i];
+      if (left <= 0) continue;
+      const int64_t m = std::min(left, ws_.max_batch - T);
+      const auto* first = items[i].tokens.data() + done_[i];
+      pass_tokens_.insert(pass_tokens_.end(), first, first + m);
+      pass_spans_.push_back({T, m, items[i].state});
+      pass_items_.push_back(int64_t(i));
+      T += m;
+    }
+    if (T == 0) break;
     Buffer x = ws_.x.rows_view(0, T);
     {
       ScopedTimer timer(be.times().embed);
-      be.embed(tokens.subspan(size_t(begin), size_t(T)), embed_tokens, x);
+      be.embed(pass_tokens_, embed_tokens, x);
     }
-    for (int l = 0; l < info_.n_layers; ++l) run_layer(l, T, state);
-    state.n_past += T;
-    const bool last_batch = begin + T == n;
-    if (!all && !last_batch) continue;
-    // Only the rows whose logits are wanted go through the norm and the output head.
+    for (int l = 0; l < info_.n_layers; ++l) run_layer(l, T, pass_spans_);
+    for (const RowSpan& s : pass_spans_) s.state->n_past += s.rows;
+
+    // Only the rows whose logits are wanted go through the norm and the output head, stacked
+    // in pass order.
     ScopedTimer timer(be.times().output_head);
-    const int64_t first = all ? 0 : T - 1, rows = all ? T : 1;
-    Buffer xs = ws_.x.rows_view(first, rows), xn = ws_.xn.rows_view(0, rows);
-    be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
-    Buffer out = ws_.logits.rows_view(0, rows);
-    be.linear(xn, lm_head, nullptr, out);
-    be.to_host(out, logits.data() + (all ? begin * vocab : 0));
+    int64_t rows = 0;
+    for (size_t k = 0; k < pass_spans_.size(); ++k) {
+      const RowSpan& s = pass_spans_[k];
+      const SequenceBatch& it = items[size_t(pass_items_[k])];
+      const int64_t n = int64_t(it.tokens.size());
+      const bool all = int64_t(it.logits.size()) == n * vocab;
+      const bool last = done_[size_t(pass_items_[k])] + s.rows == n;
+      if (!all && !last) continue;
+      const int64_t first = all ? s.row0 : s.row0 + s.rows - 1, count = all ? s.rows : 1;
+      Buffer xs = ws_.x.rows_view(first, count), xn = ws_.xn.rows_view(rows, count);
+      be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
+      rows += count;
+    }
+    if (rows > 0) {
+      Buffer xn = ws_.xn.rows_view(0, rows), out = ws_.logits.rows_view(0, rows);
+      be.linear(xn, lm_head, nullptr, out);
+      // One copy to the host for the whole pass (on a GPU each is a synchronization), unless a
+      // single item takes every row.
+      const bool gathered = pass_spans_.size() > 1;
+      if (gathered) {
+        pass_logits_.resize(size_t(rows * vocab));
+        be.to_host(out, pass_logits_.data());
+      }
+      rows = 0;
+      for (size_t k = 0; k < pass_spans_.size(); ++k) {
+        const RowSpan& s = pass_spans_[k];
+        const size_t i = size_t(pass_items_[k]);
+        const SequenceBatch& it = items[i];
+        const int64_t n = int64_t(it.tokens.size());
+        const bool all = int64_t(it.logits.size()) == n * vocab;
+        if (!all && done_[i] + s.rows != n) continue;
+        const int64_t count = all ? s.rows : 1;
+        float* dst = it.logits.data() + (all ? done_[i] * vocab : 0);
+        if (gathered)
+          std::copy_n(pass_logits_.data() + rows * vocab, size_t(count * vocab), dst);
+        else
+          be.to_host(out.rows_view(rows, count), dst);
+        rows += count;
+      }
+    }
+    for (size_t k = 0; k < pass_spans_.size(); ++k) done_[size_t(pass_items_[k])] += pass_spans_[k].rows;
   }
 }
 

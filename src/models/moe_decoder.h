@@ -29,12 +29,15 @@ class DecoderModel : public Model {
   std::vector<std::vector<uint64_t>> expert_usage() const override { return experts_->usage(); }
   void forward(std::span<const int32_t> tokens, SequenceState& state,
                std::span<float> logits) override;
+  // Passes of up to kMaxBatch rows: the items' tokens stacked in order, an item that does not fit
+  // continuing in the next pass.
+  void forward_batch(std::span<const SequenceBatch> items) override;
 
  protected:
   static constexpr int64_t kMaxBatch = 128;  // tokens per forward batch (prefill chunk)
 
-  // x (T, hidden) in ws.x is updated in place by layer l.
-  virtual void run_layer(int layer, int64_t T, SequenceState& state) = 0;
+  // x (T, hidden) in ws.x is updated in place by layer l; T = the rows of seqs (in order, from 0).
+  virtual void run_layer(int layer, int64_t T, std::span<const RowSpan> seqs) = 0;
   // ws_ for kMaxBatch tokens; q_dim and kv_dim size the attention projections.
   void init_workspace(int64_t q_dim, int64_t kv_dim);
 
@@ -50,7 +53,7 @@ class DecoderModel : public Model {
                     int64_t expert_size, ExpertNaming naming, const std::string& model = "model.");
   // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase; with next_norm,
   // also ws_.xn[:T] = rmsnorm(ws_.x[:T]) with it (the FFN's input), fused with the add.
-  void attention_residual(const Vector& norm, const GqaAttention& attn, KvSequence& seq, int l,
+  void attention_residual(const Vector& norm, const GqaAttention& attn, std::span<const RowSpan> seqs, int l,
                           const RopeTable& rope, int64_t T, const Vector* next_norm = nullptr);
 
   std::unique_ptr<Backend> backend_;
@@ -62,6 +65,13 @@ class DecoderModel : public Model {
   Matrix embed_tokens, lm_head;
   Vector final_norm;
   float norm_eps = 1e-6f;
+
+ private:
+  // Scratch of forward_batch, kept between calls.
+  std::vector<int32_t> pass_tokens_;
+  std::vector<RowSpan> pass_spans_;
+  std::vector<int64_t> pass_items_, done_;
+  std::vector<float> pass_logits_;
 };
 
 struct MoeDecoderLayer {
@@ -89,7 +99,7 @@ class MoeDecoder : public DecoderModel {
   void finish_load(const HfConfig& hf, const ModelOptions& options, const DecoderConfig& c,
                    ExpertNaming naming = ExpertNaming::Hub);
 
-  void run_layer(int l, int64_t T, SequenceState& state) override;
+  void run_layer(int l, int64_t T, std::span<const RowSpan> seqs) override;
 
   std::vector<MoeDecoderLayer> layers_;
   RopeTable rope_;

@@ -174,8 +174,7 @@ class Qwen3Next final : public DecoderModel {
   }
 
  protected:
-  void run_layer(int l, int64_t T, SequenceState& state) override {
-    auto& seq = static_cast<HybridSequence&>(state);
+  void run_layer(int l, int64_t T, std::span<const RowSpan> seqs) override {
     const Qwen3NextLayer& layer = layers_[size_t(l)];
     Backend& be = *backend_;
     Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
@@ -185,10 +184,9 @@ class Qwen3Next final : public DecoderModel {
       ScopedTimer timer(be.times().attention);
       be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
       if (layer.linear) {
-        DeltaNetState state = seq.delta(l);
-        linear_attention(be, layer.delta, cfg_.delta, delta_buf_, xn, state, out);
+        linear_attention(be, layer.delta, cfg_.delta, delta_buf_, xn, seqs, l, out);
       } else {
-        gated_attention(layer.attn, xn, seq.k[size_t(l)], seq.v[size_t(l)], seq.n_past, out);
+        gated_attention(layer.attn, xn, seqs, l, out);
       }
       be.add(x, out);
     }
@@ -198,9 +196,9 @@ class Qwen3Next final : public DecoderModel {
   }
 
  private:
-  // out (T, hidden) = gated attention of x (T, hidden); k/v appended to the caches at n_past.
-  void gated_attention(const GatedAttention& a, const Buffer& x, Buffer& k_cache, Buffer& v_cache,
-                       int64_t n_past, Buffer& out) {
+  // out (T, hidden) = gated attention of x (T, hidden), the rows of `seqs`; each span's k/v
+  // appended to its layer-l caches.
+  void gated_attention(const GatedAttention& a, const Buffer& x, std::span<const RowSpan> seqs, int l, Buffer& out) {
     Backend& be = *backend_;
     const int64_t T = x.rows;
     Buffer q = ws_.q.rows_view(0, T), k = ws_.k.rows_view(0, T), v = ws_.v.rows_view(0, T);
@@ -211,18 +209,23 @@ class Qwen3Next final : public DecoderModel {
     be.linear(x, a.v_proj, nullptr, v);
     be.rmsnorm(q, a.q_norm, norm_eps, cfg_.head_dim, q);
     be.rmsnorm(k, a.k_norm, norm_eps, cfg_.head_dim, k);
-    be.rope(q, cfg_.n_heads, cfg_.head_dim, rope_, n_past);
-    be.rope(k, cfg_.n_kv_heads, cfg_.head_dim, rope_, n_past);
-    AttentionParams p;
-    p.n_heads = cfg_.n_heads;
-    p.n_kv_heads = cfg_.n_kv_heads;
-    p.head_dim = cfg_.head_dim;
-    p.scale = 1.0f / std::sqrt(float(cfg_.head_dim));
-    p.n_past = n_past;
-    p.kv = ws_.kv;
     Buffer attn = ws_.attn_out.rows_view(0, T);
     attn.cols = q.cols;
-    be.attention(q, k, v, k_cache, v_cache, p, attn);
+    for (const RowSpan& s : seqs) {
+      auto& seq = static_cast<HybridSequence&>(*s.state);
+      const auto part = [&s](const Buffer& b) { return b.rows_view(s.row0, s.rows); };
+      Buffer qs = part(q), ks = part(k), as = part(attn);
+      be.rope(qs, cfg_.n_heads, cfg_.head_dim, rope_, seq.n_past);
+      be.rope(ks, cfg_.n_kv_heads, cfg_.head_dim, rope_, seq.n_past);
+      AttentionParams p;
+      p.n_heads = cfg_.n_heads;
+      p.n_kv_heads = cfg_.n_kv_heads;
+      p.head_dim = cfg_.head_dim;
+      p.scale = 1.0f / std::sqrt(float(cfg_.head_dim));
+      p.n_past = seq.n_past;
+      p.kv = ws_.kv;
+      be.attention(qs, ks, part(v), seq.k[size_t(l)], seq.v[size_t(l)], p, as);
+    }
     be.sigmoid_gate(attn, gate);
     be.linear(attn, a.o_proj, nullptr, out);
   }

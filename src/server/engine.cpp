@@ -78,8 +78,10 @@ Engine::Engine(Model& model, const EngineOptions& options)
   if (options_.ctx < 2) fail("--ctx must be >= 2, got ", options_.ctx);
   if (options_.kv_slots < 0) fail("--kv-slots must be >= 0, got ", options_.kv_slots);
   slots_.resize(size_t(options_.parallel));
-  for (Slot& s : slots_) s.state = model_.new_sequence(options_.ctx);
-  logits_.resize(size_t(model_.info().vocab_size));
+  for (Slot& s : slots_) {
+    s.state = model_.new_sequence(options_.ctx);
+    s.logits.resize(size_t(model_.info().vocab_size));
+  }
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -95,6 +97,10 @@ Engine::~Engine() {
 
 std::shared_ptr<Job> Engine::submit(JobRequest request) {
   if (request.prompt.empty()) fail("the prompt is empty");
+  // Checked here, not in the batch, so that one request's bad token fails only that request.
+  const int64_t vocab = model_.info().vocab_size;
+  for (int32_t t : request.prompt)
+    if (t < 0 || t >= vocab) fail("token id ", t, " out of range [0, ", vocab, ")");
   if (int64_t(request.prompt.size()) + request.max_tokens > options_.ctx)
     fail("the prompt (", request.prompt.size(), " tokens) plus max_tokens (", request.max_tokens,
          ") exceeds the context of ", options_.ctx, " tokens");
@@ -133,16 +139,15 @@ void Engine::loop() {
       stats_.queued = int(queue_.size());
       stats_.active = int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return bool(s.job); }));
     }
-    // One turn each, in slot order: a prefill chunk or one decoded token.
     for (Slot& s : slots_) {
-      if (!s.job) continue;
+      if (!s.job || s.sampler) continue;
       try {
-        if (s.sampler == nullptr) start(s);
-        if (s.job) step(s);
+        start(s);
       } catch (const std::exception& e) {
         finish(s, FinishReason::failed, e.what());
       }
     }
+    step();
     const ExpertStats experts = model_.expert_stats();
     std::lock_guard lock(mu_);
     stats_.experts = experts;
@@ -169,47 +174,82 @@ void Engine::start(Slot& s) {
   stats_.cache = cache_.stats();
 }
 
-void Engine::step(Slot& s) {
-  Job& job = *s.job;
-  if (job.cancelled()) return finish(s, FinishReason::cancelled);
-  const auto& prompt = job.request().prompt;
-  const auto t0 = clock_type::now();
-  if (s.prompt_done < int64_t(prompt.size())) {
-    const int64_t n = std::min<int64_t>(options_.prefill_chunk, int64_t(prompt.size()) - s.prompt_done);
-    std::span<const int32_t> chunk(prompt.data() + s.prompt_done, size_t(n));
-    model_.forward(chunk, *s.state, logits_);
-    s.tokens.insert(s.tokens.end(), chunk.begin(), chunk.end());
-    s.prompt_done += n;
-    const double dt = std::chrono::duration<double>(clock_type::now() - t0).count();
-    job.prefill_seconds_.store(job.prefill_seconds_.load() + dt);
-    {
-      std::lock_guard lock(mu_);
-      stats_.prefill_seconds += dt;
+void Engine::step() {
+  items_.clear();
+  batch_.clear();
+  for (Slot& s : slots_) {
+    if (!s.job) continue;
+    if (s.job->cancelled()) {
+      finish(s, FinishReason::cancelled);
+      continue;
     }
-    if (s.prompt_done == int64_t(prompt.size())) sample_and_emit(s);
+    s.chunk = 0;
+    if (s.prompt_done == int64_t(s.job->request().prompt.size())) {
+      items_.push_back({std::span<const int32_t>(&s.next, 1), s.state.get(), s.logits});
+      batch_.push_back(&s);
+    }
+  }
+  // Prompt chunks share what is left of prefill_chunk rows after the decode tokens, in slot order.
+  int64_t budget = std::max<int64_t>(1, options_.prefill_chunk - int64_t(items_.size()));
+  for (Slot& s : slots_) {
+    const int64_t left = s.job ? int64_t(s.job->request().prompt.size()) - s.prompt_done : 0;
+    if (left <= 0 || budget <= 0) continue;
+    s.chunk = std::min(budget, left);
+    budget -= s.chunk;
+    items_.push_back({std::span(s.job->request().prompt).subspan(size_t(s.prompt_done), size_t(s.chunk)),
+                      s.state.get(), s.logits});
+    batch_.push_back(&s);
+  }
+  if (items_.empty()) return;
+  const auto t0 = clock_type::now();
+  try {
+    model_.forward_batch(items_);
+  } catch (const std::exception& e) {
+    // A pass stopped part way (an expert read, the backend): every sequence in it is suspect.
+    for (Slot* s : batch_) finish(*s, FinishReason::failed, e.what());
     return;
   }
-  model_.forward(std::span<const int32_t>(&s.next, 1), *s.state, logits_);
-  s.tokens.push_back(s.next);
   const double dt = std::chrono::duration<double>(clock_type::now() - t0).count();
-  job.decode_seconds_.store(job.decode_seconds_.load() + dt);
+  int64_t prompt_tokens = 0;
+  for (Slot* s : batch_) prompt_tokens += s->chunk;
+  const int64_t rows = prompt_tokens + int64_t(batch_.size()) - std::count_if(batch_.begin(), batch_.end(),
+                                                                             [](Slot* s) { return s->chunk > 0; });
   {
+    // The step's time split between prefill and decode by their rows.
     std::lock_guard lock(mu_);
-    stats_.decode_seconds += dt;
+    stats_.prefill_seconds += dt * double(prompt_tokens) / double(rows);
+    stats_.decode_seconds += dt * double(rows - prompt_tokens) / double(rows);
   }
-  sample_and_emit(s);
+  for (Slot* s : batch_) {
+    Job& job = *s->job;
+    const auto& prompt = job.request().prompt;
+    try {
+      if (s->chunk > 0) {
+        s->tokens.insert(s->tokens.end(), prompt.begin() + s->prompt_done, prompt.begin() + s->prompt_done + s->chunk);
+        s->prompt_done += s->chunk;
+        job.prefill_seconds_.store(job.prefill_seconds_.load() + dt);
+        if (s->prompt_done == int64_t(prompt.size())) sample_and_emit(*s);
+      } else {
+        s->tokens.push_back(s->next);
+        job.decode_seconds_.store(job.decode_seconds_.load() + dt);
+        sample_and_emit(*s);
+      }
+    } catch (const std::exception& e) {
+      finish(*s, FinishReason::failed, e.what());
+    }
+  }
 }
 
 void Engine::sample_and_emit(Slot& s) {
   Job& job = *s.job;
   const JobRequest& r = job.request();
   // The model's distribution for logprobs is kept before anything changes the logits.
-  if (r.logprobs >= 0) raw_logits_ = logits_;
-  if (r.constraint) r.constraint->mask(logits_);
+  if (r.logprobs >= 0) raw_logits_ = s.logits;
+  if (r.constraint) r.constraint->mask(s.logits);
   int32_t next;
   {
     ScopedTimer timer(model_.backend().times().sampling);
-    next = s.sampler->sample(logits_, s.context, s.generated_ids);
+    next = s.sampler->sample(s.logits, s.context, s.generated_ids);
   }
   const auto& eos = model_.info().eos_token_ids;
   if (std::find(eos.begin(), eos.end(), next) != eos.end()) return finish(s, FinishReason::eos);

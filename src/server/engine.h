@@ -1,6 +1,8 @@
 // The generation engine behind `serve` and `chat`: one thread owns the model and runs the
-// admitted requests in turn -- a prefill chunk or one decode step each -- so up to `parallel`
-// requests make progress together and none waits for another to finish. Requests beyond that wait
+// admitted requests together, one batched forward pass per step (Model::forward_batch) holding
+// every decoding request's next token and a share of the prompt chunks, so up to `parallel`
+// requests make progress together, none waits for another to finish, and each expert is read
+// once per step for all of them. Requests beyond that wait
 // in a bounded FIFO queue. Each request starts from the longest usable prefix held in the prefix
 // cache and leaves its final sequence state there.
 #pragma once
@@ -94,12 +96,15 @@ class Job {
 };
 
 struct EngineOptions {
-  int parallel = 4;            // requests in flight at once
+  int parallel = 4;            // requests in flight at once: the sequences of a batch
   int max_queue = 64;          // requests waiting beyond those; more are refused
   int64_t ctx = 4096;          // positions per sequence (prompt + generated); ServedModel::load
                                // takes 0 as the model's own, at most 4096
   int kv_slots = 8;            // sequence states kept by the prefix cache
-  int64_t prefill_chunk = 256; // prompt tokens per turn, so a long prompt does not stall others
+  // Rows per step: the decoding requests' tokens, then prompt tokens of those still reading their
+  // prompts up to this many in all (at least one), so a long prompt does not stall the decoding
+  // ones; 128 keeps a step within one pass of the model (DecoderModel::kMaxBatch rows).
+  int64_t prefill_chunk = 128;
 };
 
 struct EngineStats {
@@ -142,11 +147,14 @@ class Engine {
     int64_t prompt_done = 0;      // prompt tokens processed
     int generated = 0;
     int32_t next = -1;            // sampled, not yet forwarded
+    std::vector<float> logits;    // of this step's last position
+    int64_t chunk = 0;            // prompt tokens in this step (0: a decode token, or not in it)
   };
 
   void loop();
   void start(Slot& slot);
-  void step(Slot& slot);
+  // One forward_batch over the active slots; then each samples and emits.
+  void step();
   void sample_and_emit(Slot& slot);
   void finish(Slot& slot, FinishReason reason, std::string error = {});
 
@@ -154,8 +162,9 @@ class Engine {
   EngineOptions options_;
   PrefixCache cache_;
   std::vector<Slot> slots_;
-  std::vector<float> logits_;
   std::vector<float> raw_logits_;  // the model's, for logprobs
+  std::vector<SequenceBatch> items_;
+  std::vector<Slot*> batch_;       // the slot of each item
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
