@@ -44,6 +44,7 @@ struct ModelInfo {
   int n_layers = 0;
   int64_t hidden_size = 0;
   int64_t max_position = 0;         // max_position_embeddings
+  int64_t max_batch = 128;          // rows of one forward pass (longer inputs take several)
   std::vector<int32_t> eos_token_ids;  // generation stops on any of these
   int64_t weight_bytes = 0;         // bytes of all weights
   int64_t active_bytes_per_token = 0;  // bytes read per decoded token (non-expert + top-k experts)

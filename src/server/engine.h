@@ -103,8 +103,9 @@ struct EngineOptions {
   int kv_slots = 8;            // sequence states kept by the prefix cache
   // Rows per step: the decoding requests' tokens, then prompt tokens of those still reading their
   // prompts up to this many in all (at least one), so a long prompt does not stall the decoding
-  // ones; 128 keeps a step within one pass of the model (DecoderModel::kMaxBatch rows).
-  int64_t prefill_chunk = 128;
+  // ones; 0 (the default) takes the model's pass, ModelInfo::max_batch (128 rows on the CPU, 512
+  // on CUDA), so that a step is one pass.
+  int64_t prefill_chunk = 0;
 };
 
 struct EngineStats {
