@@ -190,8 +190,8 @@ void Engine::step() {
     }
   }
   // Prompt chunks share what is left of prefill_chunk rows after the decode tokens, in slot order.
-  const int64_t rows = options_.prefill_chunk > 0 ? options_.prefill_chunk : model_.info().max_batch;
-  int64_t budget = std::max<int64_t>(1, rows - int64_t(items_.size()));
+  const int64_t step_rows = options_.prefill_chunk > 0 ? options_.prefill_chunk : model_.info().max_batch;
+  int64_t budget = std::max<int64_t>(1, step_rows - int64_t(items_.size()));
   for (Slot& s : slots_) {
     const int64_t left = s.job ? int64_t(s.job->request().prompt.size()) - s.prompt_done : 0;
     if (left <= 0 || budget <= 0) continue;
