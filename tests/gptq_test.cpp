@@ -283,6 +283,28 @@ TEST(Gptq, PackHasTheLayoutOfRoundToNearest) {
     EXPECT_EQ(e.path().filename(), "pack");
 }
 
+// --gptq-passes 2 calibrates again on the pack quantized by the first pass: other Hessians, so
+// other codes; the same layout, and no temporary pack left behind.
+TEST(Gptq, SecondPassCalibratesOnTheQuantizedPack) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string flags = "--quant q2 --group-size 32 --gptq " + src + "/text.txt";
+  const std::string one = pack(src, "gptq-pass1", flags);
+  const std::string two = test::temp_dir("gptq-pass2") + "/pack";
+  const auto r = test::run_cli("pack " + src + " " + two + " " + flags + " --gptq-passes 2");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  test::expect_contains(r.err, {"gptq: pass 2 calibrated on the pass 1 pack"});
+  EXPECT_EQ(layout_of(two), layout_of(one));
+  const PackManifest m = PackManifest::load(two), base = PackManifest::load(one);
+  int differ = 0;
+  for (size_t l = 0; l < m.layers.size(); ++l)
+    for (size_t e = 0; e < m.layers[l].size(); ++e) differ += m.layers[l][e].checksum != base.layers[l][e].checksum;
+  EXPECT_GT(differ, 0);
+  EXPECT_TRUE(verify_pack(two).problems.empty());
+  for (float v : logits_of(two, kIds)) ASSERT_TRUE(std::isfinite(v));
+  for (const auto& e : fs::directory_iterator(fs::path(two).parent_path()))  // no calibration pack left
+    EXPECT_EQ(e.path().filename(), "pack");
+}
+
 // Calibration and quantization give the same bytes whatever the thread count.
 TEST(Gptq, ThreadCountDoesNotChangeTheBytes) {
   const std::string src = test::fixture("models/qwen3moe_ppl");
@@ -344,6 +366,8 @@ TEST(Gptq, FlagErrorsAreOneLine) {
       {"--quant bf16 --gptq " + text, {"--gptq", "quantized --quant", "bf16"}},
       {"--gptq " + text, {"--gptq", "quantized --quant", "keep"}},
       {"--quant q2 --gptq-tokens 10", {"--gptq-tokens", "--gptq"}},
+      {"--quant q2 --gptq-passes 2", {"--gptq-passes", "--gptq"}},
+      {"--quant q2 --gptq " + text + " --gptq-passes 0", {"--gptq-passes", "0"}},
       {"--tiered " + dir + "/missing.json", {"missing.json", "cannot read"}},
       {"--tiered " + text, {"text.txt", "not a usage profile"}},
       {"--tiered " + profile + " --hot-share 1.5", {"--hot-share", "1.5"}},

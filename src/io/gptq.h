@@ -98,10 +98,17 @@ struct GptqCalibration {
   int64_t ctx = 512;         // tokens per window (a fresh sequence each)
   int threads = 0;
   std::function<bool(const std::string& name)> skip;  // PackOptions::skip
+  // When set, the model to calibrate on instead of a bf16 copy of the checkpoint: a pack whose
+  // experts are already quantized (pack --gptq-passes), removed afterwards. Each layer's
+  // Hessians then see the inputs that the quantized layers before it produce, and down's the
+  // activations of its own quantized gate and up: the paper's "true sequential" quantization,
+  // with one calibration run per pass instead of one per layer.
+  std::string quantized_pack;
 };
 
-// Packs `src` as bf16 into a temporary directory beside `out` (removed afterwards), runs that
-// model on the calibration text on the CPU with the recorder, and returns the experts' Hessians.
+// Packs `src` as bf16 into a temporary directory beside `out` (removed afterwards; or takes
+// c.quantized_pack), runs that model on the calibration text on the CPU with the recorder, and
+// returns the experts' Hessians.
 ExpertHessians collect_expert_hessians(const std::string& src, const std::string& out,
                                        const ExpertTensorParser& experts, const GptqCalibration& c);
 
