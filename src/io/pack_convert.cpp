@@ -515,6 +515,60 @@ void rewrite_config(json config, const Converter& converter, const std::string& 
 // `report` prints how many experts GPTQ took.
 static void write_converted(const std::string& src, const std::string& out, const Checkpoint& checkpoint,
                             const SortedTensors& sorted, const PackOptions& options, const ExpertHessians* hessians,
+                            bool report);
+
+void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
+                const PackOptions& options) {
+  const QuantFormat target = Converter::target_format(options);  // a bad --quant fails before anything is read
+  if (!options.gptq_text.empty() && target.bits == 0)
+    fail("--gptq: needs a quantized --quant (q2, q3, q4, q6 or q8), not ", options.quant);
+  if (!options.expert_bits.empty() && target.bits == 0)
+    fail("--tiered: needs a quantized --quant, not ", options.quant);
+  if (!options.gptq_text.empty() && !fs::is_regular_file(options.gptq_text))
+    fail("--gptq: ", options.gptq_text, ": no such file");
+  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
+  const Checkpoint checkpoint = open_checkpoint(src);
+  const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
+  if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
+  if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
+  if (!options.expert_bits.empty())
+    for (const auto& [layer, list] : sorted.experts) {
+      if (size_t(layer) >= options.expert_bits.size() || options.expert_bits[size_t(layer)].size() != list.size())
+        fail("--tiered: the profile has ",
+             size_t(layer) < options.expert_bits.size() ? options.expert_bits[size_t(layer)].size() : 0,
+             " experts for layer ", layer, ", the checkpoint ", list.size());
+      for (int bits : options.expert_bits[size_t(layer)])
+        check_quant_format(QuantFormat{bits, target.group_size, target.scale_dtype}, "--tiered");
+    }
+
+  std::unique_ptr<ExpertHessians> hessians;
+  if (!options.gptq_text.empty()) {
+    const auto t0 = std::chrono::steady_clock::now();
+    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip, ""};
+    hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
+    if (options.progress)
+      std::fprintf(stderr, "gptq: calibrated on %lld tokens of %s in %.1f s\n", (long long)hessians->tokens,
+                   options.gptq_text.c_str(),
+                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    // --gptq-passes: calibrate again on the pack quantized under the last pass's Hessians
+    // (io/gptq.h: true sequential).
+    for (int pass = 2; pass <= options.gptq_passes; ++pass) {
+      PackOptions quiet = options;
+      quiet.progress = false;
+      calib.quantized_pack = out + ".seq.tmp-" + std::to_string(getpid());  // a PackWriter temporary's name
+      fs::remove_all(calib.quantized_pack);
+      write_converted(src, calib.quantized_pack, checkpoint, sorted, quiet, hessians.get(), false);
+      hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
+      if (options.progress)
+        std::fprintf(stderr, "gptq: pass %d calibrated on the pass %d pack (%.1f s in all)\n", pass, pass - 1,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  }
+  write_converted(src, out, checkpoint, sorted, options, hessians.get(), true);
+}
+
+static void write_converted(const std::string& src, const std::string& out, const Checkpoint& checkpoint,
+                            const SortedTensors& sorted, const PackOptions& options, const ExpertHessians* hessians,
                             bool report) {
   Converter converter(checkpoint, sorted, options, hessians);
 
@@ -569,56 +623,6 @@ static void write_converted(const std::string& src, const std::string& out, cons
     std::fprintf(stderr, "gptq: %lld experts by GPTQ, %lld rounded to nearest (fewer than %lld calibration tokens)\n",
                  (long long)converter.gptq_experts(), (long long)converter.rtn_experts(),
                  (long long)options.gptq_min_tokens);
-}
-
-void write_pack(const std::string& src, const std::string& out, const ExpertTensorParser& parse,
-                const PackOptions& options) {
-  const QuantFormat target = Converter::target_format(options);  // a bad --quant fails before anything is read
-  if (!options.gptq_text.empty() && target.bits == 0)
-    fail("--gptq: needs a quantized --quant (q2, q3, q4, q6 or q8), not ", options.quant);
-  if (!options.expert_bits.empty() && target.bits == 0)
-    fail("--tiered: needs a quantized --quant, not ", options.quant);
-  if (!options.gptq_text.empty() && !fs::is_regular_file(options.gptq_text))
-    fail("--gptq: ", options.gptq_text, ": no such file");
-  if (fs::exists(out)) fail(out, ": already exists (remove it first)");
-  const Checkpoint checkpoint = open_checkpoint(src);
-  const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
-  if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
-  if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
-  if (!options.expert_bits.empty())
-    for (const auto& [layer, list] : sorted.experts) {
-      if (size_t(layer) >= options.expert_bits.size() || options.expert_bits[size_t(layer)].size() != list.size())
-        fail("--tiered: the profile has ",
-             size_t(layer) < options.expert_bits.size() ? options.expert_bits[size_t(layer)].size() : 0,
-             " experts for layer ", layer, ", the checkpoint ", list.size());
-      for (int bits : options.expert_bits[size_t(layer)])
-        check_quant_format(QuantFormat{bits, target.group_size, target.scale_dtype}, "--tiered");
-    }
-
-  std::unique_ptr<ExpertHessians> hessians;
-  if (!options.gptq_text.empty()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip, ""};
-    hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
-    if (options.progress)
-      std::fprintf(stderr, "gptq: calibrated on %lld tokens of %s in %.1f s\n", (long long)hessians->tokens,
-                   options.gptq_text.c_str(),
-                   std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    // --gptq-passes: calibrate again on the pack quantized under the last pass's Hessians
-    // (io/gptq.h: true sequential).
-    for (int pass = 2; pass <= options.gptq_passes; ++pass) {
-      PackOptions quiet = options;
-      quiet.progress = false;
-      calib.quantized_pack = out + ".seq.tmp-" + std::to_string(getpid());  // a PackWriter temporary's name
-      fs::remove_all(calib.quantized_pack);
-      write_converted(src, calib.quantized_pack, checkpoint, sorted, quiet, hessians.get(), false);
-      hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
-      if (options.progress)
-        std::fprintf(stderr, "gptq: pass %d calibrated on the pass %d pack (%.1f s in all)\n", pass, pass - 1,
-                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    }
-  }
-  write_converted(src, out, checkpoint, sorted, options, hessians.get(), true);
 }
 
 }  // namespace moestream
