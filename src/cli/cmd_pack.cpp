@@ -37,6 +37,10 @@ void add_pack(CLI::App& app) {
   cmd->add_option("--gptq-tokens", f->options.gptq_tokens, "Calibration tokens at most (default 65536; 0: all)")
       ->check(kNonNegative)
       ->needs(gptq);
+  cmd->add_option("--gptq-passes", f->options.gptq_passes,
+                  "Calibration runs: each after the first on the model quantized by the one before (default 1)")
+      ->check(CLI::Range(1, 8))
+      ->needs(gptq);
   CLI::Option* tiered = cmd->add_option("--tiered", f->tiered,
                                         "Usage profile (--profile-out's JSON): each layer's most used experts at "
                                         "--hot-bits, the rest at --cold-bits");

@@ -155,6 +155,7 @@ void quantize_gptq(const float* w, int64_t rows, int64_t cols, const double* h, 
       }
     }
   }
+  refine_quantized(w, rows, cols, h, f, words, scales, biases, options);
 }
 
 const ExpertHessian* ExpertHessians::find(int layer, int expert) const {

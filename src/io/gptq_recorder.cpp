@@ -190,14 +190,16 @@ ExpertHessians collect_expert_hessians(const std::string& src, const std::string
   const std::optional<std::string> text = try_read_file(c.text_path);
   if (!text) fail("--gptq: cannot read ", c.text_path);
   // Named like a PackWriter temporary, so that remove_abandoned_packs cleans it after a kill.
-  ScratchDir dir{out + ".calib.tmp-" + std::to_string(getpid())};
-  fs::remove_all(dir.path);
-  PackOptions bf16;
-  bf16.quant = "bf16";
-  bf16.progress = false;
-  bf16.threads = c.threads;
-  bf16.skip = c.skip;
-  write_pack(src, dir.path, experts, bf16);
+  ScratchDir dir{c.quantized_pack.empty() ? out + ".calib.tmp-" + std::to_string(getpid()) : c.quantized_pack};
+  if (c.quantized_pack.empty()) {
+    fs::remove_all(dir.path);
+    PackOptions bf16;
+    bf16.quant = "bf16";
+    bf16.progress = false;
+    bf16.threads = c.threads;
+    bf16.skip = c.skip;
+    write_pack(src, dir.path, experts, bf16);
+  }
 
   if (!fs::exists(dir.path + "/tokenizer.json")) fail("--gptq: ", src, " has no tokenizer.json to read the calibration text with");
   std::vector<int32_t> ids = Tokenizer::load(dir.path)->encode(*text);

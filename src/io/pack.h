@@ -126,6 +126,9 @@ struct PackOptions {
   std::string gptq_text;
   int64_t gptq_tokens = 65536;   // calibration tokens at most (<= 0: the whole text)
   int64_t gptq_min_tokens = 64;  // experts routed fewer tokens than this are rounded to nearest
+  // Calibration runs (io/gptq.h): pass 1 on the bf16 model, each later one on the pack quantized
+  // under the previous pass's Hessians, so that later layers see their quantized inputs.
+  int gptq_passes = 1;
   // Per-expert bits (pack --tiered, io/expert_tiers.h): expert_bits[layer][expert] replaces the
   // bits of --quant for that expert; empty: every expert at --quant.
   std::vector<std::vector<int>> expert_bits;

@@ -522,6 +522,13 @@ void rewrite_config(json config, const Converter& converter, const std::string& 
 
 }  // namespace
 
+// The pack of `checkpoint` as `options` ask into `writer` (files it kept from an interrupted run are
+// not written again), its experts by GPTQ under `hessians` when given; `report` prints how many
+// experts GPTQ took.
+static void write_converted(const std::string& src, PackWriter& writer, int n_layers, const Checkpoint& checkpoint,
+                            const SortedTensors& sorted, const PackOptions& options, const ExpertHessians* hessians,
+                            bool report);
+
 void write_pack(const std::string& src, const std::string& out_arg, const ExpertTensorParser& parse,
                 const PackOptions& options) {
   const std::string out = pack_format::without_trailing_slashes(out_arg);
@@ -558,14 +565,36 @@ void write_pack(const std::string& src, const std::string& out_arg, const Expert
   std::unique_ptr<ExpertHessians> hessians;
   if (!options.gptq_text.empty() && experts_left) {
     const auto t0 = std::chrono::steady_clock::now();
-    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip};
+    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip, ""};
     hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
     if (options.progress)
       std::fprintf(stderr, "gptq: calibrated on %lld tokens of %s in %.1f s\n", (long long)hessians->tokens,
                    options.gptq_text.c_str(),
                    std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    // --gptq-passes: calibrate again on the pack quantized under the last pass's Hessians
+    // (io/gptq.h: true sequential).
+    for (int pass = 2; pass <= options.gptq_passes; ++pass) {
+      PackOptions quiet = options;
+      quiet.progress = false;
+      calib.quantized_pack = out + ".seq.tmp-" + std::to_string(getpid());  // a PackWriter temporary's name
+      fs::remove_all(calib.quantized_pack);
+      {
+        PackWriter scratch(calib.quantized_pack, model_type, fs::absolute(src).string());
+        write_converted(src, scratch, n_layers, checkpoint, sorted, quiet, hessians.get(), false);
+      }
+      hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
+      if (options.progress)
+        std::fprintf(stderr, "gptq: pass %d calibrated on the pass %d pack (%.1f s in all)\n", pass, pass - 1,
+                     std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
   }
-  Converter converter(checkpoint, sorted, options, hessians.get());
+  write_converted(src, writer, n_layers, checkpoint, sorted, options, hessians.get(), true);
+}
+
+static void write_converted(const std::string& src, PackWriter& writer, int n_layers, const Checkpoint& checkpoint,
+                            const SortedTensors& sorted, const PackOptions& options, const ExpertHessians* hessians,
+                            bool report) {
+  Converter converter(checkpoint, sorted, options, hessians);
   Progress progress(options.progress, sorted.total_bytes);
 
   if (writer.kept_weights()) {
@@ -621,7 +650,7 @@ void write_pack(const std::string& src, const std::string& out_arg, const Expert
   copy_side_files(src, writer.tmp_dir());
   rewrite_config(checkpoint.config, converter, writer.tmp_dir());
   writer.finish(n_layers);
-  if (hessians)  // experts without enough calibration tokens were rounded to nearest
+  if (hessians && report)  // experts without enough calibration tokens were rounded to nearest
     std::fprintf(stderr, "gptq: %lld experts by GPTQ, %lld rounded to nearest (fewer than %lld calibration tokens)\n",
                  (long long)converter.gptq_experts(), (long long)converter.rtn_experts(),
                  (long long)options.gptq_min_tokens);
