@@ -2,6 +2,7 @@
 // its tokenizers with it, without writing files): the same tokenizer as load, and errors that
 // name the files as load's do.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <optional>
 #include <string>
@@ -62,6 +63,23 @@ TEST(TokenizerFromJson, ErrorsNameTheFiles) {
   test::expect_contains(
       test::error_of([&] { Tokenizer::from_json(tokenizer_json, R"({"eos_token": "<nope>"})", "/models/x"); }),
       {"/models/x/tokenizer_config.json", "eos_token '<nope>' is not in the vocabulary"});
+}
+
+// The 10M-execution fuzz run's out-of-memory inputs: a vocab or added-token id near 2^31 sized an
+// id-indexed table at gigabytes; ids above text_limits::kMaxTokenId are refused, naming the token.
+TEST(TokenizerFromJson, HugeTokenIdsAreRefused) {
+  const std::string tokenizer_json = test::read_file(kModel + "/tokenizer.json");
+  nlohmann::json j = nlohmann::json::parse(tokenizer_json);
+  nlohmann::json vocab_big = j, added_big = j;
+  vocab_big["model"]["vocab"]["zzz"] = 2000000000;
+  ASSERT_FALSE(added_big["added_tokens"].empty());
+  added_big["added_tokens"][0]["id"] = 2000000000;
+  test::expect_contains(test::error_of([&] { Tokenizer::from_json(vocab_big.dump(), std::nullopt, "/m"); }),
+                        {"/m/tokenizer.json", "zzz", "2000000000", "largest supported"});
+  test::expect_contains(test::error_of([&] { Tokenizer::from_json(added_big.dump(), std::nullopt, "/m"); }),
+                        {"/m/tokenizer.json", "2000000000", "largest supported"});
+  vocab_big["model"]["vocab"]["zzz"] = 300000;  // a large real vocabulary still loads
+  EXPECT_GE(Tokenizer::from_json(vocab_big.dump(), std::nullopt, "/m")->vocab_size(), 300001);
 }
 
 }  // namespace

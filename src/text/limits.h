@@ -55,6 +55,11 @@ inline constexpr size_t kMaxListItems = size_t(1) << 20;
 inline constexpr uint64_t kRegexBaseMatchLimit = 10'000'000;
 inline constexpr uint64_t kRegexMatchStepsPerByte = 16;
 
+// Token ids in tokenizer.json (vocab and added tokens). Tables indexed by id are sized by the
+// largest one; the largest real vocabularies have about 262k tokens, and 2^24 ids keep such a
+// table at 64 MB (the 10M-execution fuzz run found ids near 2^31 asking for gigabytes).
+inline constexpr int64_t kMaxTokenId = (int64_t(1) << 24) - 1;
+
 // Containers nested in tokenizer.json. Real files nest 6 levels (post_processor.special_tokens).
 inline constexpr int kMaxTokenizerJsonDepth = 64;
 

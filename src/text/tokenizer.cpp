@@ -13,6 +13,7 @@
 #include "text/tokenizer_added_tokens.h"
 #include "text/tokenizer_components.h"
 #include "text/tokenizer_file.h"
+#include "text/limits.h"
 #include "text/tokenizer_json.h"
 #include "text/unicode.h"
 
@@ -130,7 +131,9 @@ void HfTokenizer::load_tokenizer_json(std::string_view text, const std::string& 
       tok::AddedToken t;
       t.content = tok::get_string(entry, "content", at);
       int64_t id = tok::get_int(entry, "id", at, -1);
-      if (id < 0 || id > INT32_MAX) fail(at.str(), " '", t.content, "': missing or invalid id");
+      if (id < 0) fail(at.str(), " '", t.content, "': missing or invalid id");
+      if (id > text_limits::kMaxTokenId)
+        fail(at.str(), " '", t.content, "': id ", id, " is above the largest supported (", text_limits::kMaxTokenId, ")");
       t.id = static_cast<int32_t>(id);
       t.special = tok::get_bool(entry, "special", at, false);
       t.single_word = tok::get_bool(entry, "single_word", at, false);

@@ -149,8 +149,10 @@ class Reader {
   }
 
   bool vocab_entry(int64_t id) {
-    if (id < 0 || id > INT32_MAX)
-      return fail_with("model.vocab: token '" + key_ + "' has an invalid id");
+    if (id < 0) return fail_with("model.vocab: token '" + key_ + "' has an invalid id");
+    if (id > text_limits::kMaxTokenId)
+      return fail_with("model.vocab: token '" + key_ + "' has id " + std::to_string(id) +
+                       ", above the largest supported (" + std::to_string(text_limits::kMaxTokenId) + ")");
     out_.tables.vocab.emplace_back(std::move(key_), static_cast<int32_t>(id));
     return true;
   }
