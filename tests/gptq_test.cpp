@@ -56,14 +56,20 @@ std::vector<float> correlated_inputs(int64_t n, int64_t cols, uint32_t seed) {
   return x;
 }
 
-TEST(Gptq, LowersOutputErrorBelowRoundToNearest) {
-  const int64_t rows = 24, cols = 128, n = 512;
-  const std::vector<float> w = test::gaussian(size_t(rows * cols), 7);
-  const std::vector<float> x = correlated_inputs(n, cols, 11);
+// H = sum over the n inputs of x x^T (cols, cols).
+std::vector<double> hessian_of(const std::vector<float>& x, int64_t n, int64_t cols) {
   std::vector<double> h(size_t(cols * cols), 0.0);
   for (int64_t t = 0; t < n; ++t)
     for (int64_t i = 0; i < cols; ++i)
       for (int64_t j = 0; j < cols; ++j) h[size_t(i * cols + j)] += double(x[size_t(t * cols + i)]) * x[size_t(t * cols + j)];
+  return h;
+}
+
+TEST(Gptq, LowersOutputErrorBelowRoundToNearest) {
+  const int64_t rows = 24, cols = 128, n = 512;
+  const std::vector<float> w = test::gaussian(size_t(rows * cols), 7);
+  const std::vector<float> x = correlated_inputs(n, cols, 11);
+  const std::vector<double> h = hessian_of(x, n, cols);
   for (int bits : {2, 3, 4, 8}) {
     const QuantFormat f{bits, 32};
     const int64_t wpr = quant_words_per_row(f, cols), gpr = quant_groups_per_row(f, cols);
@@ -89,10 +95,7 @@ TEST(Gptq, RefinementLowersTheOutputErrorOfGptq) {
   const int64_t rows = 24, cols = 128, n = 512;
   const std::vector<float> w = test::gaussian(size_t(rows * cols), 7);
   const std::vector<float> x = correlated_inputs(n, cols, 11);
-  std::vector<double> h(size_t(cols * cols), 0.0);
-  for (int64_t t = 0; t < n; ++t)
-    for (int64_t i = 0; i < cols; ++i)
-      for (int64_t j = 0; j < cols; ++j) h[size_t(i * cols + j)] += double(x[size_t(t * cols + i)]) * x[size_t(t * cols + j)];
+  const std::vector<double> h = hessian_of(x, n, cols);
   for (int bits : {2, 3, 4, 8}) {
     const QuantFormat f{bits, 32};
     const int64_t wpr = quant_words_per_row(f, cols), gpr = quant_groups_per_row(f, cols);

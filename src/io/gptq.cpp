@@ -59,13 +59,7 @@ bool inverse_cholesky_upper(const std::vector<double>& l, int64_t n, std::vector
 // tenfold while the factorization fails (a nearly singular H from few tokens).
 std::vector<float> compensation_factor(const double* h, int64_t n, double damp, std::string_view what) {
   std::vector<double> base(h, h + n * n);
-  double mean = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    double& d = base[size_t(i * n + i)];
-    if (d == 0) d = 1;
-    mean += d;
-  }
-  mean /= double(n);
+  const double mean = unit_dead_inputs(base, n);
   for (int attempt = 0; attempt < 4; ++attempt, damp *= 10) {
     std::vector<double> a = base;
     for (int64_t i = 0; i < n; ++i) a[size_t(i * n + i)] += damp * mean;
@@ -76,6 +70,16 @@ std::vector<float> compensation_factor(const double* h, int64_t n, double damp, 
 }
 
 }  // namespace
+
+double unit_dead_inputs(std::vector<double>& h, int64_t n) {
+  double mean = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    double& d = h[size_t(i * n + i)];
+    if (d == 0) d = 1;
+    mean += d;
+  }
+  return mean / double(n);
+}
 
 void quantize_gptq(const float* w, int64_t rows, int64_t cols, const double* h, const QuantFormat& f,
                    uint32_t* words, uint16_t* scales, uint16_t* biases, const GptqOptions& options,

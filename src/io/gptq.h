@@ -48,6 +48,11 @@ struct GptqOptions {
   int refine_sweeps = 4;  // coordinate-descent sweeps over a row's codes per round, at most
 };
 
+// h (n, n) as GPTQ and the refinement regularize it: a zero diagonal entry (an input no
+// calibration token had) becomes 1. Returns the mean of the diagonal then, which the dampening
+// (`damp` times it, added to the diagonal) is scaled by.
+double unit_dead_inputs(std::vector<double>& h, int64_t n);
+
 // Quantizes w (rows, cols) float32 to f (affine) with error compensation under h (cols, cols,
 // symmetric, row-major; the sum of x x^T over calibration inputs x [cols]). Writes words, scales
 // and biases as quantize_affine does. `what` names the matrix in errors.

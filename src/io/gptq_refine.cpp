@@ -15,13 +15,7 @@ namespace {
 // experts from fitting their calibration inputs too closely).
 std::vector<double> damped_hessian(const double* h, int64_t n, double damp) {
   std::vector<double> a(h, h + n * n);
-  double mean = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    double& d = a[size_t(i * n + i)];
-    if (d == 0) d = 1;
-    mean += d;
-  }
-  mean /= double(n);
+  const double mean = unit_dead_inputs(a, n);
   for (int64_t i = 0; i < n; ++i) a[size_t(i * n + i)] += damp * mean;
   return a;
 }
