@@ -234,6 +234,22 @@ __device__ __forceinline__ void expert_passes(const WeightRef* const (&mats)[M],
   }
 }
 
+// f(j, i, token, row) for each of this thread's accumulator elements that is an output of the
+// pass (token < nt, row < rows): column tile j, element i, at token j * 8 + 2 * (lane % 4) + i % 2
+// of the pass and row row0 + 16 * warp + lane / 4 (+ 8 for i >= 2), the m16n8 accumulator layout.
+template <class F>
+__device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t rows, F f) {
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+#pragma unroll
+  for (int j = 0; j < kTiles; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = j * 8 + 2 * q + (i & 1);
+      const int64_t row = row0 + warp * 16 + g + (i < 2 ? 0 : 8);
+      if (tok < nt && row < rows) f(j, i, tok, row);
+    }
+}
+
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExpertArgs a) {
   __shared__ __align__(16) WeightTile w[2];
@@ -242,22 +258,15 @@ __global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExpertArgs a) {
   if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   const WeightRef* const mats[2] = {&d.gate, &d.up};
   expert_passes<KIND, SF16, 2>(
       mats, row0, r0, r1, a.dim, [&](int row) { return a.x + int64_t(a.g.row_token[row] / a.k) * a.dim; },
       [&](const float (&acc)[2][kTiles][4], int t0, int nt) {
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = j * 8 + 2 * q + (i & 1);
-            const int64_t row = row0 + warp * 16 + g + (i < 2 ? 0 : 8);
-            if (tok >= nt || row >= a.inter) continue;
-            const float gv = acc[0][j][i] + (d.gate_bias ? d.gate_bias[row] : 0.0f);
-            const float uv = acc[1][j][i] + (d.up_bias ? d.up_bias[row] : 0.0f);
-            a.hidden[int64_t(t0 + tok) * a.inter + row] = gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
-          }
+        for_each_output(row0, nt, a.inter, [&](int j, int i, int tok, int64_t row) {
+          const float gv = acc[0][j][i] + (d.gate_bias ? d.gate_bias[row] : 0.0f);
+          const float uv = acc[1][j][i] + (d.up_bias ? d.up_bias[row] : 0.0f);
+          a.hidden[int64_t(t0 + tok) * a.inter + row] = gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
+        });
       },
       w, xt);
 }
@@ -270,20 +279,13 @@ __global__ void __launch_bounds__(kThreads) down_exact_kernel(ExpertArgs a) {
   if (!block_expert(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
   const WeightRef* const mats[1] = {&d.down};
   expert_passes<KIND, SF16, 1>(
       mats, row0, r0, r1, a.inter, [&](int row) { return a.hidden + int64_t(row) * a.inter; },
       [&](const float (&acc)[1][kTiles][4], int t0, int nt) {
-#pragma unroll
-        for (int j = 0; j < kTiles; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int tok = j * 8 + 2 * q + (i & 1);
-            const int64_t row = row0 + warp * 16 + g + (i < 2 ? 0 : 8);
-            if (tok >= nt || row >= a.dim) continue;
-            a.y[int64_t(t0 + tok) * a.dim + row] = acc[0][j][i] + (d.down_bias ? d.down_bias[row] : 0.0f);
-          }
+        for_each_output(row0, nt, a.dim, [&](int j, int i, int tok, int64_t row) {
+          a.y[int64_t(t0 + tok) * a.dim + row] = acc[0][j][i] + (d.down_bias ? d.down_bias[row] : 0.0f);
+        });
       },
       w, xt);
 }
