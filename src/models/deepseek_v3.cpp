@@ -131,15 +131,15 @@ class DeepseekV3 final : public DecoderModel {
     init_workspace(int64_t(cfg_.n_heads) * cfg_.v_dim, 1);
     const int64_t H = cfg_.n_heads, R = cfg_.kv_lora_rank, rope = cfg_.rope_dim;
     Backend& be = *backend_;
-    buf_.q_a = be.alloc(max_batch_, std::max(cfg_.q_lora_rank, 1));
-    buf_.q = be.alloc(max_batch_, H * cfg_.qk_dim());
-    buf_.kv_a = be.alloc(max_batch_, R + rope);
-    buf_.latent = be.alloc(max_batch_, R);
-    buf_.q_nope = be.alloc(max_batch_, H * cfg_.nope_dim);
-    buf_.q_absorbed = be.alloc(max_batch_, H * R);
-    buf_.q_latent = be.alloc(max_batch_, H * (R + rope));
-    buf_.o_latent = be.alloc(max_batch_, H * R);
-    buf_.o_heads = be.alloc(max_batch_, H * cfg_.v_dim);
+    buf_.q_a = be.alloc(info_.max_batch, std::max(cfg_.q_lora_rank, 1));
+    buf_.q = be.alloc(info_.max_batch, H * cfg_.qk_dim());
+    buf_.kv_a = be.alloc(info_.max_batch, R + rope);
+    buf_.latent = be.alloc(info_.max_batch, R);
+    buf_.q_nope = be.alloc(info_.max_batch, H * cfg_.nope_dim);
+    buf_.q_absorbed = be.alloc(info_.max_batch, H * R);
+    buf_.q_latent = be.alloc(info_.max_batch, H * (R + rope));
+    buf_.o_latent = be.alloc(info_.max_batch, H * R);
+    buf_.o_heads = be.alloc(info_.max_batch, H * cfg_.v_dim);
     set_weight_bytes(info_, *weights_, pack_, moe_layers, cfg_.n_experts, cfg_.top_k);
   }
 

@@ -60,8 +60,7 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   bo.host_expert_mb = options.experts.cache_mb;
   for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
   backend_ = make_backend(bo);
-  max_batch_ = backend_->name().rfind("cuda", 0) == 0 ? kCudaMaxBatch : kCpuMaxBatch;
-  info_.max_batch = max_batch_;
+  info_.max_batch = backend_->name().rfind("cuda", 0) == 0 ? kCudaMaxBatch : kCpuMaxBatch;
   if (options.wrap_backend) backend_ = options.wrap_backend(std::move(backend_));
   weights_ = std::make_unique<WeightSet>(pack_.open_weights());  // checks each resident tensor against the manifest
   info_.model_type = c.model_type;
@@ -110,7 +109,7 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
 
 void DecoderModel::init_workspace(int64_t q_dim, int64_t kv_dim) {
   Backend& be = *backend_;
-  const int64_t h = info_.hidden_size, max_batch = max_batch_;
+  const int64_t h = info_.hidden_size, max_batch = info_.max_batch;
   ws_.max_batch = max_batch;
   ws_.x = be.alloc(max_batch, h);
   ws_.xn = be.alloc(max_batch, h);

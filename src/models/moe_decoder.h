@@ -1,7 +1,7 @@
 // The decoder skeletons the families build on:
 //
 //   DecoderModel  embedding -> layers -> final norm -> output head, batched in chunks of
-//                 max_batch_ tokens; owns the backend, the pack, the non-expert weights and the
+//                 info_.max_batch tokens; owns the backend, the pack, the non-expert weights and the
 //                 expert store. A family loads its layers and implements run_layer (DeepSeek-V3
 //                 with latent attention, Qwen3-Next / Qwen3.5 with Gated DeltaNet layers).
 //   MoeDecoder    a DecoderModel whose every layer is x += attn(rmsnorm(x)); x += ffn(rmsnorm(x))
@@ -37,12 +37,11 @@ class DecoderModel : public Model {
   // Rows per forward pass (the prefill chunk): 128 on the CPU; 512 on CUDA, whose tensor-core
   // expert kernels read each expert's weights once per pass (at 512 tokens a pass gives the
   // Qwen3-30B-A3B shape's experts 32 rows each instead of 8).
-  static constexpr int64_t kCpuMaxBatch = 128, kCudaMaxBatch = 512;
-  int64_t max_batch_ = kCpuMaxBatch;
+  static constexpr int64_t kCpuMaxBatch = 128, kCudaMaxBatch = 512;  // info_.max_batch
 
   // x (T, hidden) in ws.x is updated in place by layer l; T = the rows of seqs (in order, from 0).
   virtual void run_layer(int layer, int64_t T, std::span<const RowSpan> seqs) = 0;
-  // ws_ for max_batch_ tokens; q_dim and kv_dim size the attention projections.
+  // ws_ for info_.max_batch tokens; q_dim and kv_dim size the attention projections.
   void init_workspace(int64_t q_dim, int64_t kv_dim);
 
   // Opens the pack in `dir`: the backend, the manifest, the non-expert weights, and the ModelInfo

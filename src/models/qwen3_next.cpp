@@ -150,8 +150,8 @@ class Qwen3Next final : public DecoderModel {
 
     init_workspace(cfg_.q_dim(), cfg_.kv_dim());
     Backend& be = *backend_;
-    gate_ = be.alloc(max_batch_, cfg_.q_dim());
-    delta_buf_ = DeltaNetBuffers::alloc(be, max_batch_, cfg_.delta);
+    gate_ = be.alloc(info_.max_batch, cfg_.q_dim());
+    delta_buf_ = DeltaNetBuffers::alloc(be, info_.max_batch, cfg_.delta);
     // A fresh linear layer's state (alloc zero-fills): what truncate(0) copies back.
     zero_state_.conv = be.alloc(cfg_.delta.conv_kernel - 1, deltanet_conv_dim(cfg_.delta));
     zero_state_.recurrent = be.alloc(int64_t(cfg_.delta.n_v_heads) * cfg_.delta.k_head_dim, cfg_.delta.v_head_dim);
@@ -252,7 +252,7 @@ class Qwen3Next final : public DecoderModel {
   std::vector<Qwen3NextLayer> layers_;
   std::deque<std::vector<char>> regrouped_;  // storage of the regrouped fused weights
   RopeTable rope_;
-  Buffer gate_;                // [max_batch_, q_dim]: output gate of the full-attention layers
+  Buffer gate_;                // [info_.max_batch, q_dim]: output gate of the full-attention layers
   DeltaNetBuffers delta_buf_;  // activations of the linear-attention layers
   DeltaNetState zero_state_;  // all zeros; sequences reset their linear layers from it
 };
