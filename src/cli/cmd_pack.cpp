@@ -32,6 +32,9 @@ void add_pack(CLI::App& app) {
   cmd->add_flag("--clip-search", f->options.clip_search, "Choose per-group clipping by least squared error (for 2-bit)");
   cmd->add_option("-t,--threads", f->options.threads, "Experts converted at once (default: all hardware threads)")
       ->check(kNonNegative);
+  cmd->add_option("--read-ahead", f->options.read_ahead,
+                  "Batches of experts read ahead of the one converting (default 2; 0: read each when its turn comes)")
+      ->check(kNonNegative);
   CLI::Option* gptq = cmd->add_option("--gptq", f->options.gptq_text,
                                       "Quantize experts by GPTQ, calibrated on this text (not the one you measure on)");
   cmd->add_option("--gptq-tokens", f->options.gptq_tokens, "Calibration tokens at most (default 65536; 0: all)")

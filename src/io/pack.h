@@ -121,6 +121,9 @@ struct PackOptions {
   bool clip_search = false;    // per-group clipping by least squared error
   bool progress = true;        // progress on stderr: a bar on a terminal, else a line every few seconds
   int threads = 0;             // experts converted at once; <= 0: one per hardware thread (same bytes)
+  // Batches of experts read from the source ahead of the one being converted (0: each batch is
+  // read when its turn comes); the bytes of the pack do not depend on it.
+  int read_ahead = 2;
   // GPTQ (pack --gptq): experts quantized with error compensation under Hessians collected by
   // running the model on this calibration text (io/gptq.h); empty: round to nearest.
   std::string gptq_text;
@@ -135,6 +138,8 @@ struct PackOptions {
   // Checkpoint tensors the architecture never reads (a multimodal checkpoint's vision tower,
   // multi-token-prediction layers), left out of the pack; empty: keep every tensor.
   std::function<bool(const std::string& name)> skip;
+  // Test hook: runs once the checkpoint is open, before any of its tensors is read.
+  std::function<void()> opened;
 };
 
 // What a pack is made from, for resuming (PackWriter::resume): field -> value ("source": a

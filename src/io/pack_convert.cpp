@@ -24,6 +24,7 @@
 #include "io/gptq.h"
 #include "io/pack.h"
 #include "io/pack_format.h"
+#include "io/pack_pipeline.h"
 #include "io/pack_tensors.h"
 #include "io/safetensors.h"
 
@@ -34,50 +35,6 @@ using json = nlohmann::json;
 using namespace packer;
 
 namespace {
-
-// Progress on stderr: done/total bytes, rate and ETA; a bar redrawn five times a second on a
-// terminal, else (a log, a pipe) one line every five seconds and one at the end. The rate is shown
-// once half a second has passed (before that it would be a quotient of two tiny numbers).
-class Progress {
- public:
-  Progress(bool enabled, uint64_t total) : on_(enabled), tty_(isatty(2)), total_(total) {}
-  // Bytes a resumed pack kept: done, but not counted in the rate.
-  void skip(uint64_t bytes) {
-    std::lock_guard lock(mu_);
-    done_ += bytes;
-    skipped_ += bytes;
-  }
-  void add(uint64_t bytes) {  // from any thread
-    std::lock_guard lock(mu_);
-    done_ += bytes;
-    if (!on_) return;
-    const auto now = std::chrono::steady_clock::now();
-    const bool finished = done_ >= total_;
-    if (now - last_ < (tty_ ? std::chrono::milliseconds(200) : std::chrono::milliseconds(5000)) && !finished) return;
-    last_ = now;
-    const double s = std::chrono::duration<double>(now - start_).count();
-    char rate_text[48] = "   --- MB/s ETA    ?";
-    if (s >= 0.5) {
-      const double rate = (done_ - skipped_) / s, eta = rate > 0 ? (total_ - done_) / rate : 0;
-      std::snprintf(rate_text, sizeof rate_text, "%6.1f MB/s ETA %4.0fs", rate / 1e6, eta);
-    }
-    const double pct = total_ ? 100.0 * double(done_) / double(total_) : 100.0;
-    if (tty_) {
-      const int width = 30, filled = total_ ? int(width * double(done_) / double(total_)) : width;
-      std::fprintf(stderr, "\rpacking [%.*s%*s] %5.1f%% %.2f/%.2f GB %s", filled, "##############################",
-                   width - filled, "", pct, done_ / 1e9, total_ / 1e9, rate_text);
-      if (finished) std::fprintf(stderr, "\n");
-    } else {
-      std::fprintf(stderr, "packing: %5.1f%% %.2f/%.2f GB %s\n", pct, done_ / 1e9, total_ / 1e9, rate_text);
-    }
-  }
-
- private:
-  std::mutex mu_;
-  bool on_, tty_;
-  uint64_t total_, done_ = 0, skipped_ = 0;
-  std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now(), last_ = start_;
-};
 
 bool ends_with(const std::string& s, const std::string& suffix) {
   return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
@@ -251,7 +208,7 @@ class Converter {
 
   // Non-expert tensors: as they are, or (--quant-all) linear weights and the embedding quantized.
   // The tensors added may point into this converter's buffers, kept until release_resident().
-  void add_resident(const TensorView& source, std::vector<TensorToWrite>& out) {
+  void add_resident(const TensorView& source, std::vector<TensorToWrite>& out, ThreadPool& pool) {
     if (c_.fp8_scales.count(&source) && fp8_resident_native_) {
       add_native_fp8_resident(source, out);
       return;
@@ -268,9 +225,8 @@ class Converter {
       f.bits = 8;
       quant_overrides_[module] = {{"bits", 8}, {"group_size", f.group_size}};
     }
-    const std::vector<float> values = to_f32(ExpertSource{t, -1}, nullptr, nullptr, {});
     const int64_t rows = t->shape[0], cols = t->shape[1];
-    auto [words, scales, biases] = quantize(values, rows, cols, f, owned_, t->name);
+    auto [words, scales, biases] = quantize_rows(*t, f, pool);
     out.push_back({t->name, DType::U32, {rows, cols * f.bits / 32}, words->data()});
     out.push_back({module + ".scales", DType::BF16, {rows, cols / f.group_size}, scales->data()});
     out.push_back({module + ".biases", DType::BF16, {rows, cols / f.group_size}, biases->data()});
@@ -445,6 +401,46 @@ class Converter {
     return {shape[0], fmt.bits ? shape[1] * int64_t(dtype_size(w.tensor->dtype)) * 8 / fmt.bits : shape[1]};
   }
 
+  // A resident matrix as affine codes, scales and biases (bf16), kept in owned_: quantized by
+  // blocks of rows on every thread of `pool` (groups lie within a row, so the bytes are those of
+  // one call over the whole matrix), and never all of it in float32 at once (the embedding of a
+  // 150k vocabulary would be 1.2 GB).
+  std::tuple<std::vector<char>*, std::vector<char>*, std::vector<char>*> quantize_rows(const TensorView& t,
+                                                                                       const QuantFormat& f,
+                                                                                       ThreadPool& pool) {
+    const int64_t rows = t.shape[0], cols = t.shape[1];
+    const int64_t words_per_row = cols * f.bits / 32, groups_per_row = cols / f.group_size;
+    const uint64_t row_bytes = uint64_t(cols) * dtype_size(t.dtype);
+    auto& words = owned_.emplace_back(size_t(rows * words_per_row) * 4);
+    auto& scales = owned_.emplace_back(size_t(rows * groups_per_row) * 2);
+    auto& biases = owned_.emplace_back(size_t(rows * groups_per_row) * 2);
+    auto* w = reinterpret_cast<uint32_t*>(words.data());
+    auto* sc = reinterpret_cast<uint16_t*>(scales.data());
+    auto* z = reinterpret_cast<uint16_t*>(biases.data());
+    // At most about 1 MB of float32 per block, and a few blocks per thread.
+    const int64_t block = std::max<int64_t>(
+        1, std::min<int64_t>((int64_t(1) << 18) / cols, (rows + 4 * pool.size() - 1) / (4 * pool.size())));
+    std::mutex mu;
+    std::exception_ptr error;
+    pool.parallel_for(size_t((rows + block - 1) / block), [&](size_t b0, size_t b1) {
+      try {
+        for (int64_t r0 = int64_t(b0) * block; r0 < std::min(rows, int64_t(b1) * block); r0 += block) {
+          const int64_t n = std::min(block, rows - r0);
+          const TensorView part{t.name, t.dtype, {n, cols}, t.as<char>() + uint64_t(r0) * row_bytes,
+                                uint64_t(n) * row_bytes};
+          const std::vector<float> values = to_f32(ExpertSource{&part, -1}, nullptr, nullptr, {});
+          quantize_affine(values.data(), n, cols, f, w + r0 * words_per_row, sc + r0 * groups_per_row,
+                          z + r0 * groups_per_row, QuantizeOptions{options_.clip_search}, t.name);
+        }
+      } catch (...) {
+        std::lock_guard lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    });
+    if (error) std::rethrow_exception(error);
+    return {&words, &scales, &biases};
+  }
+
   // values [rows, cols] as affine codes, scales and biases (bf16), kept in `bytes`: by GPTQ
   // under `hessian` when given, else rounded to nearest.
   std::tuple<std::vector<char>*, std::vector<char>*, std::vector<char>*> quantize(
@@ -542,6 +538,7 @@ void write_pack(const std::string& src, const std::string& out_arg, const Expert
   if (fs::exists(out)) fail(out, ": already exists (remove it first)");
   const Checkpoint checkpoint = open_checkpoint(src);
   const SortedTensors sorted = sort_tensors(checkpoint, parse, options);
+  if (options.opened) options.opened();
   if (sorted.resident.empty() && sorted.experts.empty()) fail(src, ": no weights (its safetensors files hold no tensors)");
   if (sorted.experts.empty()) fail(src, ": no routed-expert weights (is it a Mixture-of-Experts checkpoint?)");
   if (!options.expert_bits.empty())
@@ -596,23 +593,11 @@ static void write_converted(const std::string& src, PackWriter& writer, int n_la
                             bool report) {
   Converter converter(checkpoint, sorted, options, hessians);
   Progress progress(options.progress, sorted.total_bytes);
+  ThreadPool pool(options.threads);
 
-  if (writer.kept_weights()) {
-    for (const TensorView* t : sorted.resident) progress.skip(t->nbytes);
-    converter.restore_resident_quantization(writer.weights_note());
-  } else {
-    std::vector<TensorToWrite> resident;
-    for (const TensorView* t : sorted.resident) {
-      progress.add(t->nbytes);
-      converter.add_resident(*t, resident);
-    }
-    write_safetensors(writer.tmp_dir() + "/weights.safetensors", resident, {{"format", "pt"}});
-    converter.release_resident();
-    writer.weights_written(converter.resident_quantization().dump());
-  }
-
-  // Experts are converted several at a time (quantizing is most of the work) and written in
-  // order, so the pack's bytes do not depend on the thread count.
+  // The units of work in the order they are done: each resident tensor, then batches of experts
+  // (converted several at a time, as quantizing is most of the work, and written in order, so
+  // the pack's bytes depend neither on the thread count nor on the read-ahead).
   struct Item {
     int layer, expert;
     const ExpertParts* parts;
@@ -626,26 +611,74 @@ static void write_converted(const std::string& src, PackWriter& writer, int n_la
       }
       for (const auto& [role, part] : parts) progress.skip(part.nbytes());
     }
-  ThreadPool pool(options.threads);
   const size_t batch = size_t(2 * pool.size());
+  const std::vector<const TensorView*> resident =
+      writer.kept_weights() ? std::vector<const TensorView*>() : sorted.resident;
+  std::vector<std::vector<SourceRange>> groups(resident.size() + (items.size() + batch - 1) / batch);
+  const auto add_range = [&](std::vector<SourceRange>& group, const TensorView* t, const char* data, uint64_t n) {
+    group.push_back({data, n, checkpoint.weights.file_of(t->name), t->name});
+    auto scale = checkpoint.fp8_scales.find(t);
+    if (scale != checkpoint.fp8_scales.end()) {
+      const TensorView* s = scale->second;
+      group.push_back({s->as<char>(), s->nbytes, checkpoint.weights.file_of(s->name), s->name});
+    }
+  };
+  for (size_t i = 0; i < resident.size(); ++i) add_range(groups[i], resident[i], resident[i]->as<char>(), resident[i]->nbytes);
+  uint64_t batch_bytes = 0;
+  for (size_t i = 0; i < items.size(); ++i) {
+    std::vector<SourceRange>& group = groups[resident.size() + i / batch];
+    for (const auto& [role, part] : *items[i].parts) add_range(group, part.tensor, part.data(), part.nbytes());
+    uint64_t bytes = 0;
+    for (const SourceRange& r : group) bytes += r.size;
+    batch_bytes = std::max(batch_bytes, bytes);
+  }
+  ReadAhead reads(std::move(groups), uint64_t(std::max(0, options.read_ahead)) * batch_bytes, 4);
+
+  if (writer.kept_weights()) {
+    for (const TensorView* t : sorted.resident) progress.skip(t->nbytes);
+    converter.restore_resident_quantization(writer.weights_note());
+  } else {
+    std::vector<TensorToWrite> tensors;
+    for (size_t i = 0; i < resident.size(); ++i) {
+      reads.wait(i);
+      progress.add(resident[i]->nbytes);
+      converter.add_resident(*resident[i], tensors, pool);
+    }
+    write_safetensors(writer.tmp_dir() + "/weights.safetensors", tensors, {{"format", "pt"}});
+    converter.release_resident();
+    for (size_t i = 0; i < resident.size(); ++i) reads.release(i);
+    writer.weights_written(converter.resident_quantization().dump());
+  }
+
+  // While the pool converts a batch, the next ones are read and the one before is written.
+  SerialWriter out;
   for (size_t i0 = 0; i0 < items.size(); i0 += batch) {
-    const size_t n = std::min(batch, items.size() - i0);
-    std::vector<ExpertBlock> blocks(n);
+    const size_t n = std::min(batch, items.size() - i0), group = resident.size() + i0 / batch;
+    reads.wait(group);
+    auto blocks = std::make_shared<std::vector<ExpertBlock>>(n);
     std::vector<std::exception_ptr> errors(n);
     pool.parallel_for(n, [&](size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         try {
-          blocks[i] = converter.expert(items[i0 + i].layer, items[i0 + i].expert, *items[i0 + i].parts, progress);
+          (*blocks)[i] = converter.expert(items[i0 + i].layer, items[i0 + i].expert, *items[i0 + i].parts, progress);
         } catch (...) {
           errors[i] = std::current_exception();
         }
       }
     });
-    for (size_t i = 0; i < n; ++i) {
-      if (errors[i]) std::rethrow_exception(errors[i]);
-      writer.add_expert(items[i0 + i].layer, blocks[i].format(), blocks[i].parts);
-    }
+    for (size_t i = 0; i < n; ++i)
+      if (errors[i]) {
+        out.finish();  // an earlier batch's write error comes first
+        std::rethrow_exception(errors[i]);
+      }
+    out.push([&writer, &reads, &items, blocks, i0, group] {
+      for (size_t i = 0; i < blocks->size(); ++i)
+        writer.add_expert(items[i0 + i].layer, (*blocks)[i].format(), (*blocks)[i].parts);
+      blocks->clear();
+      reads.release(group);  // kept parts point into the source until written
+    });
   }
+  out.finish();
 
   copy_side_files(src, writer.tmp_dir());
   rewrite_config(checkpoint.config, converter, writer.tmp_dir());

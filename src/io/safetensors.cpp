@@ -317,6 +317,13 @@ const TensorView* WeightSet::find(const std::string& name) const {
   return it == index_.end() ? nullptr : it->second;
 }
 
+const std::string& WeightSet::file_of(const std::string& name) const {
+  for (const auto& f : files_)
+    if (f->tensors().count(name)) return f->path();
+  (void)get(name);  // names the missing tensor
+  return origin_;
+}
+
 const TensorView& WeightSet::get(const std::string& name) const {
   if (const TensorView* t = find(name)) return *t;
   // Suggest up to three names sharing the longest prefix with the one asked for.

@@ -59,6 +59,7 @@ class WeightSet {
   const TensorView& get(const std::string& name) const;   // throws Error naming tensor and dir
   bool has(const std::string& name) const { return find(name) != nullptr; }
   std::vector<std::string> names() const;  // sorted
+  const std::string& file_of(const std::string& name) const;  // the path of the file holding it
   const std::string& origin() const { return origin_; }
 
  private:
