@@ -11,6 +11,7 @@
 #include <deque>
 #include <exception>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -639,14 +640,24 @@ static void write_converted(const std::string& src, PackWriter& writer, int n_la
     converter.restore_resident_quantization(writer.weights_note());
   } else {
     std::vector<TensorToWrite> tensors;
+    std::vector<bool> in_use(resident.size());  // written from the source's mapping
     for (size_t i = 0; i < resident.size(); ++i) {
       reads.wait(i);
       progress.add(resident[i]->nbytes);
+      const size_t first = tensors.size();
       converter.add_resident(*resident[i], tensors, pool);
+      const char* begin = resident[i]->as<char>();
+      for (size_t t = first; t < tensors.size(); ++t) {
+        const char* at = static_cast<const char*>(tensors[t].data);
+        in_use[i] = in_use[i] || (!std::less<const char*>()(at, begin) &&
+                                  std::less<const char*>()(at, begin + resident[i]->nbytes));
+      }
+      if (!in_use[i]) reads.release(i);  // converted (--quant-all): its source is no longer needed
     }
     write_safetensors(writer.tmp_dir() + "/weights.safetensors", tensors, {{"format", "pt"}});
     converter.release_resident();
-    for (size_t i = 0; i < resident.size(); ++i) reads.release(i);
+    for (size_t i = 0; i < resident.size(); ++i)
+      if (in_use[i]) reads.release(i);
     writer.weights_written(converter.resident_quantization().dump());
   }
 
