@@ -3,7 +3,7 @@
 published on the Hugging Face Hub, with the real Qwen3 tokenizer, for scripts/peer-bench.
 
   tools/make_bench_checkpoint.py OUT [--layers 16] [--seed 0] [--tiny] [--tokenizer DIR]
-                                     [--writer transformers|numpy] [--shard-gb 4]
+                                     [--writer transformers|numpy] [--device cpu|cuda] [--shard-gb 4]
 
 The shape is Qwen3-30B-A3B's (hidden 2048, 32 query / 4 KV heads of 128, 128 experts of width
 768 of which 8 per token, vocabulary 151936, untied output head) with --layers of its 48 layers
@@ -89,7 +89,7 @@ def numpy_tensors(c, seed):
     return {name: make(name, shape) for name, shape in tensor_shapes(c)}
 
 
-def transformers_tensors(c, seed):
+def transformers_tensors(c, seed, device):
     """name -> bf16 bytes producer of a Qwen3MoeForCausalLM built by transformers from SEED."""
     import torch
     import transformers
@@ -102,11 +102,12 @@ def transformers_tensors(c, seed):
         config = transformers.Qwen3MoeConfig(**cfg, rope_theta=theta)
     torch.manual_seed(seed)
     torch.set_default_dtype(torch.bfloat16)  # initialize in bf16: 21 GB for 16 layers, not 42
-    model = transformers.Qwen3MoeForCausalLM(config)
+    with torch.device(device):
+        model = transformers.Qwen3MoeForCausalLM(config)
     torch.set_default_dtype(torch.float32)
 
     def as_bytes(t):
-        return lambda: t.detach().to(torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
+        return lambda: t.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes()
 
     w = c["moe_intermediate_size"]
     out = {}
@@ -176,6 +177,8 @@ def main():
     ap.add_argument("--tokenizer", default=os.path.join(here, "..", ".cache", "tokenizer-qwen3"),
                     help="directory with the Qwen3 tokenizer.json and tokenizer_config.json")
     ap.add_argument("--writer", choices=("transformers", "numpy"), default="transformers")
+    ap.add_argument("--device", default="cpu",
+                    help="where transformers initializes the weights (cuda is faster; other values for the same seed)")
     ap.add_argument("--shard-gb", type=float, default=4.0)
     a = ap.parse_args()
     layers = a.layers if a.layers is not None else (2 if a.tiny else 16)
@@ -191,8 +194,10 @@ def main():
     c = config_dict(TINY if a.tiny else QWEN3_30B_A3B, layers)
     made_by = {"writer": a.writer, "seed": a.seed}
     if a.writer == "transformers":
+        made_by["device"] = a.device
+    if a.writer == "transformers":
         try:
-            tensors, version = transformers_tensors(c, a.seed)
+            tensors, version = transformers_tensors(c, a.seed, a.device)
         except ImportError as e:
             sys.exit(f"make_bench_checkpoint: the transformers writer needs torch and transformers ({e}); "
                      f"--writer numpy needs only numpy")
