@@ -26,20 +26,8 @@ std::string render(const std::string& src, uint64_t max_bytes = 0) {
   return jinja::Template::parse(src, "t").render(ordered_json::object(), o);
 }
 
-// src must stop with a MemoryError (the budget's, or one string's limit), quickly.
-void expect_memory_error(const std::string& src) {
-  SCOPED_TRACE(src);
-  const auto start = std::chrono::steady_clock::now();
-  try {
-    render(src);
-    ADD_FAILURE() << "no error";
-  } catch (const jinja::TemplateError& e) {
-    EXPECT_EQ(e.type(), "MemoryError") << e.what();
-  }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
-}
-
-// src must stop with the budget's MemoryError, quickly.
+// src must stop with the budget's MemoryError, quickly (before the budget, these took minutes and
+// gigabytes, or exhausted the memory).
 void expect_over_budget(const std::string& src, uint64_t max_bytes = 0) {
   SCOPED_TRACE(src);
   const auto start = std::chrono::steady_clock::now();
@@ -54,7 +42,7 @@ void expect_over_budget(const std::string& src, uint64_t max_bytes = 0) {
               std::string::npos)
         << e.what();
   }
-  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 5.0);
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
 }
 
 // The fuzz findings' pattern: '...'.format(...) | join(sep) | join(sep, attribute) | ... .
@@ -74,19 +62,20 @@ TEST(JinjaBudget, JoinChainsOverStringsStopBeforeTheyBuild) {
 }
 
 // Printing, serializing or formatting a value that holds one string many times (shared, so the
-// value itself is small) builds far more than the value: 2^40 copies of 1000 bytes here. One
-// string's limit (64 MB) comes first; it too is checked before each piece is appended.
+// value itself is small) builds far more than the value: 2^40 copies of 1000 bytes here. (A budget
+// of 8 MB keeps the test quick; at the default, one string's 64 MB limit, also checked before
+// each piece is appended, comes first.)
 TEST(JinjaBudget, SharedValuesPrintWithinTheBudget) {
   const std::string grow =
       "{% set ns = namespace(a=['x' * 1000]) %}{% for i in range(40) %}{% set ns.a = [ns.a, ns.a] %}{% endfor %}";
-  expect_memory_error(grow + "{{ ns.a }}");
-  expect_memory_error(grow + "{{ ns.a | tojson }}");
-  expect_memory_error(grow + "{{ ns.a | string | length }}");
-  expect_memory_error(grow + "{{ '%s' % [ns.a] }}");
-  expect_memory_error(grow + "{{ ns.a | join(',') }}");
-  expect_memory_error(grow + "{{ {'k': ns.a} }}");
-  expect_memory_error(grow + "{{ ns }}");
-  expect_memory_error(grow + "{{ ns.a | tojson(indent=2) }}");
+  expect_over_budget(grow + "{{ ns.a }}", 8 << 20);
+  expect_over_budget(grow + "{{ ns.a | tojson }}", 8 << 20);
+  expect_over_budget(grow + "{{ ns.a | string | length }}", 8 << 20);
+  expect_over_budget(grow + "{{ '%s' % [ns.a] }}", 8 << 20);
+  expect_over_budget(grow + "{{ ns.a | join(',') }}", 8 << 20);
+  expect_over_budget(grow + "{{ {'k': ns.a} }}", 8 << 20);
+  expect_over_budget(grow + "{{ ns }}", 8 << 20);
+  expect_over_budget(grow + "{{ ns.a | tojson(indent=2) }}", 8 << 20);
 }
 
 // Builders that multiply what they are given, each asked for more than the budget in one step.
@@ -149,13 +138,13 @@ TEST(JinjaBudget, TheBudgetIsPerRender) {
 // two nested loops over one big list ran for hours inside the step budget.
 TEST(JinjaBudget, EmptyLoopsCountSteps) {
   jinja::RenderOptions o;
-  o.max_steps = 200'000;
+  o.max_steps = 300'000;  // range(100000) costs 200,000 (its items, then the list built)
   try {
     jinja::Template::parse("{% set l = range(100000) %}{% for a in l %}{% for b in l %}{% endfor %}{% endfor %}", "t")
         .render(ordered_json::object(), o);
     ADD_FAILURE() << "no error";
   } catch (const jinja::TemplateError& e) {
-    EXPECT_NE(std::string(e.what()).find("200000 evaluation steps"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("300000 evaluation steps"), std::string::npos) << e.what();
   }
   // unique compares an item with every one kept: 100,000 distinct items, 5 * 10^9 comparisons.
   try {
