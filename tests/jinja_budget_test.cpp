@@ -131,7 +131,7 @@ TEST(JinjaBudget, TheBudgetIsPerRender) {
   jinja::RenderOptions o;
   o.max_bytes = 1 << 20;
   for (int i = 0; i < 3; ++i) EXPECT_EQ(t.render(ordered_json::object(), o).size(), 500000u);
-  EXPECT_GE(text_limits::kMaxRenderBytes, uint64_t(128) << 20);
+  EXPECT_GE(text_limits::kMaxRenderBytes, uint64_t(64) << 20);  // at least one string's limit
 }
 
 // Loops whose body costs no statement count an evaluation step an iteration: 10^10 iterations of

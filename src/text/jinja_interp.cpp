@@ -3,6 +3,7 @@
 // blocks do not. Macros see the scope they were defined in.
 #include "text/jinja_interp.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "text/limits.h"
@@ -39,6 +40,12 @@ void Interp::charge(int64_t steps) {
   render_steps_ += steps;
   if (render_steps_ > max_steps_)
     throw_error("RuntimeError", "the template takes more than " + std::to_string(max_steps_) + " evaluation steps");
+}
+
+void Interp::charge_scan(const Value& v) {
+  if (v.is_string()) charge_scan(v.str().size());
+  else if (v.is_list()) charge(int64_t(v.list().size()));
+  else if (v.is_dict()) charge(int64_t(v.dict().items.size()));
 }
 
 std::string object_type_repr(const Value& v) {
@@ -89,6 +96,7 @@ Value Interp::getitem(const Value& obj, const Value& key) {
         if (i < 0) i += n;
         if (i >= 0 && i < n) return Value(std::string(1, s[size_t(i)]));
       } else {  // walks to the code point: s[0] of a big string in a loop must not copy it
+        charge_scan(s.size());
         int64_t n = int64_t(cp_split_count(s));
         if (i < 0) i += n;
         if (i >= 0 && i < n) {
@@ -497,6 +505,9 @@ Value Interp::eval_node(const Expr& e, const FrameP& frame) {
         for (size_t i = 0; i < e.ops.size(); ++i) {
           Value right = eval(*e.items[i], frame);
           const std::string& op = e.ops[i];
+          // == and < read strings to their first difference, `in` reads the whole container.
+          if (op == "in" || op == "not in") charge_scan(right);
+          else if (left.is_string() && right.is_string()) charge_scan(std::min(left.str().size(), right.str().size()));
           bool r;
           if (op == "==") r = equals(left, right);
           else if (op == "!=") r = !equals(left, right);
