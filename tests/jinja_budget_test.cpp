@@ -155,5 +155,26 @@ TEST(JinjaBudget, EmptyLoopsCountSteps) {
   }
 }
 
+// Builtins that read a big value without building anything count what they read: `s | length`
+// of a 60 MB string in a loop of 100,000 ran for half an hour inside the step budget.
+TEST(JinjaBudget, ReadsCountSteps) {
+  jinja::RenderOptions o;
+  o.max_steps = 400'000;  // range(100000) costs 200,000, s and u 31,250 each
+  const std::string setup =
+      "{% set s = 'a' * 1000000 %}{% set u = 'é' * 500000 %}{% set l = range(100000) %}{% for i in l %}";
+  for (const char* body : {"{{ s | length }}", "{{ 'b' in s }}", "{{ s.find('b') }}", "{{ s.count('b') }}",
+                           "{{ s == s[1:] ~ 'b' }}", "{{ -1 in l }}", "{{ l.count(-1) }}", "{{ u[-1] }}"}) {
+    SCOPED_TRACE(body);
+    const auto start = std::chrono::steady_clock::now();
+    try {
+      jinja::Template::parse(setup + body + "{% endfor %}", "t").render(ordered_json::object(), o);
+      ADD_FAILURE() << "no error";
+    } catch (const jinja::TemplateError& e) {
+      EXPECT_NE(std::string(e.what()).find("400000 evaluation steps"), std::string::npos) << e.what();
+    }
+    EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 10.0);
+  }
+}
+
 }  // namespace
 }  // namespace moestream
