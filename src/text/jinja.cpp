@@ -51,6 +51,7 @@ std::string Template::render(const nlohmann::ordered_json& variables, const Rend
                 options.max_steps > 0 ? options.max_steps : text_limits::kMaxRenderSteps);
   std::string out;
   try {
+    ByteBudget budget(options.max_bytes > 0 ? options.max_bytes : text_limits::kMaxRenderBytes);
     interp.render(program_->body, root, out);
   } catch (const RenderError& e) {
     rethrow(e, program_->name);

@@ -54,6 +54,8 @@ struct RenderOptions {
   std::optional<std::time_t> now;
   // Evaluation steps before the render fails (text_limits::kMaxRenderSteps; tests lower it).
   int64_t max_steps = 0;  // 0: the limit
+  // Bytes the render may build (text_limits::kMaxRenderBytes; tests lower it).
+  uint64_t max_bytes = 0;  // 0: the limit
 };
 
 class Template {

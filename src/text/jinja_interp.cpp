@@ -3,6 +3,7 @@
 // blocks do not. Macros see the scope they were defined in.
 #include "text/jinja_interp.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "text/limits.h"
@@ -39,6 +40,12 @@ void Interp::charge(int64_t steps) {
   render_steps_ += steps;
   if (render_steps_ > max_steps_)
     throw_error("RuntimeError", "the template takes more than " + std::to_string(max_steps_) + " evaluation steps");
+}
+
+void Interp::charge_scan(const Value& v) {
+  if (v.is_string()) charge_scan(v.str().size());
+  else if (v.is_list()) charge(int64_t(v.list().size()));
+  else if (v.is_dict()) charge(int64_t(v.dict().items.size()));
 }
 
 std::string object_type_repr(const Value& v) {
@@ -88,11 +95,17 @@ Value Interp::getitem(const Value& obj, const Value& key) {
         int64_t n = int64_t(s.size());
         if (i < 0) i += n;
         if (i >= 0 && i < n) return Value(std::string(1, s[size_t(i)]));
-      } else {
-        auto cps = cp_split(s);
-        int64_t n = int64_t(cps.size());
+      } else {  // walks to the code point: s[0] of a big string in a loop must not copy it
+        charge_scan(s.size());
+        int64_t n = int64_t(cp_split_count(s));
         if (i < 0) i += n;
-        if (i >= 0 && i < n) return Value(std::string(cps[size_t(i)]));
+        if (i >= 0 && i < n) {
+          size_t pos = 0;
+          for (int64_t k = 0; k < i; ++k) decode(s, pos);
+          size_t start = pos;
+          decode(s, pos);
+          return Value(s.substr(start, pos - start));
+        }
       }
     }
     return Value::undefined(object_type_repr(obj) + " has no element " + to_repr(key));
@@ -102,17 +115,30 @@ Value Interp::getitem(const Value& obj, const Value& key) {
 }
 
 std::vector<Value> Interp::iterate(const Value& v) {
-  if (v.is_list()) return v.list();
+  if (v.is_list()) {
+    charge_bytes(v.list().size() * kSlotBytes);
+    return v.list();
+  }
   if (v.is_undefined()) return {};
   if (v.is_dict()) {
     std::vector<Value> out;
+    charge_bytes(v.dict().items.size() * kSlotBytes);
     out.reserve(v.dict().items.size());
     for (const auto& kv : v.dict().items) out.push_back(kv.first);
     return out;
   }
   if (v.is_string()) {
+    // A value a character: ~100 bytes for each byte of a string of ASCII.
+    const std::string& s = v.str();
+    const size_t n = cp_split_count(s);
+    charge_bytes(n * (kSlotBytes + kNewStringBytes) + s.size());
     std::vector<Value> out;
-    for (auto cp : cp_split(v.str())) out.emplace_back(std::string(cp));
+    out.reserve(n);
+    for (size_t i = 0; i < s.size();) {
+      size_t start = i;
+      decode(s, i);
+      out.emplace_back(s.substr(start, i - start));
+    }
     return out;
   }
   throw_error("TypeError", std::string("'") + type_name(v) + "' object is not iterable");
@@ -184,17 +210,17 @@ Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& 
   RenderDepth depth(render_depth_);
   switch (s.kind) {
     case Stmt::Text:
-      check_string_size(out.size() + s.text.size());
+      will_append(out, s.text.size());
       out += s.text;
       return Flow::Normal;
     case Stmt::Output: {
       Value v = eval(*s.expr, frame);
       if (v.is_string()) {
-        check_string_size(out.size() + v.str().size());
+        will_append(out, v.str().size());
         out += v.str();
       } else if (!v.is_undefined()) {
         std::string text = to_str(v);
-        check_string_size(out.size() + text.size());
+        will_append(out, text.size());
         out += text;
       }
       return Flow::Normal;
@@ -226,7 +252,9 @@ Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& 
       eval_args(call.args, frame, a);
       a.kw.emplace_back("caller", make_macro(s.macro, frame));
       Value r = this->call(fn, a);
-      out += to_str(r);
+      std::string text = to_str(r);
+      will_append(out, text.size());
+      out += text;
       return Flow::Normal;
     }
     case Stmt::FilterBlock: {
@@ -238,7 +266,9 @@ Interp::Flow Interp::exec_stmt(const Stmt& s, const FrameP& frame, std::string& 
         eval_args(f->args, frame, a);
         v = apply_filter(f->name, v, a);
       }
-      out += to_str(v);
+      const std::string result = to_str(v);
+      will_append(out, result.size());
+      out += result;
       return Flow::Normal;
     }
     case Stmt::With: {
@@ -266,6 +296,7 @@ void Interp::exec_for(const Stmt& s, const FrameP& frame, std::string& out) {
   }
   const int64_t n = int64_t(items.size());
   for (int64_t i = 0; i < n; ++i) {
+    charge(1);  // an empty body costs no statement: nested loops over big lists ran for hours
     auto f = std::make_shared<Frame>(frame);
     assign(s.target, items[size_t(i)], f);
     auto loop = std::make_shared<Dict>();
@@ -474,6 +505,9 @@ Value Interp::eval_node(const Expr& e, const FrameP& frame) {
         for (size_t i = 0; i < e.ops.size(); ++i) {
           Value right = eval(*e.items[i], frame);
           const std::string& op = e.ops[i];
+          // == and < read strings to their first difference, `in` reads the whole container.
+          if (op == "in" || op == "not in") charge_scan(right);
+          else if (left.is_string() && right.is_string()) charge_scan(std::min(left.str().size(), right.str().size()));
           bool r;
           if (op == "==") r = equals(left, right);
           else if (op == "!=") r = !equals(left, right);
@@ -497,12 +531,14 @@ Value Interp::eval_node(const Expr& e, const FrameP& frame) {
       case Expr::ListLit:
       case Expr::TupleLit: {
         List l;
+        charge_bytes(e.items.size() * kSlotBytes);
         l.reserve(e.items.size());
         for (const auto& x : e.items) l.push_back(eval(*x, frame));
         return Value(std::move(l));
       }
       case Expr::DictLit: {
         auto d = std::make_shared<Dict>();
+        charge_bytes(e.items.size() * kSlotBytes);
         for (size_t i = 0; i + 1 < e.items.size(); i += 2) {
           Value k = eval(*e.items[i], frame);
           Value v = eval(*e.items[i + 1], frame);

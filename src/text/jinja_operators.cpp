@@ -73,9 +73,16 @@ int64_t float_to_int(double x) {
 
 Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
   if (op == "~") {
-    std::string x = to_str(a), y = to_str(b);
-    check_string_size(x.size() + y.size());
-    return Value(x + y);
+    std::string r = a.is_string() ? a.str() : to_str(a);
+    if (b.is_string()) {
+      will_append(r, b.str().size());
+      r += b.str();
+    } else {
+      const std::string y = to_str(b);
+      will_append(r, y.size());
+      r += y;
+    }
+    return Value(std::move(r));
   }
   require_defined(a);
   require_defined(b);
@@ -127,10 +134,12 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
   if (op == "+") {
     if (a.is_string() && b.is_string()) {
       check_string_size(a.str().size() + b.str().size());
+      charge_bytes(a.str().size() + b.str().size());
       return Value(a.str() + b.str());
     }
     if (a.is_list() && b.is_list()) {
       check_list_size(a.list().size() + b.list().size());
+      charge_bytes((a.list().size() + b.list().size()) * kSlotBytes);
       List l = a.list();
       l.insert(l.end(), b.list().begin(), b.list().end());
       return Value(std::move(l));
@@ -156,6 +165,7 @@ Value Interp::binary(const std::string& op, const Value& a, const Value& b) {
                                        " items");
       }
       if (unit == 0) return seq->is_string() ? Value(std::string()) : Value(List{});
+      charge_bytes(unit * size_t(n) * (seq->is_string() ? 1 : kSlotBytes));
       if (seq->is_string()) {
         // By doubling: one append per copy took 50M appends for "a" * 50000000.
         const size_t total = unit * size_t(n);
@@ -193,13 +203,10 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
   if (!has_step) st = 1;
   if (st == 0) throw_error("ValueError", "slice step cannot be zero");
   int64_t b = idx(start, has_start), e = idx(stop, has_stop);
-  std::vector<std::string_view> cps;
   bool ascii = true;
-  if (obj.is_string()) {
+  if (obj.is_string())
     for (unsigned char ch : obj.str()) ascii = ascii && ch < 0x80;
-    if (!ascii) cps = cp_split(obj.str());
-  }
-  int64_t n = obj.is_list() ? int64_t(obj.list().size()) : ascii ? int64_t(obj.str().size()) : int64_t(cps.size());
+  int64_t n = obj.is_list() ? int64_t(obj.list().size()) : ascii ? int64_t(obj.str().size()) : int64_t(cp_split_count(obj.str()));
   // Python's PySlice_AdjustIndices.
   if (!has_start) b = st < 0 ? n - 1 : 0;
   else if (b < 0) b = std::max<int64_t>(b + n, st < 0 ? -1 : 0);
@@ -210,13 +217,29 @@ Value Interp::slice(const Value& obj, const Value& start, const Value& stop, con
   // The indices b, b + st, ... before e; a step past the end of int64 is past e too.
   auto next = [&](int64_t& i) { return !__builtin_add_overflow(i, st, &i) && (st > 0 ? i < e : i > e); };
   bool any = st > 0 ? b < e : b > e;
+  // The items taken: at most n, charged before they are copied.
+  const uint64_t taken = !any ? 0 : st > 0 ? uint64_t(e - b - 1) / uint64_t(st) + 1 : uint64_t(b - e - 1) / (0 - uint64_t(st)) + 1;
   if (obj.is_list()) {
+    charge_bytes(taken * kSlotBytes);
     List r;
+    r.reserve(taken);
     for (int64_t i = b; any; any = next(i)) r.push_back(obj.list()[size_t(i)]);
     return Value(std::move(r));
   }
   std::string r;
+  charge_bytes(ascii ? taken : std::min<uint64_t>(obj.str().size(), taken * 4));
   if (ascii && st == 1) return Value(b < e ? obj.str().substr(size_t(b), size_t(e - b)) : std::string());
+  if (st == 1) {  // s[b:e] of UTF-8: the byte offsets of b and e, no table of code points
+    if (b >= e) return Value(std::string());
+    const std::string& str = obj.str();
+    size_t pos = 0;
+    for (int64_t k = 0; k < b; ++k) decode(str, pos);
+    const size_t from = pos;
+    for (int64_t k = b; k < e; ++k) decode(str, pos);
+    return Value(str.substr(from, pos - from));
+  }
+  std::vector<std::string_view> cps;
+  if (!ascii) cps = cp_split(obj.str());
   for (int64_t i = b; any; any = next(i)) {
     if (ascii) r += obj.str()[size_t(i)];
     else r += cps[size_t(i)];

@@ -85,6 +85,26 @@ void check_list_size(size_t items) {
                                    std::to_string(text_limits::kMaxListItems) + " items");
 }
 
+namespace {
+thread_local ByteBudget* byte_budget = nullptr;
+}  // namespace
+
+ByteBudget::ByteBudget(uint64_t max_bytes) : max_(max_bytes), outer_(byte_budget) { byte_budget = this; }
+ByteBudget::~ByteBudget() { byte_budget = outer_; }
+
+void charge_bytes(uint64_t bytes) {
+  ByteBudget* b = byte_budget;
+  if (!b) return;
+  if (bytes > b->max_ - b->used_)
+    throw_error("MemoryError", "render stopped: the template builds more than " + std::to_string(b->max_) +
+                                   " bytes of strings and lists");
+  b->used_ += bytes;
+}
+
+void will_append(const std::string& out, size_t n) {
+  check_string_size(n > SIZE_MAX - out.size() ? SIZE_MAX : out.size() + n);
+  charge_bytes(n);
+}
 
 std::string Value::undefined_hint() const {
   const auto& u = std::get<Undefined>(v);
@@ -242,6 +262,7 @@ size_t cp_count(std::string_view s) {
 
 std::vector<std::string_view> cp_split(std::string_view s) {
   std::vector<std::string_view> out;
+  charge_bytes(s.size() * sizeof(std::string_view));
   out.reserve(s.size());
   size_t i = 0;
   while (i < s.size()) {
@@ -250,6 +271,12 @@ std::vector<std::string_view> cp_split(std::string_view s) {
     out.push_back(s.substr(start, i - start));
   }
   return out;
+}
+
+size_t cp_split_count(std::string_view s) {
+  size_t n = 0;
+  for (size_t i = 0; i < s.size(); ++n) decode(s, i);
+  return n;
 }
 
 bool py_isspace(char32_t c) {
@@ -262,21 +289,27 @@ bool py_isspace(char32_t c) {
 std::string percent_format(const std::string& f, const std::vector<Value>& args, bool all_used) {
   std::string r;
   size_t k = 0;
+  auto put = [&r](std::string_view x) {
+    will_append(r, x.size());
+    r += x;
+  };
   for (size_t i = 0; i < f.size(); ++i) {
     if (f[i] != '%' || i + 1 >= f.size()) {
-      r += f[i];
+      const size_t e = std::min(f.find('%', i + 1), f.size());  // the text up to the next %
+      put(std::string_view(f).substr(i, e - i));
+      i = e - 1;
       continue;
     }
     char t = f[++i];
     if (t == '%') {
-      r += '%';
+      put("%");
       continue;
     }
     if (k >= args.size()) throw_error("TypeError", "not enough arguments for format string");
     const Value& x = args[k++];
-    if (t == 's') r += to_str(x);
-    else if (t == 'r') r += to_repr(x);
-    else if ((t == 'd' || t == 'i') && x.is_number()) r += std::to_string(x.is_float() ? float_to_int(x.real()) : x.as_int());
+    if (t == 's') put(x.is_string() ? x.str() : to_str(x));
+    else if (t == 'r') put(to_repr(x));
+    else if ((t == 'd' || t == 'i') && x.is_number()) put(std::to_string(x.is_float() ? float_to_int(x.real()) : x.as_int()));
     else throw_error("TypeError", "unsupported format character");
   }
   if (all_used && k < args.size()) throw_error("TypeError", "not all arguments converted during string formatting");
@@ -335,98 +368,115 @@ static bool py_isprintable(char32_t c) {
   }
 }
 
-std::string str_repr(std::string_view s) {
+// repr(s) appended to out; printable runs are appended whole, each append charged before it.
+static void str_repr_into(std::string& out, std::string_view s) {
   char quote = '\'';
   if (s.find('\'') != std::string_view::npos && s.find('"') == std::string_view::npos) quote = '"';
-  std::string out(1, quote);
-  size_t i = 0;
+  auto put = [&out](std::string_view x) {
+    will_append(out, x.size());
+    out += x;
+  };
+  put(std::string_view(&quote, 1));
+  size_t i = 0, run = 0;  // s[run, start) is printable and not yet appended
   while (i < s.size()) {
     size_t start = i;
     char32_t c = decode(s, i);
+    if (py_isprintable(c) && c != static_cast<char32_t>(quote) && c != '\\') continue;
+    put(s.substr(run, start - run));
+    run = i;
     char buf[16];
-    if (c == static_cast<char32_t>(quote) || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c == '\t') {
-      out += "\\t";
-    } else if (c == '\n') {
-      out += "\\n";
-    } else if (c == '\r') {
-      out += "\\r";
-    } else if (py_isprintable(c)) {
-      out.append(s.substr(start, i - start));
-    } else {
-      if (c < 0x100)
-        std::snprintf(buf, sizeof buf, "\\x%02x", unsigned(c));
-      else if (c < 0x10000)
-        std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(c));
-      else
-        std::snprintf(buf, sizeof buf, "\\U%08x", unsigned(c));
-      out += buf;
-    }
+    if (c == static_cast<char32_t>(quote) || c == '\\')
+      buf[0] = '\\', buf[1] = static_cast<char>(c), buf[2] = 0;
+    else if (c == '\t')
+      std::snprintf(buf, sizeof buf, "\\t");
+    else if (c == '\n')
+      std::snprintf(buf, sizeof buf, "\\n");
+    else if (c == '\r')
+      std::snprintf(buf, sizeof buf, "\\r");
+    else if (c < 0x100)
+      std::snprintf(buf, sizeof buf, "\\x%02x", unsigned(c));
+    else if (c < 0x10000)
+      std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(c));
+    else
+      std::snprintf(buf, sizeof buf, "\\U%08x", unsigned(c));
+    put(buf);
   }
-  out += quote;
+  put(s.substr(run));
+  put(std::string_view(&quote, 1));
+}
+
+std::string str_repr(std::string_view s) {
+  std::string out;
+  str_repr_into(out, s);
   return out;
 }
 
 static void repr_into(std::string& out, const Value& v);
 
+// Appends x to out, charged before. A list holding one big string many times, or lists of such
+// lists, prints to far more than the values hold: every piece is charged before it is appended.
+static void put(std::string& out, std::string_view x) {
+  will_append(out, x.size());
+  out += x;
+}
+
 static void str_into(std::string& out, const Value& v) {
   switch (v.v.index()) {
     case 0: return;
-    case 1: out += "None"; return;
-    case 2: out += v.boolean() ? "True" : "False"; return;
-    case 3: out += std::to_string(v.integer()); return;
-    case 4: out += float_repr(v.real()); return;
-    case 5: out += v.str(); return;
+    case 1: put(out, "None"); return;
+    case 2: put(out, v.boolean() ? "True" : "False"); return;
+    case 3: put(out, std::to_string(v.integer())); return;
+    case 4: put(out, float_repr(v.real())); return;
+    case 5: put(out, v.str()); return;
     default: repr_into(out, v);
   }
 }
 
 static void repr_into(std::string& out, const Value& v) {
   switch (v.v.index()) {
-    case 0: out += "Undefined"; return;
-    case 5: out += str_repr(v.str()); return;
+    case 0: put(out, "Undefined"); return;
+    case 5: str_repr_into(out, v.str()); return;
     case 6: {
       Nested nested;
-      out += '[';
+      put(out, "[");
       bool first = true;
       for (const auto& x : v.list()) {
-        if (!first) out += ", ";
+        if (!first) put(out, ", ");
         first = false;
         repr_into(out, x);
       }
-      out += ']';
+      put(out, "]");
       return;
     }
     case 7: {
       Nested nested;
-      out += '{';
+      put(out, "{");
       bool first = true;
       for (const auto& [k, x] : v.dict().items) {
-        if (!first) out += ", ";
+        if (!first) put(out, ", ");
         first = false;
         repr_into(out, k);
-        out += ": ";
+        put(out, ": ");
         repr_into(out, x);
       }
-      out += '}';
+      put(out, "}");
       return;
     }
     case 8: {
       Nested nested;
-      out += "<Namespace {";
+      put(out, "<Namespace {");
       bool first = true;
       for (const auto& [k, x] : v.ns().attrs) {
-        if (!first) out += ", ";
+        if (!first) put(out, ", ");
         first = false;
-        out += str_repr(k) + ": ";
+        str_repr_into(out, k);
+        put(out, ": ");
         repr_into(out, x);
       }
-      out += "}>";
+      put(out, "}>");
       return;
     }
-    case 9: out += "<function " + v.fn().name + ">"; return;
+    case 9: put(out, "<function " + v.fn().name + ">"); return;
     default: str_into(out, v);
   }
 }
@@ -447,35 +497,30 @@ std::string to_repr(const Value& v) {
 // ---- json.dumps ----
 
 static void json_string(std::string& out, std::string_view s, bool ensure_ascii) {
-  out += '"';
-  size_t i = 0;
+  put(out, "\"");
+  size_t i = 0, run = 0;  // s[run, start) needs no escape and is not yet appended
   while (i < s.size()) {
     size_t start = i;
     char32_t c = decode(s, i);
+    const char* esc = c == '"' ? "\\\"" : c == '\\' ? "\\\\" : c == '\n' ? "\\n" : c == '\r' ? "\\r"
+                    : c == '\t' ? "\\t" : c == '\b' ? "\\b" : c == '\f' ? "\\f" : nullptr;
+    if (!esc && !(c < 0x20 || (ensure_ascii && c >= 0x7F))) continue;
+    put(out, s.substr(run, start - run));
+    run = i;
     char buf[16];
-    switch (c) {
-      case '"': out += "\\\""; continue;
-      case '\\': out += "\\\\"; continue;
-      case '\n': out += "\\n"; continue;
-      case '\r': out += "\\r"; continue;
-      case '\t': out += "\\t"; continue;
-      case '\b': out += "\\b"; continue;
-      case '\f': out += "\\f"; continue;
-      default: break;
-    }
-    if (c < 0x20 || (ensure_ascii && c >= 0x7F)) {
+    if (!esc) {
       if (c >= 0x10000) {
         char32_t v = c - 0x10000;
         std::snprintf(buf, sizeof buf, "\\u%04x\\u%04x", unsigned(0xD800 | (v >> 10)), unsigned(0xDC00 | (v & 0x3FF)));
       } else {
         std::snprintf(buf, sizeof buf, "\\u%04x", unsigned(c));
       }
-      out += buf;
-    } else {
-      out.append(s.substr(start, i - start));
+      esc = buf;
     }
+    put(out, esc);
   }
-  out += '"';
+  put(out, s.substr(run));
+  put(out, "\"");
 }
 
 static std::string json_key(const Value& k) {
@@ -489,19 +534,19 @@ static std::string json_key(const Value& k) {
 
 static void dump_into(std::string& out, const Value& v, const DumpOptions& o, int depth) {
   auto newline = [&](int d) {
-    check_string_size(out.size() + 1 + size_t(d) * o.indent.size());
+    will_append(out, 1 + size_t(d) * o.indent.size());  // d <= kMaxValueDepth, indent < 64 MB
     out += '\n';
     for (int i = 0; i < d; ++i) out += o.indent;
   };
   switch (v.v.index()) {
-    case 1: out += "null"; return;
-    case 2: out += v.boolean() ? "true" : "false"; return;
-    case 3: out += std::to_string(v.integer()); return;
+    case 1: put(out, "null"); return;
+    case 2: put(out, v.boolean() ? "true" : "false"); return;
+    case 3: put(out, std::to_string(v.integer())); return;
     case 4: {
       double d = v.real();
-      if (std::isnan(d)) out += "NaN";
-      else if (std::isinf(d)) out += d > 0 ? "Infinity" : "-Infinity";
-      else out += float_repr(d);
+      if (std::isnan(d)) put(out, "NaN");
+      else if (std::isinf(d)) put(out, d > 0 ? "Infinity" : "-Infinity");
+      else put(out, float_repr(d));
       return;
     }
     case 5: json_string(out, v.str(), o.ensure_ascii); return;
@@ -509,24 +554,24 @@ static void dump_into(std::string& out, const Value& v, const DumpOptions& o, in
       Nested nested;
       const List& l = v.list();
       if (l.empty()) {
-        out += "[]";
+        put(out, "[]");
         return;
       }
-      out += '[';
+      put(out, "[");
       for (size_t i = 0; i < l.size(); ++i) {
-        if (i) out += o.item_sep;
+        if (i) put(out, o.item_sep);
         if (o.has_indent) newline(depth + 1);
         dump_into(out, l[i], o, depth + 1);
       }
       if (o.has_indent) newline(depth);
-      out += ']';
+      put(out, "]");
       return;
     }
     case 7: {
       Nested nested;
       const Dict& d = v.dict();
       if (d.items.empty()) {
-        out += "{}";
+        put(out, "{}");
         return;
       }
       std::vector<std::pair<std::string, const Value*>> items;
@@ -534,16 +579,16 @@ static void dump_into(std::string& out, const Value& v, const DumpOptions& o, in
       for (const auto& [k, x] : d.items) items.emplace_back(json_key(k), &x);
       if (o.sort_keys)
         std::stable_sort(items.begin(), items.end(), [](const auto& a, const auto& b) { return a.first < b.first; });
-      out += '{';
+      put(out, "{");
       for (size_t i = 0; i < items.size(); ++i) {
-        if (i) out += o.item_sep;
+        if (i) put(out, o.item_sep);
         if (o.has_indent) newline(depth + 1);
         json_string(out, items[i].first, o.ensure_ascii);
-        out += o.key_sep;
+        put(out, o.key_sep);
         dump_into(out, *items[i].second, o, depth + 1);
       }
       if (o.has_indent) newline(depth);
-      out += '}';
+      put(out, "}");
       return;
     }
     default:

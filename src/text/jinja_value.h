@@ -34,6 +34,28 @@ struct RenderError {
 void check_string_size(size_t bytes);
 void check_list_size(size_t items);
 
+// The render's budget of bytes built (RenderOptions::max_bytes, text_limits::kMaxRenderBytes):
+// every builder charges what it is about to build BEFORE it builds it, so that no template makes
+// a value beyond the budget first (a chain of joins multiplies a string's length at every link).
+// The budget belongs to the thread running the render (ByteBudget); outside a render nothing is
+// counted. Throws MemoryError naming the budget when a charge passes it.
+void charge_bytes(uint64_t bytes);
+// check_string_size(out.size() + n), then charge_bytes(n): before a builder appends n bytes.
+void will_append(const std::string& out, size_t n);
+// Opens the byte budget of a render on this thread for its lifetime.
+class ByteBudget {
+ public:
+  explicit ByteBudget(uint64_t max_bytes);
+  ~ByteBudget();
+  ByteBudget(const ByteBudget&) = delete;
+  ByteBudget& operator=(const ByteBudget&) = delete;
+
+ private:
+  uint64_t used_ = 0, max_;
+  ByteBudget* outer_;
+  friend void charge_bytes(uint64_t bytes);
+};
+
 struct Undefined {
   std::shared_ptr<const std::string> hint;  // "'x' is undefined", "'dict object' has no attribute 'y'"
 };
@@ -113,6 +135,11 @@ struct Value {
   void release() noexcept;
 };
 
+// What charge_bytes counts for an item of a list or dict besides its text: its slot, and the heap
+// block of a string made for it (shared_ptr control block and std::string, with malloc's rounding).
+inline constexpr uint64_t kSlotBytes = sizeof(Value);
+inline constexpr uint64_t kNewStringBytes = 64;
+
 // A dict keeps insertion order (Python 3.7+ dicts, json.loads); keys are values (strings in JSON).
 struct Dict {
   std::vector<std::pair<Value, Value>> items;
@@ -165,6 +192,8 @@ Value from_json(const nlohmann::ordered_json& j);
 // UTF-8 code point helpers (Python strings index by code point).
 size_t cp_count(std::string_view s);
 std::vector<std::string_view> cp_split(std::string_view s);
+// cp_split(s).size() without the table (decode's count, which differs from cp_count on bad UTF-8).
+size_t cp_split_count(std::string_view s);
 bool py_isspace(char32_t c);
 char32_t decode(std::string_view s, size_t& i);  // next code point; advances i (tolerates bad UTF-8)
 inline void append_cp(std::string& out, char32_t cp) { append_utf8(out, cp); }

@@ -47,6 +47,17 @@ inline constexpr int64_t kMaxRenderSteps = 5'000'000;
 inline constexpr size_t kMaxStringBytes = size_t(64) << 20;
 inline constexpr size_t kMaxListItems = size_t(1) << 20;
 
+// The bytes one render builds in all: the strings it makes (output included), the slots of the
+// lists and dicts it makes, and the temporary copies its builtins make of big values, each
+// counted before it is built. Chains of `| join(sep)` over strings multiply a length by the
+// separator's at every link, and iterating a string makes a value of ~100 bytes per character:
+// the 10M-execution fuzz run found 700-byte templates that reached 5 GB before the step budget,
+// which counts what was built after it is built, saw them. A chat template builds a few times its
+// output (a 1M-token conversation is ~5 MB), and the step budget already stops a render near
+// 160 MB of strings; this bounds a render's memory whatever it builds (peak RSS of the fuzz
+// target ~150 MB) and its time (such a render is ~2 s of CPU in the -O1 fuzz build).
+inline constexpr uint64_t kMaxRenderBytes = uint64_t(128) << 20;
+
 // PCRE2's match limit (backtracking steps per match attempt) for the tokenizer's split patterns:
 // PCRE2's default of 10M plus this many per byte of the text left to scan. The GPT-4 / Qwen
 // pattern backtracks once per character of a whitespace run (\s*[\r\n]+ gives back the whole
