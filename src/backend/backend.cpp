@@ -35,6 +35,19 @@ void Backend::qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vec
   this->rope(k, n_kv_heads, head_dim, rope, n_past);
 }
 
+void Backend::attention_batch(Buffer& q, Buffer& k, const Buffer& v, const Vector& q_norm, const Vector& k_norm,
+                              float eps, const RopeTable& rope, std::span<const AttentionSpan> spans,
+                              const AttentionParams& p, Buffer& out) {
+  for (const AttentionSpan& s : spans) {
+    Buffer qs = q.rows_view(s.row0, s.rows), ks = k.rows_view(s.row0, s.rows), vs = v.rows_view(s.row0, s.rows);
+    qk_norm_rope(qs, ks, q_norm, k_norm, eps, p.n_heads, p.n_kv_heads, p.head_dim, rope, s.n_past);
+    AttentionParams ps = p;
+    ps.n_past = s.n_past;
+    Buffer os = out.rows_view(s.row0, s.rows);
+    attention(qs, ks, vs, *s.k_cache, *s.v_cache, ps, os);
+  }
+}
+
 void check_matrix_tensor(const TensorView& t) {
   if (t.shape.size() != 2) fail("tensor ", t.name, ": expected a matrix, found shape ", shape_str(t.shape));
   if (!plain_dtype(t.dtype)) fail("tensor ", t.name, ": dtype ", dtype_name(t.dtype), " is not supported for matrices");

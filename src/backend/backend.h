@@ -174,6 +174,14 @@ void check_embed_args(std::span<const int32_t> tokens, const Matrix& table, cons
 void check_attention_args(const Buffer& q, const Buffer& k, const Buffer& v, const Buffer& k_cache,
                           const Buffer& v_cache, const AttentionParams& p);
 
+// One sequence's rows in Backend::attention_batch: rows [row0, row0 + rows) of q, k, v and out,
+// at positions n_past.., appended to and attending over its own caches.
+struct AttentionSpan {
+  int64_t row0 = 0, rows = 0, n_past = 0;
+  Buffer* k_cache = nullptr;
+  Buffer* v_cache = nullptr;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -227,6 +235,12 @@ class Backend {
   // rotated at positions n_past + t (attention's query and key preparation).
   virtual void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,
                             int n_heads, int n_kv_heads, int head_dim, const RopeTable& rope, int64_t n_past);
+  // The attention of several sequences' rows in one call (a batched step): for each span,
+  // qk_norm_rope of its rows at its n_past, then attention() over its caches with p.n_past set to
+  // its n_past. The default makes those calls span by span.
+  virtual void attention_batch(Buffer& q, Buffer& k, const Buffer& v, const Vector& q_norm, const Vector& k_norm,
+                               float eps, const RopeTable& rope, std::span<const AttentionSpan> spans,
+                               const AttentionParams& p, Buffer& out);
   virtual void clamp(Buffer& x, float limit) = 0;    // x = min(max(x, -limit), limit)
   // dst[t, to block g + i] = src[t, from block g + i] for g < blocks, i < width.
   virtual void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlocks to,

@@ -221,22 +221,26 @@ void GqaAttention::forward(Backend& be, Workspace& ws, const Buffer& x, std::spa
   }
   Buffer attn = ws.attn_out.rows_view(0, T);
   attn.cols = q.cols;
-  for (const RowSpan& s : seqs) {
-    auto& seq = static_cast<KvSequence&>(*s.state);
-    Buffer qs = q.rows_view(s.row0, s.rows), ks = k.rows_view(s.row0, s.rows), vs = v.rows_view(s.row0, s.rows);
-    if (fused) {
-      be.qk_norm_rope(qs, ks, q_norm, k_norm, norm_eps, params.n_heads, params.n_kv_heads, params.head_dim, rope,
-                      seq.n_past);
-    } else {
+  AttentionParams p = params;
+  p.sinks = sinks ? &sinks : nullptr;
+  p.kv = ws.kv;
+  if (fused) {
+    ws.attention_spans.clear();
+    for (const RowSpan& s : seqs) {
+      auto& seq = static_cast<KvSequence&>(*s.state);
+      ws.attention_spans.push_back({s.row0, s.rows, seq.n_past, &seq.k[size_t(l)], &seq.v[size_t(l)]});
+    }
+    be.attention_batch(q, k, v, q_norm, k_norm, norm_eps, rope, ws.attention_spans, p, attn);
+  } else {
+    for (const RowSpan& s : seqs) {
+      auto& seq = static_cast<KvSequence&>(*s.state);
+      Buffer qs = q.rows_view(s.row0, s.rows), ks = k.rows_view(s.row0, s.rows), vs = v.rows_view(s.row0, s.rows);
       be.rope(qs, params.n_heads, params.head_dim, rope, seq.n_past);
       be.rope(ks, params.n_kv_heads, params.head_dim, rope, seq.n_past);
+      p.n_past = seq.n_past;
+      Buffer as = attn.rows_view(s.row0, s.rows);
+      be.attention(qs, ks, vs, seq.k[size_t(l)], seq.v[size_t(l)], p, as);
     }
-    AttentionParams p = params;
-    p.n_past = seq.n_past;
-    p.sinks = sinks ? &sinks : nullptr;
-    p.kv = ws.kv;
-    Buffer as = attn.rows_view(s.row0, s.rows);
-    be.attention(qs, ks, vs, seq.k[size_t(l)], seq.v[size_t(l)], p, as);
   }
   be.linear(attn, o_proj, o_bias ? &o_bias : nullptr, out);
 }

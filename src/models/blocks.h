@@ -74,6 +74,7 @@ struct Workspace {
   KvCacheSpec kv;                   // ModelOptions::kv: how attention layers store K and V
   bool miss_fallback = false;       // ExpertStoreOptions' lossy routing options (MoeFeedForward::forward)
   float cache_bias = 0.0f;
+  std::vector<AttentionSpan> attention_spans;  // GqaAttention::forward's, kept between calls
   std::vector<float> lookahead_host;
   std::vector<int> lookahead_ids;
 };

@@ -173,8 +173,15 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
 
     // Only the rows whose logits are wanted go through the norm and the output head, stacked
     // in pass order.
+    // Rows that follow each other in x (a batch of decode rows) go through one norm call.
     ScopedTimer timer(be.times().output_head);
-    int64_t rows = 0;
+    int64_t rows = 0, run_first = 0, run_rows = 0;
+    auto norm_run = [&] {
+      if (run_rows == 0) return;
+      Buffer xs = ws_.x.rows_view(run_first, run_rows), xn = ws_.xn.rows_view(rows - run_rows, run_rows);
+      be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
+      run_rows = 0;
+    };
     for (size_t k = 0; k < pass_spans_.size(); ++k) {
       const RowSpan& s = pass_spans_[k];
       const SequenceBatch& it = items[size_t(pass_items_[k])];
@@ -183,10 +190,12 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
       const bool last = done_[size_t(pass_items_[k])] + s.rows == n;
       if (!all && !last) continue;
       const int64_t first = all ? s.row0 : s.row0 + s.rows - 1, count = all ? s.rows : 1;
-      Buffer xs = ws_.x.rows_view(first, count), xn = ws_.xn.rows_view(rows, count);
-      be.rmsnorm(xs, final_norm, norm_eps, xs.cols, xn);
+      if (run_rows > 0 && first != run_first + run_rows) norm_run();
+      if (run_rows == 0) run_first = first;
+      run_rows += count;
       rows += count;
     }
+    norm_run();
     if (rows > 0) {
       Buffer xn = ws_.xn.rows_view(0, rows), out = ws_.logits.rows_view(0, rows);
       be.linear(xn, lm_head, nullptr, out);

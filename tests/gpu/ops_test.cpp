@@ -579,6 +579,75 @@ TEST_F(Pair, FusedStepsEqualTheirParts) {
   }
 }
 
+// A batched decode step's rows against lone one-token steps: quantized weights through the GEMV
+// of up to 8 tokens in one pass (bit for bit: each token's sums are the lone token's), BF16
+// weights on the tensor cores from 2 tokens (float32 rounding), and attention_batch's three
+// launches for several sequences (bit for bit against the span-by-span calls).
+TEST_F(Pair, BatchedDecodeRowsEqualLoneRows) {
+  auto same = [&](const Buffer& a, const Buffer& b) { return host(*gpu, a) == host(*gpu, b); };
+  for (const std::string fmt : {"bf16", "q4g64", "fp8g128"}) {
+    const Matrix w = load(*gpu, make_matrix(96, 512, fmt, 61), fmt);
+    for (int64_t T : {2, 5, 8}) {
+      Buf x = buf(T, 512, 62);
+      Buffer all = gpu->alloc(T, 96);
+      gpu->linear(x.g, w, nullptr, all);
+      for (int64_t t = 0; t < T; ++t) {
+        Buffer one = gpu->alloc(1, 96);
+        gpu->linear(x.g.rows_view(t, 1), w, nullptr, one);
+        if (fmt == "bf16")
+          EXPECT_LT(test::relative_error(host(*gpu, all.rows_view(t, 1)), host(*gpu, one)), 1e-6) << "T=" << T;
+        else
+          EXPECT_TRUE(same(all.rows_view(t, 1), one)) << fmt << " T=" << T << " row " << t;
+      }
+    }
+  }
+  const int heads = 8, kv_heads = 2, hd = 128, cap = 32;
+  RopeTable r;
+  r.rot_dim = hd;
+  for (int i = 0; i < hd / 2; ++i) r.inv_freq.push_back(1.0f / std::pow(10000.0f, float(2 * i) / float(hd)));
+  std::vector<float> qn = random(hd, 63), kn = random(hd, 64);
+  const TensorView qt{"qn", DType::F32, {hd}, qn.data(), qn.size() * 4}, kt{"kn", DType::F32, {hd}, kn.data(), kn.size() * 4};
+  const Vector qg = gpu->load_vector(qt), kg = gpu->load_vector(kt);
+  AttentionParams p;
+  p.n_heads = heads;
+  p.n_kv_heads = kv_heads;
+  p.head_dim = hd;
+  p.scale = 1.0f / std::sqrt(float(hd));
+  const std::vector<int64_t> n_past = {5, 0, 17};
+  const int64_t S = int64_t(n_past.size());
+  std::vector<float> qv = random(size_t(S * heads * hd), 65), kv = random(size_t(S * kv_heads * hd), 66),
+                     vv = random(size_t(S * kv_heads * hd), 67);
+  Buf q = buf(S, heads * hd, qv), k = buf(S, kv_heads * hd, kv), v = buf(S, kv_heads * hd, vv);
+  Buf q2 = buf(S, heads * hd, qv), k2 = buf(S, kv_heads * hd, kv), v2 = buf(S, kv_heads * hd, vv);
+  std::vector<Buf> kc, vc, kc2, vc2;
+  for (int64_t i = 0; i < S; ++i) {
+    const std::vector<float> ck = random(size_t(cap * kv_heads * hd), 70 + uint32_t(i)),
+                             cv = random(size_t(cap * kv_heads * hd), 80 + uint32_t(i));
+    kc.push_back(buf(cap, kv_heads * hd, ck));
+    vc.push_back(buf(cap, kv_heads * hd, cv));
+    kc2.push_back(buf(cap, kv_heads * hd, ck));
+    vc2.push_back(buf(cap, kv_heads * hd, cv));
+  }
+  std::vector<AttentionSpan> spans, spans2;
+  for (int64_t i = 0; i < S; ++i) {
+    spans.push_back({i, 1, n_past[size_t(i)], &kc[size_t(i)].g, &vc[size_t(i)].g});
+    spans2.push_back({i, 1, n_past[size_t(i)], &kc2[size_t(i)].g, &vc2[size_t(i)].g});
+  }
+  Buf out = poisoned(S, heads * hd), out2 = poisoned(S, heads * hd);
+  gpu->attention_batch(q.g, k.g, v.g, qg, kg, 1e-6f, r, spans, p, out.g);
+  gpu->Backend::attention_batch(q2.g, k2.g, v2.g, qg, kg, 1e-6f, r, spans2, p, out2.g);
+  EXPECT_TRUE(same(q.g, q2.g) && same(k.g, k2.g)) << "rotated q, k";
+  EXPECT_TRUE(same(out.g, out2.g)) << "attention";
+  for (int64_t i = 0; i < S; ++i)
+    EXPECT_TRUE(same(kc[size_t(i)].g, kc2[size_t(i)].g) && same(vc[size_t(i)].g, vc2[size_t(i)].g)) << "caches of " << i;
+  // And against the CPU's span-by-span calls.
+  const Vector qc = cpu->load_vector(qt), kcn = cpu->load_vector(kt);
+  std::vector<AttentionSpan> cspans;
+  for (int64_t i = 0; i < S; ++i) cspans.push_back({i, 1, n_past[size_t(i)], &kc[size_t(i)].c, &vc[size_t(i)].c});
+  cpu->attention_batch(q.c, k.c, v.c, qc, kcn, 1e-6f, r, cspans, p, out.c);
+  EXPECT_LT(err(out), 1e-5);
+}
+
 // MOESTREAM_CUDA_PROFILE=1: at the backend's end, GPU time per operation on stderr, with the
 // weight bytes read per second of each linear layer (the first call of each apart).
 TEST_F(Pair, ProfileByOperation) {

@@ -41,27 +41,58 @@ __global__ void rope_kernel(float* x, int64_t T, int64_t ld, int n_heads, int he
   rotate_pair(x + t * ld + int64_t(h) * head_dim + rot_offset, p, half, n_past + t, inv_freq, factor, interleaved);
 }
 
-// One block per (token, head) of q then k: the head's RMSNorm (when its weight is given; the sums
-// of rmsnorm_kernel with the same threads), then its RoPE, as rmsnorm() then rope() compute them.
-__global__ void qk_norm_rope_kernel(float* q, float* k, const float* q_norm, const float* k_norm, float eps,
-                                    int n_heads, int head_dim, int half, const float* inv_freq, float factor,
-                                    bool interleaved, int rot_offset, int64_t n_past, int64_t ldq, int64_t ldk) {
+// What qk_norm_rope_kernel needs besides the rows and their positions.
+struct NormRope {
+  float *q, *k;
+  const float *q_norm, *k_norm;
+  float eps;
+  int n_heads, head_dim, half;
+  const float* inv_freq;
+  float factor;
+  bool interleaved;
+  int rot_offset;
+  int64_t ldq, ldk;
+};
+
+// Block (row t, head h) of q then k: the head's RMSNorm (when its weight is given; the sums of
+// rmsnorm_kernel with the same threads), then its RoPE at pos, as rmsnorm() then rope() compute them.
+__device__ __forceinline__ void norm_rope_head(const NormRope& a, int64_t t, int h, int64_t pos) {
   __shared__ float scratch[32];
-  const int64_t t = blockIdx.x;
-  const int h = blockIdx.y;
-  const bool is_q = h < n_heads;
-  float* head = is_q ? q + t * ldq + int64_t(h) * head_dim : k + t * ldk + int64_t(h - n_heads) * head_dim;
-  const float* w = is_q ? q_norm : k_norm;
+  const bool is_q = h < a.n_heads;
+  float* head = is_q ? a.q + t * a.ldq + int64_t(h) * a.head_dim : a.k + t * a.ldk + int64_t(h - a.n_heads) * a.head_dim;
+  const float* w = is_q ? a.q_norm : a.k_norm;
   if (w) {
     float ss = 0;
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) ss += head[i] * head[i];
+    for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) ss += head[i] * head[i];
     ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / float(head_dim) + eps);
-    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) head[i] = w[i] * (head[i] * inv);
+    const float inv = 1.0f / sqrtf(ss / float(a.head_dim) + a.eps);
+    for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) head[i] = w[i] * (head[i] * inv);
     __syncthreads();
   }
-  for (int p = threadIdx.x; p < half; p += blockDim.x)
-    rotate_pair(head + rot_offset, p, half, n_past + t, inv_freq, factor, interleaved);
+  for (int p = threadIdx.x; p < a.half; p += blockDim.x)
+    rotate_pair(head + a.rot_offset, p, a.half, pos, a.inv_freq, a.factor, a.interleaved);
+}
+
+// One block per (token, head): tokens at positions n_past + t.
+__global__ void qk_norm_rope_kernel(NormRope a, int64_t n_past) {
+  norm_rope_head(a, blockIdx.x, blockIdx.y, n_past + blockIdx.x);
+}
+
+// One block per (decode row, head): row rows.row[i] at position rows.pos[i].
+__global__ void qk_norm_rope_rows_kernel(NormRope a, DecodeRows rows) {
+  norm_rope_head(a, rows.row[blockIdx.x], blockIdx.y, rows.pos[blockIdx.x]);
+}
+
+// Decode row i's key and value (kv_dim and v_dim floats) into its caches at position pos[i].
+__global__ void kv_append_rows_kernel(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t kv_dim,
+                                      int64_t v_dim, DecodeRows rows) {
+  const int i = blockIdx.x;
+  const float* ks = k + rows.row[i] * ldk;
+  const float* vs = v + rows.row[i] * ldv;
+  float* kd = rows.k_cache[i] + rows.pos[i] * kv_dim;
+  float* vd = rows.v_cache[i] + rows.pos[i] * v_dim;
+  for (int64_t c = threadIdx.x; c < kv_dim; c += blockDim.x) kd[c] = ks[c];
+  for (int64_t c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = vs[c];
 }
 
 constexpr int kAttnWarps = 4;         // warps per block for several query tokens
@@ -108,13 +139,13 @@ struct AttnArgs {
   const float* sinks;
 };
 
+// Block (head blockIdx.x, query row t) of attention.
 template <KvType T>
-__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
+__device__ __forceinline__ void attend_row(const AttnArgs& a, int64_t t) {
   extern __shared__ float smem[];
   float* qs = smem;                             // [head_dim]
   float* part = smem + a.head_dim;              // per warp: m, l, then v_dim sums
   const int h = blockIdx.x, kvh = h / a.group;
-  const int64_t t = blockIdx.y;
   const int lane = threadIdx.x & 31, warp = threadIdx.x / 32, n_warps = blockDim.x / 32;
   const float* qv = a.q + t * a.q_ld + int64_t(h) * a.head_dim;
   for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) qs[d] = qv[d];
@@ -181,6 +212,24 @@ __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnAr
     }
     ov[i] = s / denom;
   }
+}
+
+template <KvType T>
+__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
+  attend_row<T>(a, blockIdx.y);
+}
+
+// One block per (head, decode row): row rows.row[i] at position rows.pos[i], over its own caches
+// (each row one query, as attention_kernel computes a lone decode step).
+template <KvType T>
+__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_rows_kernel(AttnArgs a, DecodeRows rows) {
+  const int i = blockIdx.y;
+  a.q += rows.row[i] * a.q_ld;
+  a.out += rows.row[i] * a.out_ld;
+  a.k.cache = rows.k_cache[i];
+  a.v.cache = rows.v_cache[i];
+  a.n_past = a.k.n_past = a.v.n_past = rows.pos[i];
+  attend_row<T>(a, 0);
 }
 
 // Prefill attention in tiles: a block takes kPrefillRows (query token, head) rows that share one
@@ -443,13 +492,57 @@ void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, const float*
   MS_CUDA_CHECK_LAUNCH();
 }
 
+namespace {
+NormRope norm_rope_args(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm, float eps, int n_heads,
+                        int head_dim, const RopeTable& r, const float* inv_freq) {
+  return NormRope{q.data, k.data, q_norm, k_norm, eps, n_heads, head_dim, r.rot_dim / 2, inv_freq,
+                  r.attention_factor, r.interleaved, r.rot_offset, q.cols, k.cols};
+}
+}  // namespace
+
 void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm, float eps, int n_heads,
                   int n_kv_heads, int head_dim, const RopeTable& r, const float* inv_freq, int64_t n_past,
                   int threads, cudaStream_t s) {
   if (q.rows == 0) return;
   qk_norm_rope_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads + n_kv_heads)), unsigned(threads), 0, s>>>(
-      q.data, k.data, q_norm, k_norm, eps, n_heads, head_dim, r.rot_dim / 2, inv_freq, r.attention_factor,
-      r.interleaved, r.rot_offset, n_past, q.cols, k.cols);
+      norm_rope_args(q, k, q_norm, k_norm, eps, n_heads, head_dim, r, inv_freq), n_past);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm, const float* k_norm, float eps,
+                      const RopeTable& r, const float* inv_freq, int threads, const DecodeRows& rows,
+                      const AttentionParams& p, const float* sinks, Buffer& out, cudaStream_t s) {
+  if (rows.n <= 0) return;
+  if (rows.n > kMaxDecodeRows || p.kv.type != KvType::F32 || p.kv.window > 0 || p.values_in_keys)
+    fail("cuda decode_attention: ", rows.n, " rows (at most ", kMaxDecodeRows, "), F32 caches without a window only");
+  const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
+  if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
+  const unsigned n = unsigned(rows.n);
+  qk_norm_rope_rows_kernel<<<dim3(n, unsigned(p.n_heads + p.n_kv_heads)), unsigned(threads), 0, s>>>(
+      norm_rope_args(q, k, q_norm, k_norm, eps, p.n_heads, hd, r, inv_freq), rows);
+  MS_CUDA_CHECK_LAUNCH();
+  const int64_t kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
+  kv_append_rows_kernel<<<n, 256, 0, s>>>(k.data, k.cols, v.data, v.cols, kv_dim, v_dim, rows);
+  MS_CUDA_CHECK_LAUNCH();
+  AttnArgs a;
+  a.q = q.data;
+  a.q_ld = q.cols;
+  a.k = KvRows{nullptr, nullptr, kv_dim, 0, 0, 0, false, p.n_kv_heads};
+  a.v = KvRows{nullptr, nullptr, v_dim, 0, 0, 0, false, p.n_kv_heads};
+  a.v_head = vd;
+  a.out = out.data;
+  a.out_ld = out.cols;
+  a.head_dim = hd;
+  a.v_dim = vd;
+  a.group = p.n_heads / p.n_kv_heads;
+  a.scale = p.scale;
+  a.n_past = 0;
+  a.window = p.sliding_window;
+  a.kv_window = 0;
+  a.kv_sinks = 0;
+  a.sinks = sinks;
+  const size_t smem = size_t(hd + kAttnDecodeWarps * (2 + vd)) * sizeof(float);
+  attention_rows_kernel<KvType::F32><<<dim3(unsigned(p.n_heads), n), kAttnDecodeWarps * 32, smem, s>>>(a, rows);
   MS_CUDA_CHECK_LAUNCH();
 }
 

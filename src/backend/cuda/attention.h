@@ -20,6 +20,22 @@ void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm
                   int n_kv_heads, int head_dim, const RopeTable& rope, const float* inv_freq, int64_t n_past,
                   int threads, cudaStream_t s);
 
+// The decode rows of several sequences in one batched step: row row[i] of q, k, v and out is
+// sequence i's token at position pos[i], with its layer's caches (F32 rows, no KV window).
+constexpr int kMaxDecodeRows = 16;
+struct DecodeRows {
+  int n = 0;
+  int64_t row[kMaxDecodeRows] = {}, pos[kMaxDecodeRows] = {};
+  float* k_cache[kMaxDecodeRows] = {};
+  float* v_cache[kMaxDecodeRows] = {};
+};
+
+// qk_norm_rope, the cache appends and attention of each of rows' decode rows in three launches,
+// every row computed as the one-token calls compute it (the same sums in the same order).
+void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm, const float* k_norm, float eps,
+                      const RopeTable& rope, const float* inv_freq, int threads, const DecodeRows& rows,
+                      const AttentionParams& p, const float* sinks, Buffer& out, cudaStream_t s);
+
 // Causal attention of q (T, n_heads * head_dim) over positions [0, n_past + t] (those p.kv's
 // window keeps; the caches already hold this call's keys and values, or with a ring k_staged and
 // v_staged do, as kv_pack wrote them): out (T, n_heads * v_head_dim). sinks: device pointer or null.

@@ -154,6 +154,9 @@ class CudaBackend final : public Backend {
     // From the third single-token step in a row on, with every expert resident, the whole step
     // (this embed up to the logits' to_host) is captured as a CUDA graph and replayed: one
     // launch instead of ~20 per layer. The graph reads the token from the pinned staging area.
+    // Not for batched steps: the GPU idles while a step is captured, and a batch of 8 decode rows
+    // keeps it busier than the launches cost (8 sequences: 1,035 tok/s without, 870 with the
+    // graph; docs/PERFORMANCE.md).
     decode_streak_ = T == 1 ? decode_streak_ + 1 : 0;
     if (T == 1 && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->all_resident()) {
       MS_CUDA_CHECK(cudaStreamBeginCapture(compute_, cudaStreamCaptureModeRelaxed));
@@ -195,7 +198,7 @@ class CudaBackend final : public Backend {
       }
       prof_.begin(compute_);
       if (fits && cuda::linear_shared_input(w, x.data, x.cols, x.rows, std::span<const float* const>(b, w.size()),
-                                            std::span<float* const>(o, w.size()), compute_)) {
+                                            std::span<float* const>(o, w.size()), gemm_, compute_)) {
         op_done([&] { return weight_label("linear, shared input", *w[0], x.rows) + " x" + std::to_string(w.size()); },
                 [&] {
                   double bytes = 0;
@@ -231,6 +234,43 @@ class CudaBackend final : public Backend {
     cuda::qk_norm_rope(q, k, q_norm ? q_norm.data : nullptr, k_norm ? k_norm.data : nullptr, eps, n_heads, n_kv_heads,
                        head_dim, r, inv_freq(r), n_past, cuda::rmsnorm_threads(head_dim), compute_);
     op_done([&] { return op_label("q/k norm + rope", q.rows); });
+  }
+
+  // A batched decode step (every span one row, F32 caches without a window): rotary, cache
+  // appends and attention of all its sequences in three launches, each row as the one-token calls
+  // compute it. Anything else, span by span.
+  void attention_batch(Buffer& q, Buffer& k, const Buffer& v, const Vector& q_norm, const Vector& k_norm, float eps,
+                       const RopeTable& r, std::span<const AttentionSpan> spans, const AttentionParams& p,
+                       Buffer& out) override {
+    const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
+    const int64_t kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
+    bool rows = spans.size() > 1 && p.kv.type == KvType::F32 && p.kv.window == 0 && !p.values_in_keys &&
+                q.rows == k.rows && q.rows == v.rows && q.cols == int64_t(p.n_heads) * hd && k.cols == kv_dim &&
+                v.cols == v_dim && out.cols == int64_t(p.n_heads) * vd && (!q_norm || q_norm.size == hd) &&
+                (!k_norm || k_norm.size == hd) && r.rot_offset + r.rot_dim <= hd;
+    for (const AttentionSpan& s : spans)
+      rows = rows && s.rows == 1 && s.row0 >= 0 && s.row0 < q.rows && s.k_cache->cols == kv_dim &&
+             s.v_cache->cols == v_dim && s.n_past < s.k_cache->rows && s.n_past < s.v_cache->rows;
+    if (!rows) {
+      Backend::attention_batch(q, k, v, q_norm, k_norm, eps, r, spans, p, out);
+      return;
+    }
+    for (size_t i0 = 0; i0 < spans.size(); i0 += cuda::kMaxDecodeRows) {
+      cuda::DecodeRows d;
+      d.n = int(std::min<size_t>(spans.size() - i0, cuda::kMaxDecodeRows));
+      for (int i = 0; i < d.n; ++i) {
+        const AttentionSpan& s = spans[i0 + size_t(i)];
+        d.row[i] = s.row0;
+        d.pos[i] = s.n_past;
+        d.k_cache[i] = s.k_cache->data;
+        d.v_cache[i] = s.v_cache->data;
+      }
+      prof_.begin(compute_);
+      cuda::decode_attention(q, k, v, q_norm ? q_norm.data : nullptr, k_norm ? k_norm.data : nullptr, eps, r,
+                             inv_freq(r), cuda::rmsnorm_threads(hd), d, p, p.sinks ? p.sinks->data : nullptr, out,
+                             compute_);
+      op_done([&] { return op_label("decode attention, batched (q/k norm + rope, cache append, attention)", d.n); });
+    }
   }
 
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& r, int64_t n_past) override {

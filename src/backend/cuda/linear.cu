@@ -82,8 +82,16 @@ size_t max_gemv_smem() {
 
 namespace {
 
+// Tokens one GEMV pass stages: up to kTokens, or up to kWideTokens for 5 and more (a batched
+// decode step then reads the weights once, not twice), as many as shared memory holds; 0 if none.
+int gemv_tokens_per_pass(int64_t T, int64_t cols) {
+  int nt = T > kTokens ? kWideTokens : kTokens;
+  while (nt > 0 && gemv_smem_bytes(cols, nt) > max_gemv_smem()) --nt;
+  return nt;
+}
+
 // Row block `block` (kGemvRows rows) of out = x W^T for T tokens.
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int NT>
 __device__ __forceinline__ void gemv_rows(const WeightRef& w, const float* __restrict__ x, int64_t ldx, int T,
                                           int nt_max, const float* __restrict__ bias, float* __restrict__ out,
                                           int64_t ldo, int64_t block) {
@@ -95,23 +103,23 @@ __device__ __forceinline__ void gemv_rows(const WeightRef& w, const float* __res
     const int nt = min(nt_max, T - t0);
     if (t0 > 0) __syncthreads();  // the previous chunk's reads of xs are done
     stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, w.cols, xs, xsum, false);
-    float acc[kRowsPerWarp][kTokens];
-    gemv_warp<KIND, SF16>(w, row0, xs, xsum, nt, acc);
+    float acc[kRowsPerWarp][NT];
+    gemv_warp<KIND, SF16, NT>(w, row0, xs, xsum, nt, acc);
     const int lane = threadIdx.x & 31;
 #pragma unroll
     for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
-      for (int t = 0; t < kTokens; ++t)
-        if (lane == r * kTokens + t && t < nt && row0 + r < w.rows)
+      for (int t = 0; t < NT; ++t)
+        if (lane == r * NT + t && t < nt && row0 + r < w.rows)
           out[(t0 + t) * ldo + row0 + r] = acc[r][t] + (bias ? bias[row0 + r] : 0.0f);
   }
 }
 
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int NT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
                 const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
-  gemv_rows<KIND, SF16>(w, x, ldx, T, nt_max, bias, out, ldo, blockIdx.x);
+  gemv_rows<KIND, SF16, NT>(w, x, ldx, T, nt_max, bias, out, ldo, blockIdx.x);
 }
 
 // Up to kMaxShared matrices of one format and width that read the same x, in one launch: the
@@ -126,12 +134,12 @@ struct SharedInput {
   int n;
 };
 
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int NT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_shared_kernel(SharedInput m, const float* __restrict__ x, int64_t ldx, int T, int nt_max) {
   int i = 0;
   while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
-  gemv_rows<KIND, SF16>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
+  gemv_rows<KIND, SF16, NT>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
 }
 
 // Rows [r0, r0 + n) of w as float32 into tile [n, cols].
@@ -316,6 +324,49 @@ void linear_bf16_split(const Matrix& m, const float* x, int64_t ldx, int64_t T, 
   if (bias) add_bias(out, ldo, T, rows, bias, stream);
 }
 
+// The sums of the three parts' products, in linear_bf16_split's order: out = (lo + mid) + hi.
+__global__ void sum_parts_kernel(const float* __restrict__ parts, int64_t T, int64_t rows, const float* bias,
+                                 float* __restrict__ out, int64_t ldo) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= T * rows) return;
+  const int64_t t = i / rows, r = i % rows, n = T * rows;
+  const float v = (parts[2 * n + i] + parts[n + i]) + parts[i];
+  out[t * ldo + r] = bias ? v + bias[r] : v;
+}
+
+// linear_bf16_split for a few tokens (a batched decode step): x split once (split_few), then per
+// matrix the three parts as one GEMM of 3T columns, so the weights are read once, not three times,
+// and the parts summed (gemm_few).
+const __nv_bfloat16* split_few(const float* x, int64_t ldx, int64_t T, int64_t cols, GemmScratch& scratch,
+                               cudaStream_t stream) {
+  const int64_t n = T * cols;
+  auto* parts = static_cast<__nv_bfloat16*>(scratch.area(kAreaX16, size_t(3 * n) * sizeof(__nv_bfloat16)));
+  split_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(x, ldx, T, cols, parts);
+  MS_CUDA_CHECK_LAUNCH();
+  return parts;
+}
+
+void gemm_few(const Matrix& m, const __nv_bfloat16* parts, int64_t T, const float* bias, float* out, int64_t ldo,
+              GemmScratch& scratch, cudaStream_t stream) {
+  const int64_t rows = m.rows, cols = m.cols;
+  cublasHandle_t h = scratch.tensor_handle(stream);
+  auto* sums = static_cast<float*>(scratch.area(kAreaTile16, size_t(3 * T * rows) * sizeof(float)));
+  const float one = 1.0f, zero = 0.0f;
+  // Column-major view: C (rows x 3T, ld rows) = W^T (rows x cols) * parts (cols x 3T).
+  MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(rows), int(3 * T), int(cols), &one, m.data, CUDA_R_16BF,
+                               int(cols), parts, CUDA_R_16BF, int(cols), &zero, sums, CUDA_R_32F, int(rows),
+                               CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+  sum_parts_kernel<<<blocks_for(T * rows, 256), 256, 0, stream>>>(sums, T, rows, bias, out, ldo);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+// BF16 weights for 2 to kGemvMaxTokens tokens: the tensor cores (linear_bf16_split_few) rather
+// than the GEMV, whose per-token work in shared memory outweighs its reads from 5 tokens on.
+bool bf16_few_tokens(const FormatTag& tag, int64_t T, int64_t cols, GemmMath math) {
+  return T >= 2 && T < gemm_min_tokens() && math == GemmMath::Fp16 && tag.kind == kBF16 && cols % 8 == 0 &&
+         exact_mma_enabled();
+}
+
 }  // namespace
 
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
@@ -324,20 +375,27 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
   const FormatTag tag = format_of(m);
   const WeightRef w = weight_ref(m);
   const size_t smem_limit = max_gemv_smem();
-  int nt_max = kTokens;
-  while (nt_max > 0 && gemv_smem_bytes(w.cols, nt_max) > smem_limit) --nt_max;
+  const int nt_max = gemv_tokens_per_pass(T, w.cols);
+  if (bf16_few_tokens(tag, T, w.cols, math)) {
+    gemm_few(m, split_few(x, ldx, T, w.cols, scratch, stream), T, bias, out, ldo, scratch, stream);
+    return;
+  }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
-      static bool configured = false;
-      if (!configured) {
-        MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(smem_limit)));
-        configured = true;
-      }
-      const unsigned blocks = blocks_for(w.rows, kGemvRows);
-      gemv_kernel<KIND, SF16><<<blocks, kGemvWarps * 32, gemv_smem_bytes(w.cols, nt_max), stream>>>(
-          w, x, ldx, int(T), nt_max, bias, out, ldo);
-      MS_CUDA_CHECK_LAUNCH();
+      auto launch = [&]<int NT>() {
+        static bool configured = false;
+        if (!configured) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<KIND, SF16, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             int(smem_limit)));
+          configured = true;
+        }
+        const unsigned blocks = blocks_for(w.rows, kGemvRows);
+        gemv_kernel<KIND, SF16, NT><<<blocks, kGemvWarps * 32, gemv_smem_bytes(w.cols, nt_max), stream>>>(
+            w, x, ldx, int(T), nt_max, bias, out, ldo);
+        MS_CUDA_CHECK_LAUNCH();
+      };
+      if (nt_max > kTokens) launch.template operator()<kWideTokens>();
+      else launch.template operator()<kTokens>();
     });
     return;
   }
@@ -383,14 +441,19 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
 }
 
 bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
-                         std::span<const float* const> bias, std::span<float* const> out, cudaStream_t stream) {
+                         std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
+                         cudaStream_t stream) {
   if (T == 0 || w.empty() || w.size() > size_t(kMaxShared) || T >= gemm_min_tokens()) return false;
   const FormatTag tag = format_of(*w[0]);
   for (const Matrix* m : w)
     if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
+  if (bf16_few_tokens(tag, T, w[0]->cols, GemmMath::Fp16)) {  // as linear() computes each, x split once
+    const __nv_bfloat16* parts = split_few(x, ldx, T, w[0]->cols, scratch, stream);
+    for (size_t i = 0; i < w.size(); ++i) gemm_few(*w[i], parts, T, bias[i], out[i], w[i]->rows, scratch, stream);
+    return true;
+  }
   const size_t smem_limit = max_gemv_smem();
-  int nt_max = kTokens;
-  while (nt_max > 0 && gemv_smem_bytes(w[0]->cols, nt_max) > smem_limit) --nt_max;
+  const int nt_max = gemv_tokens_per_pass(T, w[0]->cols);
   if (nt_max == 0) return false;
   SharedInput m{};
   m.n = int(w.size());
@@ -403,15 +466,19 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
     m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   }
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
-    static bool configured = false;
-    if (!configured) {
-      MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_shared_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         int(smem_limit)));
-      configured = true;
-    }
-    gemv_shared_kernel<KIND, SF16><<<m.first_block[m.n], kGemvWarps * 32, gemv_smem_bytes(w[0]->cols, nt_max), stream>>>(
-        m, x, ldx, int(T), nt_max);
-    MS_CUDA_CHECK_LAUNCH();
+    auto launch = [&]<int NT>() {
+      static bool configured = false;
+      if (!configured) {
+        MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_shared_kernel<KIND, SF16, NT>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_limit)));
+        configured = true;
+      }
+      gemv_shared_kernel<KIND, SF16, NT><<<m.first_block[m.n], kGemvWarps * 32, gemv_smem_bytes(w[0]->cols, nt_max),
+                                           stream>>>(m, x, ldx, int(T), nt_max);
+      MS_CUDA_CHECK_LAUNCH();
+    };
+    if (nt_max > kTokens) launch.template operator()<kWideTokens>();
+    else launch.template operator()<kTokens>();
   });
   return true;
 }

@@ -62,7 +62,7 @@ bool exact_mma_enabled();
 //        float32: a relative error of about 1e-3 per output (FP16 keeps 11 significant bits), the
 //        tolerance docs/ARCHITECTURES.md states. Otherwise float32 accuracy: BF16 weights on the
 //        tensor cores with x split into three BF16 parts that sum to it exactly (products exact,
-//        sums float32), other formats as F32.
+//        sums float32), also from 2 tokens up (a batched decode step), other formats as F32.
 //  F32:  tiles dequantized to float32 and SGEMM: the GEMV's float32 arithmetic (the router,
 //        whose top-k compares logits).
 enum class GemmMath { Fp16, F32 };
@@ -73,9 +73,11 @@ void linear(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float
 
 // out[i][t, :] (row stride w[i].rows) = x[t, :] @ W[i]^T (+ bias[i]) in one GEMV launch, when the
 // call is below the GEMV bound and the matrices (at most 4) share format and width; each row sums
-// exactly as linear()'s GEMV does. False (nothing launched) otherwise.
+// exactly as linear()'s GEMV does (BF16 from 2 tokens: x split once, each matrix as linear()
+// multiplies it). False (nothing launched) otherwise.
 bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
-                         std::span<const float* const> bias, std::span<float* const> out, cudaStream_t stream);
+                         std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
+                         cudaStream_t stream);
 
 // Rows [r0, r0 + n) of w as FP16 into dst [n, w.cols] (saturating), for the tensor-core paths.
 void dequantize_rows_f16(const Matrix& w, int64_t r0, int64_t n, void* dst, cudaStream_t stream);

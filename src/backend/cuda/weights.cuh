@@ -318,7 +318,8 @@ __device__ __forceinline__ void dequant_rows_f16(const WeightRef& w, int64_t r0,
 }
 
 constexpr int kRowsPerWarp = 2;
-constexpr int kTokens = 4;        // activation rows per pass
+constexpr int kTokens = 4;        // activation rows per pass (the expert kernels; linear's GEMV takes up to 8)
+constexpr int kWideTokens = 8;    // linear's GEMV for 5 to 8 tokens (batched decode steps)
 constexpr int kGemvWarps = 8;     // warps per block
 constexpr int kGemvRows = kRowsPerWarp * kGemvWarps;  // rows per block
 
@@ -348,15 +349,16 @@ __device__ __forceinline__ void stage_x(RowPtr x_row, int nt, int64_t cols, floa
 
 // acc[r][t] = row (row0 + r) of w . x_t for the rows this warp owns (rows past w.rows give 0).
 // xs/xsum as stage_x left them; all lanes of the warp return the full sums.
-template <int KIND, bool SF16>
+// NT: the most tokens one pass takes (the size of acc); each token's sum is the same for any NT.
+template <int KIND, bool SF16, int NT = kTokens>
 __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, const float* xs, const float* xsum,
-                                          int nt, float (&acc)[kRowsPerWarp][kTokens]) {
+                                          int nt, float (&acc)[kRowsPerWarp][NT]) {
   const int lane = threadIdx.x & 31;
   const int64_t cols = w.cols, cp = padded_cols(cols), packs = (cols + 31) >> 5;
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
-    for (int t = 0; t < kTokens; ++t) acc[r][t] = 0.0f;
+    for (int t = 0; t < NT; ++t) acc[r][t] = 0.0f;
   const bool vec = (cols & 31) == 0;
   for (int64_t p = lane; p < packs; p += 32) {
     float q[kRowsPerWarp][32];
@@ -372,7 +374,7 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
       }
     }
 #pragma unroll
-    for (int t = 0; t < kTokens; ++t) {
+    for (int t = 0; t < NT; ++t) {
       if (t >= nt) break;
       const float* xv = xs + t * cp + p * 36;
       float d[kRowsPerWarp];
@@ -402,7 +404,7 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
 #pragma unroll
   for (int r = 0; r < kRowsPerWarp; ++r)
 #pragma unroll
-    for (int t = 0; t < kTokens; ++t)
+    for (int t = 0; t < NT; ++t)
       if (t < nt) acc[r][t] = warp_sum(acc[r][t]);
 }
 
