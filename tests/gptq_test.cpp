@@ -148,6 +148,146 @@ TEST(Gptq, SingularHessianIsDampedAndDeadColumnsQuantize) {
   }
 }
 
+// A synthetic SwiGLU expert with correlated inputs, quantized at `bits` by round to nearest and
+// by GPTQ (with refinement) under the Hessians of `calib` calibration tokens; x holds the first n
+// of them (the sample reconstruction sees), held n other tokens from the same distribution.
+struct SyntheticExpert {
+  static constexpr int64_t hidden = 128, inter = 64, calib = 4096, n = 512;
+  QuantFormat f;
+  std::vector<float> x, held, gate, up, down;
+  std::vector<double> h_in, h_act;  // calibration's Hessians
+  struct Quantized {
+    std::vector<uint32_t> w[3];
+    std::vector<uint16_t> s[3], b[3];
+    QuantizedMatrix m(int i) { return {w[i].data(), s[i].data(), b[i].data()}; }
+  };
+  Quantized rtn, gptq;
+
+  explicit SyntheticExpert(int bits) : f{bits, 32} {
+    std::vector<float> all = correlated_inputs(calib + n, hidden, 11);
+    for (float& v : all) v *= 0.1f;  // gate outputs of a few units: silu's bend matters
+    x.assign(all.begin(), all.begin() + n * hidden);
+    held.assign(all.begin() + calib * hidden, all.end());
+    all.resize(size_t(calib * hidden));
+    gate = test::gaussian(size_t(inter * hidden), 21, 0.3f);
+    up = test::gaussian(size_t(inter * hidden), 22, 0.3f);
+    down = test::gaussian(size_t(hidden * inter), 23, 0.3f);
+    std::vector<float> a(size_t(calib * inter));
+    for (int64_t t = 0; t < calib; ++t)
+      for (int64_t i = 0; i < inter; ++i) {
+        double g = 0, u = 0;
+        for (int64_t c = 0; c < hidden; ++c) {
+          g += double(all[size_t(t * hidden + c)]) * gate[size_t(i * hidden + c)];
+          u += double(all[size_t(t * hidden + c)]) * up[size_t(i * hidden + c)];
+        }
+        a[size_t(t * inter + i)] = float(g / (1 + std::exp(-g)) * u);
+      }
+    h_in = hessian_of(all, calib, hidden), h_act = hessian_of(a, calib, inter);
+    const float* ws[3] = {gate.data(), up.data(), down.data()};
+    for (int i = 0; i < 3; ++i) {
+      const int64_t rows = i < 2 ? inter : hidden, cols = i < 2 ? hidden : inter;
+      for (Quantized* q : {&rtn, &gptq}) {
+        q->w[i].resize(size_t(rows * quant_words_per_row(f, cols)));
+        q->s[i].resize(size_t(rows * quant_groups_per_row(f, cols)));
+        q->b[i].resize(q->s[i].size());
+      }
+      quantize_affine(ws[i], rows, cols, f, rtn.w[i].data(), rtn.s[i].data(), rtn.b[i].data());
+      quantize_gptq(ws[i], rows, cols, (i < 2 ? h_in : h_act).data(), f, gptq.w[i].data(), gptq.s[i].data(),
+                    gptq.b[i].data());
+    }
+  }
+  ExpertMatrices matrices() const {
+    return {gate.data(), up.data(), down.data(), hidden, inter, h_in.data(), h_act.data(), calib};
+  }
+  double error(Quantized& q, const std::vector<float>& on) const {
+    return expert_output_error(on.data(), int64_t(on.size()) / hidden, matrices(), f, q.m(0), q.m(1), q.m(2));
+  }
+  Quantized reconstructed() const {
+    Quantized q = gptq;
+    reconstruct_expert(x.data(), n, matrices(), f, q.m(0), q.m(1), q.m(2), GptqOptions{});
+    return q;
+  }
+};
+
+// Reconstructing the whole expert lowers its output error on its sample of calibration inputs
+// below GPTQ's (each matrix refined alone), which is below round to nearest's. On other inputs
+// from the same distribution the error is recorded, not asserted: 1.03 and 1.04 times GPTQ's
+// here at 2 and 3 bits (this expert's 25k codes against 512 sampled tokens), 0.96 on the
+// trained model's experts (PERFORMANCE.md), where perplexity and KL improve.
+TEST(GptqExpert, ReconstructionLowersTheExpertOutputErrorBelowGptq) {
+  for (int bits : {2, 3}) {
+    SyntheticExpert e(bits);
+    SyntheticExpert::Quantized rec = e.reconstructed();
+    const double rtn = e.error(e.rtn, e.x), gptq = e.error(e.gptq, e.x), after = e.error(rec, e.x);
+    RecordProperty("q" + std::to_string(bits) + "_gptq_over_rtn", test::sci(gptq / rtn));
+    RecordProperty("q" + std::to_string(bits) + "_reconstructed_over_gptq", test::sci(after / gptq));
+    EXPECT_LT(gptq, rtn) << bits << " bits";
+    EXPECT_LT(after, 0.8 * gptq) << bits << " bits";
+    const double held_gptq = e.error(e.gptq, e.held), held_after = e.error(rec, e.held);
+    RecordProperty("q" + std::to_string(bits) + "_heldout_reconstructed_over_gptq", test::sci(held_after / held_gptq));
+    EXPECT_LT(held_after, 1.1 * held_gptq) << bits << " bits";
+  }
+}
+
+// The same inputs give the same bytes.
+TEST(GptqExpert, ReconstructionIsDeterministic) {
+  SyntheticExpert e(2);
+  SyntheticExpert::Quantized one = e.reconstructed(), two = e.reconstructed();
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(one.w[i], two.w[i]) << i;
+    EXPECT_EQ(one.s[i], two.s[i]) << i;
+    EXPECT_EQ(one.b[i], two.b[i]) << i;
+  }
+}
+
+// What reconstruction writes is the layout the kernels read: the CPU backend's expert MLP over
+// the reconstructed q2 matrices gives the output expert_output_error scored.
+TEST(GptqExpert, KernelsReadTheReconstructedLayout) {
+  SyntheticExpert e(2);
+  SyntheticExpert::Quantized rec = e.reconstructed();
+  auto be = make_cpu_backend(1, true);
+  MlpWeights w;
+  Matrix* mats[3] = {&w.gate, &w.up, &w.down};
+  for (int i = 0; i < 3; ++i) {
+    const int64_t rows = i < 2 ? e.inter : e.hidden, cols = i < 2 ? e.hidden : e.inter;
+    const TensorView words{"w", DType::U32, {rows, quant_words_per_row(e.f, cols)}, rec.w[i].data(), rec.w[i].size() * 4};
+    const TensorView scales{"s", DType::BF16, {rows, cols / 32}, rec.s[i].data(), rec.s[i].size() * 2};
+    const TensorView biases{"b", DType::BF16, {rows, cols / 32}, rec.b[i].data(), rec.b[i].size() * 2};
+    *mats[i] = be->load_quantized(words, scales, biases, e.f);
+  }
+  std::vector<float> x = e.x, y(size_t(e.n * e.hidden));
+  Buffer out{y.data(), e.n, e.hidden};
+  be->mlp(Buffer{x.data(), e.n, e.hidden}, w, out);
+  // The reference: dequantized matrices, in double.
+  std::vector<float> q[3];
+  for (int i = 0; i < 3; ++i) {
+    const int64_t rows = i < 2 ? e.inter : e.hidden, cols = i < 2 ? e.hidden : e.inter;
+    q[i].resize(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r)
+      dequantize_row(e.f, cols, rec.w[i].data() + r * quant_words_per_row(e.f, cols), rec.s[i].data() + r * cols / 32,
+                     rec.b[i].data() + r * cols / 32, q[i].data() + r * cols);
+  }
+  double err = 0, norm = 0;
+  for (int64_t t = 0; t < e.n; ++t) {
+    std::vector<double> a(static_cast<size_t>(e.inter));
+    for (int64_t i = 0; i < e.inter; ++i) {
+      double g = 0, u = 0;
+      for (int64_t c = 0; c < e.hidden; ++c) {
+        g += double(x[size_t(t * e.hidden + c)]) * q[0][size_t(i * e.hidden + c)];
+        u += double(x[size_t(t * e.hidden + c)]) * q[1][size_t(i * e.hidden + c)];
+      }
+      a[size_t(i)] = g / (1 + std::exp(-g)) * u;
+    }
+    for (int64_t k = 0; k < e.hidden; ++k) {
+      double v = 0;
+      for (int64_t i = 0; i < e.inter; ++i) v += a[size_t(i)] * q[2][size_t(k * e.inter + i)];
+      err += (y[size_t(t * e.hidden + k)] - v) * (y[size_t(t * e.hidden + k)] - v);
+      norm += v * v;
+    }
+  }
+  EXPECT_LT(err, 1e-8 * norm);
+}
+
 // Hands out F32 experts of a layer; counts requests.
 class TestExperts : public ExpertProvider {
  public:
@@ -308,6 +448,22 @@ TEST(Gptq, SecondPassCalibratesOnTheQuantizedPack) {
     EXPECT_EQ(e.path().filename(), "pack");
 }
 
+// --gptq-expert-tokens 0 leaves the experts as GPTQ and refinement wrote them; by default the
+// experts are reconstructed: other codes in the same layout, a model that loads and runs.
+TEST(GptqExpert, PackReconstructsByDefault) {
+  const std::string src = test::fixture("models/qwen3moe_ppl");
+  const std::string flags = "--quant q2 --group-size 32 --gptq " + src + "/text.txt";
+  const std::string off = pack(src, "gptq-xr-off", flags + " --gptq-expert-tokens 0"), on = pack(src, "gptq-xr-on", flags);
+  EXPECT_EQ(layout_of(on), layout_of(off));
+  const PackManifest m = PackManifest::load(on), base = PackManifest::load(off);
+  int differ = 0;
+  for (size_t l = 0; l < m.layers.size(); ++l)
+    for (size_t e = 0; e < m.layers[l].size(); ++e) differ += m.layers[l][e].checksum != base.layers[l][e].checksum;
+  EXPECT_GT(differ, 0);
+  EXPECT_TRUE(verify_pack(on).problems.empty());
+  for (float v : logits_of(on, kIds)) ASSERT_TRUE(std::isfinite(v));
+}
+
 // Calibration and quantization give the same bytes whatever the thread count.
 TEST(Gptq, ThreadCountDoesNotChangeTheBytes) {
   const std::string src = test::fixture("models/qwen3moe_ppl");
@@ -371,6 +527,8 @@ TEST(Gptq, FlagErrorsAreOneLine) {
       {"--quant q2 --gptq-tokens 10", {"--gptq-tokens", "--gptq"}},
       {"--quant q2 --gptq-passes 2", {"--gptq-passes", "--gptq"}},
       {"--quant q2 --gptq " + text + " --gptq-passes 0", {"--gptq-passes", "0"}},
+      {"--quant q2 --gptq-expert-tokens 64", {"--gptq-expert-tokens", "--gptq"}},
+      {"--quant q2 --gptq " + text + " --gptq-expert-tokens -1", {"--gptq-expert-tokens", "-1"}},
       {"--tiered " + dir + "/missing.json", {"missing.json", "cannot read"}},
       {"--tiered " + text, {"text.txt", "not a usage profile"}},
       {"--tiered " + profile + " --hot-share 1.5", {"--hot-share", "1.5"}},

@@ -44,6 +44,10 @@ void add_pack(CLI::App& app) {
                   "Calibration runs: each after the first on the model quantized by the one before (default 1)")
       ->check(CLI::Range(1, 8))
       ->needs(gptq);
+  cmd->add_option("--gptq-expert-tokens", f->options.gptq_expert_tokens,
+                  "Calibration tokens kept per expert to reconstruct its output after GPTQ (default 1024; 0: off)")
+      ->check(CLI::Range(int64_t(0), int64_t(1) << 20))
+      ->needs(gptq);
   CLI::Option* tiered = cmd->add_option("--tiered", f->tiered,
                                         "Usage profile (--profile-out's JSON): each layer's most used experts at "
                                         "--hot-bits, the rest at --cold-bits");

@@ -46,6 +46,11 @@ struct GptqOptions {
   // error and perplexity than plain GPTQ at 2, 3 and 4 bits on the trained model (PERFORMANCE.md).
   int refine_rounds = 4;
   int refine_sweeps = 4;  // coordinate-descent sweeps over a row's codes per round, at most
+  // Rounds of reconstruct_expert (gate and up unit by unit, then down) when calibration kept
+  // the expert's inputs; 0: none.
+  int expert_rounds = 1;
+  int expert_sweeps = 2;  // code sweeps and group refits per unit and round, at most
+  double expert_prior = 1;  // weight of down's layer-wise objective in reconstruct_expert
 };
 
 // h (n, n) as GPTQ and the refinement regularize it: a zero diagonal entry (an input no
@@ -76,16 +81,61 @@ void refine_quantized(const float* w, int64_t rows, int64_t cols, const double* 
 double quantized_error(const float* w, int64_t rows, int64_t cols, const double* h, const QuantFormat& f,
                        const uint32_t* words, const uint16_t* scales, const uint16_t* biases);
 
+// A routed expert's unquantized weights, y = down (silu(gate x) * (up x)): gate and up
+// [inter, hidden], down [hidden, inter], float32.
+struct ExpertMatrices {
+  const float *gate, *up, *down;
+  int64_t hidden, inter;
+  // The calibration Hessians over all the expert's tokens (ExpertHessian::in [hidden, hidden],
+  // ::act [inter, inter]) and their count: reconstruct_expert's priors (GptqOptions::
+  // expert_prior). Optional.
+  const double* in_hessian = nullptr;
+  const double* act_hessian = nullptr;
+  int64_t calib_tokens = 0;
+};
+
+// A quantized matrix in quantize_affine's layout, changed in place.
+struct QuantizedMatrix {
+  uint32_t* words;
+  uint16_t* scales;
+  uint16_t* biases;
+};
+
+// GPTQ and its refinement each lower one matrix's own output error; how the errors of gate, up
+// and down combine through the SwiGLU is left out. reconstruct_expert starts from their result
+// (all three in format f) and lowers the whole expert's squared output error on x (tokens,
+// hidden), a sample of the calibration inputs routed to it. Gate and up unit by unit (row i of
+// each): exact coordinate descent on the codes against the expert's error (up's effect on it is
+// quadratic; gate's steps are chosen by silu's second-order expansion and kept only when the
+// exact error falls), then one Gauss-Newton step on each group's scale and bias, kept only when
+// the exact error falls. Then down, whose effect is quadratic, by refine_quantized under the
+// quantized activations with the unquantized expert's output as target. A few thousand tokens
+// do not pin down tens of thousands of codes: fitted alone, the sample's error falls and other
+// tokens' rises (PERFORMANCE.md). So each matrix's layer-wise objective over all calibration
+// tokens (w's Hessians, as GPTQ minimizes it) is added as a prior, scaled to the sample's size
+// and to the expert's sensitivity to that matrix, times options.expert_prior. The sum never
+// rises. options.expert_rounds times; deterministic.
+void reconstruct_expert(const float* x, int64_t tokens, const ExpertMatrices& w, const QuantFormat& f,
+                        const QuantizedMatrix& gate, const QuantizedMatrix& up, const QuantizedMatrix& down,
+                        const GptqOptions& options);
+// sum over the tokens of ||expert_q(x) - expert(x)||^2 (SwiGLU experts).
+double expert_output_error(const float* x, int64_t tokens, const ExpertMatrices& w, const QuantFormat& f,
+                           const QuantizedMatrix& gate, const QuantizedMatrix& up, const QuantizedMatrix& down);
+
 // What calibration saw of one routed expert.
 struct ExpertHessian {
   int64_t tokens = 0;       // tokens routed to it
   std::vector<double> in;   // [hidden, hidden]: sum of x x^T over those tokens (gate and up)
   std::vector<double> act;  // [inter, inter]: the same over its activations (down's input)
+  // [rows, hidden]: up to ExpertHessians::sample_cap of those tokens' inputs, a uniform sample
+  // (reservoir sampling with a fixed hash, so the same run keeps the same rows).
+  std::vector<float> sample;
 };
 
 struct ExpertHessians {
   std::vector<std::vector<ExpertHessian>> layers;  // [layer][expert]; empty for layers without experts
   int64_t tokens = 0;                              // calibration tokens run through the model
+  int64_t sample_cap = 0;                          // inputs kept per expert (ExpertHessian::sample)
   const ExpertHessian* find(int layer, int expert) const;  // nullptr when never routed to
 };
 
@@ -109,6 +159,7 @@ struct GptqCalibration {
   // activations of its own quantized gate and up: the paper's "true sequential" quantization,
   // with one calibration run per pass instead of one per layer.
   std::string quantized_pack;
+  int64_t sample_tokens = 0;  // ExpertHessians::sample_cap
 };
 
 // Packs `src` as bf16 into a temporary directory beside `out` (removed afterwards; or takes

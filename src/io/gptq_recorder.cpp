@@ -127,6 +127,7 @@ class HessianRecorder : public Backend {
       for (size_t j = 0; j < list.size(); ++j)
         std::copy_n(x.data + list[j] * dim, dim, xe_.data() + j * size_t(dim));
       ExpertHessian& h = layer[size_t(e)];
+      keep_sample(h, p.layer, e, xe_.data(), int64_t(list.size()), dim);
       h.tokens += int64_t(list.size());
       add_gram(h.in, xe_.data(), int64_t(list.size()), dim, gram_);
     }
@@ -147,6 +148,27 @@ class HessianRecorder : public Backend {
       activate(p, gate_, up_);
       add_gram(layer[size_t(e)].act, gate_.data(), n, inter, gram_);
       experts.release(e);
+    }
+  }
+
+  // Reservoir sampling of the expert's inputs (rows of x, the next of its tokens): the n-th
+  // token seen replaces a kept row with probability cap / (n + 1), by a hash of (layer,
+  // expert, n) rather than a random generator, so the sample depends on nothing but the run.
+  void keep_sample(ExpertHessian& h, int layer, int expert, const float* x, int64_t rows, int64_t dim) const {
+    const int64_t cap = out_.sample_cap;
+    for (int64_t j = 0; j < rows && cap > 0; ++j) {
+      const int64_t seen = h.tokens + j, kept = int64_t(h.sample.size()) / dim;
+      if (kept < cap) {
+        h.sample.insert(h.sample.end(), x + j * dim, x + (j + 1) * dim);
+        continue;
+      }
+      uint64_t z = (uint64_t(layer) << 48) ^ (uint64_t(expert) << 32) ^ uint64_t(seen);
+      z += 0x9e3779b97f4a7c15ull;  // splitmix64's finalizer
+      z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      z ^= z >> 31;
+      const uint64_t slot = z % uint64_t(seen + 1);
+      if (slot < uint64_t(cap)) std::copy_n(x + j * dim, dim, h.sample.data() + slot * uint64_t(dim));
     }
   }
 
@@ -207,6 +229,7 @@ ExpertHessians collect_expert_hessians(const std::string& src, const std::string
   if (ids.size() < 2) fail("--gptq: ", c.text_path, " has fewer than 2 tokens");
 
   ExpertHessians h;
+  h.sample_cap = c.sample_tokens;
   ModelOptions mo;
   mo.threads = c.threads;
   mo.precise = true;

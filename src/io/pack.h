@@ -132,6 +132,8 @@ struct PackOptions {
   // Calibration runs (io/gptq.h): pass 1 on the bf16 model, each later one on the pack quantized
   // under the previous pass's Hessians, so that later layers see their quantized inputs.
   int gptq_passes = 1;
+  // Calibration inputs kept per expert for reconstruct_expert (io/gptq.h) after GPTQ; 0: none.
+  int64_t gptq_expert_tokens = 1024;
   // Per-expert bits (pack --tiered, io/expert_tiers.h): expert_bits[layer][expert] replaces the
   // bits of --quant for that expert; empty: every expert at --quant.
   std::vector<std::vector<int>> expert_bits;

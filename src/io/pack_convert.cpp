@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <deque>
 #include <exception>
@@ -250,6 +251,7 @@ class Converter {
     }
     const QuantFormat target = expert_target(layer, expert);
     for (const std::string role : {"gate", "up", "down"}) add_weight(b, layer, role, parts, target, h, progress);
+    if (h && !h->sample.empty()) reconstruct(b, layer, parts, target, *h);
     for (const std::string role : {"gate_bias", "up_bias", "down_bias"})
       if (parts.count(role)) {
         const ExpertSource& bias = parts.at(role);
@@ -320,6 +322,34 @@ class Converter {
     else
       requantize_weight(b, role, w, sc, bi, fmt, target, h ? (role == "down" ? &h->act : &h->in) : nullptr);
     progress.add(w.nbytes() + (sc ? sc->nbytes() : 0) + (bi ? bi->nbytes() : 0));
+  }
+
+  // GPTQ's gate, up and down in `b` reconstructed together on the expert's sampled calibration
+  // inputs (io/gptq.h), in place; SwiGLU experts without biases only.
+  void reconstruct(ExpertBlock& b, int layer, const ExpertParts& parts, const QuantFormat& target,
+                   const ExpertHessian& h) const {
+    if (parts.count("gate_bias") || parts.count("up_bias") || parts.count("down_bias")) return;
+    const auto part = [&](const std::string& role) { return parts.count(role) ? &parts.at(role) : nullptr; };
+    const auto written = [&](const std::string& role) {
+      for (const PackWriter::Part& p : b.parts)
+        if (p.role == role) return const_cast<void*>(p.data);  // in b.bytes, this block's own
+      fail("expert block without ", role);
+    };
+    std::vector<float> w[3];
+    QuantizedMatrix q[3];
+    const std::string roles[3] = {"gate", "up", "down"};
+    for (int i = 0; i < 3; ++i) {
+      const ExpertSource &src = parts.at(roles[i]), *sc = part(roles[i] + ".scales"), *bi = part(roles[i] + ".biases");
+      w[i] = to_f32(src, sc, bi, source_format(layer, roles[i], src, sc, bi));
+      q[i] = {static_cast<uint32_t*>(written(roles[i])), static_cast<uint16_t*>(written(roles[i] + ".scales")),
+              static_cast<uint16_t*>(written(roles[i] + ".biases"))};
+    }
+    const int64_t hidden = std::llround(std::sqrt(double(h.in.size()))), inter = std::llround(std::sqrt(double(h.act.size())));
+    if (w[0].size() != size_t(inter * hidden) || w[1].size() != w[0].size() || w[2].size() != w[0].size()) return;
+    const ExpertMatrices m{w[0].data(), w[1].data(), w[2].data(), hidden, inter, h.in.data(), h.act.data(), h.tokens};
+    GptqOptions g;
+    g.clip_search = options_.clip_search;
+    reconstruct_expert(h.sample.data(), int64_t(h.sample.size()) / hidden, m, target, q[0], q[1], q[2], g);
   }
 
   // The checkpoint's format of an expert weight; bits 0: plain.
@@ -563,7 +593,8 @@ void write_pack(const std::string& src, const std::string& out_arg, const Expert
   std::unique_ptr<ExpertHessians> hessians;
   if (!options.gptq_text.empty() && experts_left) {
     const auto t0 = std::chrono::steady_clock::now();
-    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip, ""};
+    GptqCalibration calib{options.gptq_text, options.gptq_tokens, 512, options.threads, options.skip, "",
+                          options.gptq_expert_tokens};
     hessians = std::make_unique<ExpertHessians>(collect_expert_hessians(src, out, parse, calib));
     if (options.progress)
       std::fprintf(stderr, "gptq: calibrated on %lld tokens of %s in %.1f s\n", (long long)hessians->tokens,

@@ -157,7 +157,8 @@ PackKey pack_key(const std::string& src, const PackOptions& options) {
     std::error_code ec;
     gptq = text.string() + " (" + std::to_string(fs::file_size(text, ec)) + " bytes, " +
            std::to_string(options.gptq_tokens) + " tokens at most, " + std::to_string(options.gptq_min_tokens) +
-           " per expert, " + std::to_string(options.gptq_passes) + " passes, modified " +
+           " per expert, " + std::to_string(options.gptq_passes) + " passes, " +
+           std::to_string(options.gptq_expert_tokens) + " reconstruction tokens, modified " +
            std::to_string(fs::last_write_time(text, ec).time_since_epoch().count()) + ")";
   }
   key["--gptq"] = gptq;
