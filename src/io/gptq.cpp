@@ -8,10 +8,6 @@
 
 namespace moestream {
 
-namespace {
-
-// a (n, n) symmetric positive definite -> its lower Cholesky factor in place (the upper triangle
-// is left as it was). False when a is not positive definite.
 bool cholesky_lower(std::vector<double>& a, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     double d = a[size_t(j * n + j)];
@@ -27,6 +23,8 @@ bool cholesky_lower(std::vector<double>& a, int64_t n) {
   }
   return true;
 }
+
+namespace {
 
 // The upper U with H^-1 = U^T U, from the lower Cholesky factor L of H (H = L L^T):
 // H^-1 = L^-T L^-1, and U is the transposed lower Cholesky factor of that. False when H^-1 is

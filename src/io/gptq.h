@@ -58,6 +58,10 @@ struct GptqOptions {
 // (`damp` times it, added to the diagonal) is scaled by.
 double unit_dead_inputs(std::vector<double>& h, int64_t n);
 
+// a (n, n) symmetric positive definite -> its lower Cholesky factor in place (the upper triangle
+// is left as it was). False when a is not positive definite.
+bool cholesky_lower(std::vector<double>& a, int64_t n);
+
 // Quantizes w (rows, cols) float32 to f (affine) with error compensation under h (cols, cols,
 // symmetric, row-major; the sum of x x^T over calibration inputs x [cols]). Writes words, scales
 // and biases as quantize_affine does. `what` names the matrix in errors.

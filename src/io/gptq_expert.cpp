@@ -42,18 +42,7 @@ std::vector<float> swiglu(const std::vector<float>& g, const std::vector<float>&
 // Solves a x = y for a (n, n) symmetric positive definite, by Cholesky, in place (y becomes x).
 // False when a is not positive definite.
 bool solve_spd(std::vector<double> a, std::vector<double>& y, int64_t n) {
-  for (int64_t j = 0; j < n; ++j) {
-    double d = a[size_t(j * n + j)];
-    for (int64_t k = 0; k < j; ++k) d -= a[size_t(j * n + k)] * a[size_t(j * n + k)];
-    if (!(d > 0)) return false;
-    const double l = std::sqrt(d);
-    a[size_t(j * n + j)] = l;
-    for (int64_t i = j + 1; i < n; ++i) {
-      double s = a[size_t(i * n + j)];
-      for (int64_t k = 0; k < j; ++k) s -= a[size_t(i * n + k)] * a[size_t(j * n + k)];
-      a[size_t(i * n + j)] = s / l;
-    }
-  }
+  if (!cholesky_lower(a, n)) return false;
   for (int64_t i = 0; i < n; ++i) {  // L z = y
     double s = y[size_t(i)];
     for (int64_t k = 0; k < i; ++k) s -= a[size_t(i * n + k)] * y[size_t(k)];

@@ -498,6 +498,29 @@ NormRope norm_rope_args(Buffer& q, Buffer& k, const float* q_norm, const float* 
   return NormRope{q.data, k.data, q_norm, k_norm, eps, n_heads, head_dim, r.rot_dim / 2, inv_freq,
                   r.attention_factor, r.interleaved, r.rot_offset, q.cols, k.cols};
 }
+// The arguments of the attention kernels for q, the key and value rows k and v (v_head: the
+// offset of a KV head's values in a value row) and p.
+AttnArgs attn_args(const Buffer& q, const KvRows& k, const KvRows& v, int64_t v_head, const AttentionParams& p,
+                   const float* sinks, Buffer& out) {
+  AttnArgs a;
+  a.q = q.data;
+  a.q_ld = q.cols;
+  a.k = k;
+  a.v = v;
+  a.v_head = v_head;
+  a.out = out.data;
+  a.out_ld = out.cols;
+  a.head_dim = p.head_dim;
+  a.v_dim = p.v_head_dim ? p.v_head_dim : p.head_dim;
+  a.group = p.n_heads / p.n_kv_heads;
+  a.scale = p.scale;
+  a.n_past = p.n_past;
+  a.window = p.sliding_window;
+  a.kv_window = p.kv.window;
+  a.kv_sinks = p.kv.sinks;
+  a.sinks = sinks;
+  return a;
+}
 }  // namespace
 
 void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm, float eps, int n_heads,
@@ -524,23 +547,9 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
   const int64_t kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
   kv_append_rows_kernel<<<n, 256, 0, s>>>(k.data, k.cols, v.data, v.cols, kv_dim, v_dim, rows);
   MS_CUDA_CHECK_LAUNCH();
-  AttnArgs a;
-  a.q = q.data;
-  a.q_ld = q.cols;
-  a.k = KvRows{nullptr, nullptr, kv_dim, 0, 0, 0, false, p.n_kv_heads};
-  a.v = KvRows{nullptr, nullptr, v_dim, 0, 0, 0, false, p.n_kv_heads};
-  a.v_head = vd;
-  a.out = out.data;
-  a.out_ld = out.cols;
-  a.head_dim = hd;
-  a.v_dim = vd;
-  a.group = p.n_heads / p.n_kv_heads;
-  a.scale = p.scale;
-  a.n_past = 0;
-  a.window = p.sliding_window;
-  a.kv_window = 0;
-  a.kv_sinks = 0;
-  a.sinks = sinks;
+  // Each row's caches and position come from `rows` (attention_rows_kernel).
+  const AttnArgs a = attn_args(q, KvRows{nullptr, nullptr, kv_dim, 0, 0, 0, false, p.n_kv_heads},
+                               KvRows{nullptr, nullptr, v_dim, 0, 0, 0, false, p.n_kv_heads}, vd, p, sinks, out);
   const size_t smem = size_t(hd + kAttnDecodeWarps * (2 + vd)) * sizeof(float);
   attention_rows_kernel<KvType::F32><<<dim3(unsigned(p.n_heads), n), kAttnDecodeWarps * 32, smem, s>>>(a, rows);
   MS_CUDA_CHECK_LAUNCH();
@@ -552,24 +561,10 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
   const KvCacheSpec& kv = p.kv;
   const bool ring = kv.window > 0 && kv.ring && k_cache.rows == kv.sinks + kv.window;
-  AttnArgs a;
-  a.q = q.data;
-  a.q_ld = q.cols;
-  a.k = KvRows{k_cache.data, k_staged, k_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
-  a.v = p.values_in_keys ? a.k
-                         : KvRows{v_cache.data, v_staged, v_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
-  a.v_head = p.values_in_keys ? hd : vd;
-  a.out = out.data;
-  a.out_ld = out.cols;
-  a.head_dim = hd;
-  a.v_dim = vd;
-  a.group = p.n_heads / p.n_kv_heads;
-  a.scale = p.scale;
-  a.n_past = p.n_past;
-  a.window = p.sliding_window;
-  a.kv_window = kv.window;
-  a.kv_sinks = kv.sinks;
-  a.sinks = sinks;
+  const KvRows k{k_cache.data, k_staged, k_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
+  const AttnArgs a = attn_args(
+      q, k, p.values_in_keys ? k : KvRows{v_cache.data, v_staged, v_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads},
+      p.values_in_keys ? hd : vd, p, sinks, out);
   if (q.rows == 0) return;
   // Prefill through the tiled kernel where it applies: value heads as wide as the keys (not MLA's
   // latent), 64, 128 or 256 dims, and a head group that divides its rows.
