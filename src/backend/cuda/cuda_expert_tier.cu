@@ -280,7 +280,6 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   b.dim = dim;
   b.x = x.data;
   b.params = &p;
-  b.one_token = T == 1;
   b.few_tokens = T <= kGemvMaxTokens;
   b.groups = g;
   b.hidden = nullptr;

@@ -574,7 +574,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
                                       b.inter, b.dim, n_blocks, false));
     return;
   }
-  if (!b.one_token && !b.few_tokens && experts_exact_mma_supported(b)) {
+  if (!b.few_tokens && experts_exact_mma_supported(b)) {
     const bool prof = b.profile && b.profile->on();
     if (prof) b.profile->begin(s);
     run_experts_exact_mma(b, s);
@@ -585,7 +585,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
   const size_t limit = max_gemv_smem();
   // One token, or a few (each expert's rows in turn): the single-token kernels where they read
   // the format (x rows 16-byte aligned).
-  const bool one = (b.one_token || b.few_tokens) && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;
+  const bool one = b.few_tokens && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;
   const bool prof = b.profile && b.profile->on();
   if (prof) b.profile->begin(s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {

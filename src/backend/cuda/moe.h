@@ -58,11 +58,10 @@ struct ExpertBatch {
   float* hidden;      // [T*k, inter]
   float* y;           // [T*k, dim]
   const MoeParams* params;
-  bool one_token = false;  // the call has one token (each active expert one row): the decode kernels
-  // The call has at most kGemvMaxTokens tokens (a batched decode step: most active experts get one
-  // or two rows): the decode kernels too, row by row (a second row reads the weights from L2),
-  // each row computed as a lone decode step computes it; the tensor-core kernels would pad every
-  // expert's rows to tiles of 16.
+  // The call has at most kGemvMaxTokens tokens (one decode token, or a batched decode step: most
+  // active experts get one or two rows): the decode kernels, an expert's rows in turn (a second
+  // row reads the weights from L2), each row computed as a lone decode step computes it; the
+  // tensor-core kernels would pad every expert's rows to tiles of 16.
   bool few_tokens = false;
   // When the layer mixes formats: the format_pair of gate_up and down, and the kernels skip the
   // experts of other formats (the caller runs each of the layer's formats); -1 runs every expert.
