@@ -3,7 +3,9 @@
 // call. The CUDA backend calls the same functions.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -91,6 +93,25 @@ TEST(BackendChecks, CopyRowsRefusesMismatchedAndOverlappingBuffers) {
   EXPECT_THROW(be->copy_rows(a, tail, 2), Error);
   EXPECT_NO_THROW(be->copy_rows(a, b, 4));
   EXPECT_NO_THROW(be->copy_rows(a, tail, 0));
+}
+
+// The default greedy_rows (the CPU's): the lowest column of the largest value, -1 for a row with
+// NaN or +inf or nothing above -inf, as the sampler's greedy choice and its errors.
+TEST(BackendChecks, GreedyRowsFollowTheSampler) {
+  auto be = make_cpu_backend(1, true);
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  const std::vector<std::vector<float>> rows = {
+      {1, 3, 3, 2},  {-kInf, -kInf, -kInf, -kInf}, {1, std::numeric_limits<float>::quiet_NaN(), 5, 0},  {kInf, 1, 0, 0},
+      {-kInf, -5, -kInf, -5}, {0, 0, 0, 0},           {2, -kInf, 7, 7.5f},
+  };
+  const std::vector<int32_t> want = {1, -1, -1, -1, 1, 0, 3};
+  Buffer x = be->alloc(int64_t(rows.size()), 4);
+  for (size_t r = 0; r < rows.size(); ++r) std::copy(rows[r].begin(), rows[r].end(), x.data + r * 4);
+  std::vector<int32_t> ids(rows.size(), 99);
+  be->greedy_rows(x, ids);
+  EXPECT_EQ(ids, want);
+  std::vector<int32_t> too_few(2);
+  EXPECT_NE(error_of([&] { be->greedy_rows(x, too_few); }).find("2 ids for 7 rows"), std::string::npos);
 }
 
 }  // namespace

@@ -60,6 +60,12 @@ TEST(ForwardBatch, CompactKvMatchesLoneRunsWithinItsPrecision) {
   expect_batch_matches_lone(family("qwen3_next_tiny"), -1, q8, 1e-2);
 }
 
+// SequenceBatch::greedy: the ids equal the argmax of the logits the same batches give.
+TEST(ForwardBatch, GreedyItemsMatchTheirLogits) {
+  expect_greedy_items_match_logits(model_fixture("qwen3moe_gqa_tied"));
+  expect_greedy_items_match_logits(family("qwen3_next_tiny"));
+}
+
 // A batch of one is forward itself: bit-identical.
 TEST(ForwardBatch, OneItemIsForward) {
   auto model = load(family("mixtral_tiny"));
@@ -89,6 +95,9 @@ TEST(ForwardBatch, ErrorsNameTheProblemAndMoveNothing) {
   test::expect_contains(run(many, b.get(), lb), {"context full", "5 positions"});
   test::expect_contains(run(ok, a.get(), lb), {"twice"});
   test::expect_contains(run(ok, b.get(), std::span(lb).first(3)), {"logits span holds 3 floats"});
+  int32_t id = -1;
+  const SequenceBatch both[] = {{ok, a.get(), la}, {ok, b.get(), lb, &id}};
+  test::expect_contains(test::error_of([&] { model->forward_batch(both); }), {"item 1", "logits and a greedy token"});
   EXPECT_EQ(a->n_past, 0);
   EXPECT_EQ(b->n_past, 0);
 }

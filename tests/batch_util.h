@@ -195,4 +195,42 @@ inline ExpertStats expect_batch_matches_lone(const std::string& dir, double cach
   return model->expert_stats();
 }
 
+// Greedy items (SequenceBatch::greedy) against the argmax of the logits the same batches give:
+// four sequences prefill together, then decode together; in one run every item asks for its
+// logits, in one every item for its greedy id, in one they alternate. The batches have the same
+// rows each time, so the ids must equal the logits' argmax exactly.
+inline void expect_greedy_items_match_logits(const std::string& dir, const std::string& device = "cpu") {
+  SCOPED_TRACE(dir);
+  auto model = load(dir, -1, {}, device);
+  const int64_t vocab = model->info().vocab_size;
+  constexpr int kSeqs = 4, kSteps = 8;
+  std::vector<std::vector<int32_t>> prompts;
+  for (uint32_t i = 0; i < kSeqs; ++i) prompts.push_back(random_tokens(5 + 3 * i, vocab, 40 + i));
+  auto run = [&](auto greedy_item) {
+    std::vector<std::unique_ptr<SequenceState>> states;
+    std::vector<int32_t> next(kSeqs, -1);
+    std::vector<std::vector<float>> logits(kSeqs, std::vector<float>(size_t(vocab)));
+    std::vector<std::vector<int32_t>> out(kSeqs);
+    for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(int64_t(prompts[size_t(i)].size()) + kSteps));
+    for (int step = 0; step < kSteps; ++step) {
+      std::vector<SequenceBatch> items;
+      for (int i = 0; i < kSeqs; ++i) {
+        const std::span<const int32_t> tokens = step == 0 ? std::span<const int32_t>(prompts[size_t(i)])
+                                                          : std::span<const int32_t>(&next[size_t(i)], 1);
+        if (greedy_item(i)) items.push_back({tokens, states[size_t(i)].get(), {}, &next[size_t(i)]});
+        else items.push_back({tokens, states[size_t(i)].get(), logits[size_t(i)]});
+      }
+      model->forward_batch(items);
+      for (int i = 0; i < kSeqs; ++i) {
+        if (!greedy_item(i)) next[size_t(i)] = argmax(logits[size_t(i)]);
+        out[size_t(i)].push_back(next[size_t(i)]);
+      }
+    }
+    return out;
+  };
+  const auto from_logits = run([](int) { return false; });
+  EXPECT_EQ(run([](int) { return true; }), from_logits);
+  EXPECT_EQ(run([](int i) { return i % 2 == 1; }), from_logits);
+}
+
 }  // namespace moestream::batch_test

@@ -2,6 +2,8 @@
 // backend.h), written once so that the backends refuse the same things with the same words.
 #include "backend/backend.h"
 
+#include <cmath>
+#include <limits>
 #include <vector>
 
 #include "core/error.h"
@@ -14,6 +16,24 @@ namespace {
 bool plain_dtype(DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; }
 
 }  // namespace
+
+void Backend::greedy_rows(const Buffer& x, std::span<int32_t> ids) {
+  if (int64_t(ids.size()) != x.rows) fail("greedy_rows: ", ids.size(), " ids for ", x.rows, " rows");
+  std::vector<float> host(size_t(x.rows * x.cols));
+  to_host(x, host.data());
+  for (int64_t r = 0; r < x.rows; ++r) {
+    const float* row = host.data() + r * x.cols;
+    int32_t best = -1;
+    for (int64_t c = 0; c < x.cols; ++c) {
+      if (std::isnan(row[c]) || row[c] == std::numeric_limits<float>::infinity()) {
+        best = -1;
+        break;
+      }
+      if (row[c] > -std::numeric_limits<float>::infinity() && (best < 0 || row[c] > row[best])) best = int32_t(c);
+    }
+    ids[size_t(r)] = best;
+  }
+}
 
 void Backend::linear_shared_input(const Buffer& x, std::span<const Matrix* const> w,
                                   std::span<const Vector* const> bias, std::span<Buffer* const> out) {

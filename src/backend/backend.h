@@ -199,6 +199,11 @@ class Backend {
   virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
   virtual void free(Buffer& b) = 0;
   virtual void to_host(const Buffer& b, float* dst) = 0;
+  // ids[r] = the greedy token of row r of x (ids.size() == x.rows): the lowest column holding the
+  // row's largest value, as Sampler's greedy choice; -1 where the row holds a NaN or +inf, or only
+  // -inf (the caller reads that row to say which). Only the ids reach the host (a decode step of
+  // 8 sequences would otherwise copy and search 8 x 152k logits there). The default reads x back.
+  virtual void greedy_rows(const Buffer& x, std::span<int32_t> ids);
   // Host memory for expert weights on their way to this backend (the ExpertStore's slots), 4096
   // aligned. The CUDA backend hands out pinned memory, which copies to the GPU at full PCIe speed.
   virtual void* alloc_host(size_t bytes) { return std::aligned_alloc(4096, (bytes + 4095) / 4096 * 4096); }

@@ -273,25 +273,20 @@ void add_bench(CLI::App& app) {
       const PhaseTimes phases_before = model->backend().times();
       double secs = 0;
       for (int rep = 0; rep < f->repetitions; ++rep) {
+        // Greedy decoding as `run --temp 0` and serve's greedy requests do it: each step's token
+        // chosen where the logits are (SequenceBatch::greedy), the same step feeding it back.
         std::vector<std::unique_ptr<SequenceState>> seqs;
         std::vector<int32_t> next(static_cast<size_t>(n_seq));
-        std::vector<std::vector<float>> seq_logits(size_t(n_seq), logits);
         std::vector<SequenceBatch> items;
         for (int j = 0; j < n_seq; ++j) {
           seqs.push_back(model->new_sequence(f->n_gen + 1));
           next[size_t(j)] = token(rng);
         }
         for (int j = 0; j < n_seq; ++j)
-          items.push_back({std::span(&next[size_t(j)], 1), seqs[size_t(j)].get(), seq_logits[size_t(j)]});
+          items.push_back({std::span(&next[size_t(j)], 1), seqs[size_t(j)].get(), {}, &next[size_t(j)]});
         model->forward_batch(items);
         auto t0 = clock_type::now();
-        for (int i = 0; i < f->n_gen; ++i) {
-          for (int j = 0; j < n_seq; ++j) {
-            const auto& l = seq_logits[size_t(j)];
-            next[size_t(j)] = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
-          }
-          model->forward_batch(items);
-        }
+        for (int i = 0; i < f->n_gen; ++i) model->forward_batch(items);
         const double rep_secs = seconds_since(t0);
         secs += rep_secs;
         rates.push_back(double(f->n_gen) * n_seq / rep_secs);

@@ -21,13 +21,22 @@ GenerationResult generate(Model& model, const std::vector<int32_t>& prompt, int 
   std::vector<int32_t> context = prompt;
   context.reserve(prompt.size() + size_t(max_tokens));
 
+  // Plain greedy choices are made where the logits are (on a GPU only the id comes back).
+  const bool greedy = plain_greedy(sampler.params());
+  int32_t greedy_id = -1;
+  auto forward = [&](std::span<const int32_t> tokens) {
+    if (!greedy) return model.forward(tokens, *state, logits);
+    const SequenceBatch item{tokens, state.get(), {}, &greedy_id};
+    model.forward_batch(std::span(&item, 1));
+  };
+
   auto t0 = clock::now();
-  model.forward(prompt, *state, logits);
+  forward(prompt);
   auto t1 = clock::now();
   r.prefill_seconds = std::chrono::duration<double>(t1 - t0).count();
   for (int i = 0; i < max_tokens; ++i) {
-    int32_t next;
-    {
+    int32_t next = greedy_id;
+    if (!greedy) {
       ScopedTimer timer(model.backend().times().sampling);
       next = sampler.sample(logits, context);
     }
@@ -39,7 +48,7 @@ GenerationResult generate(Model& model, const std::vector<int32_t>& prompt, int 
     r.tokens.push_back(next);
     context.push_back(next);
     if (!on_token(next) || i + 1 == max_tokens) break;
-    model.forward(std::span<const int32_t>(&next, 1), *state, logits);
+    forward(std::span<const int32_t>(&next, 1));
   }
   r.decode_seconds = std::chrono::duration<double>(clock::now() - t1).count();
   return r;

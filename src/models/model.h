@@ -85,6 +85,10 @@ struct SequenceBatch {
   std::span<const int32_t> tokens;  // at positions state->n_past..; may be empty (nothing to do)
   SequenceState* state = nullptr;   // distinct for every item of a batch
   std::span<float> logits;          // tokens.size() * vocab floats (every position) or vocab (the last)
+  // Instead of logits (then empty): the last token's greedy choice, the lowest id of the largest
+  // logit (as Sampler's at temperature 0, with its error for NaN, +inf or all -inf logits), found
+  // where the logits are computed; only the id reaches the host.
+  int32_t* greedy = nullptr;
 };
 
 class Model {
@@ -109,9 +113,7 @@ class Model {
   // forward in the last bits (the CPU kernels sum a batch of rows in another order than one row),
   // or by a code step with a compact --kv-type; tests/batch_test.cpp bounds both. Bad input (a logits span, a full context, a token id, a state
   // twice) is an Error before any state moves. The default runs forward per item.
-  virtual void forward_batch(std::span<const SequenceBatch> items) {
-    for (const SequenceBatch& it : items) forward(it.tokens, *it.state, it.logits);
-  }
+  virtual void forward_batch(std::span<const SequenceBatch> items);
 };
 
 // Loads the model in `dir` with the architecture its config.json names (see registry.h). `dir` is

@@ -7,6 +7,7 @@
 #include "io/hf_config.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
+#include "text/sampler.h"
 
 namespace moestream {
 
@@ -134,7 +135,8 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
     const SequenceBatch& it = items[i];
     const int64_t n = int64_t(it.tokens.size());
     if (!it.state) fail("forward: item ", i, " of the batch has no sequence state");
-    if (int64_t(it.logits.size()) != n * vocab && int64_t(it.logits.size()) != vocab)
+    if (it.greedy && !it.logits.empty()) fail("forward: item ", i, " asks for logits and a greedy token; give one");
+    if (!it.greedy && int64_t(it.logits.size()) != n * vocab && int64_t(it.logits.size()) != vocab)
       fail("forward: logits span holds ", it.logits.size(), " floats, expected ", vocab, " or ", n * vocab);
     if (it.state->n_past + n > it.state->capacity())
       fail("context full: ", it.state->n_past + n, " positions needed, the sequence holds ", it.state->capacity());
@@ -186,7 +188,7 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
       const RowSpan& s = pass_spans_[k];
       const SequenceBatch& it = items[size_t(pass_items_[k])];
       const int64_t n = int64_t(it.tokens.size());
-      const bool all = int64_t(it.logits.size()) == n * vocab;
+      const bool all = !it.greedy && int64_t(it.logits.size()) == n * vocab;
       const bool last = done_[size_t(pass_items_[k])] + s.rows == n;
       if (!all && !last) continue;
       const int64_t first = all ? s.row0 : s.row0 + s.rows - 1, count = all ? s.rows : 1;
@@ -199,9 +201,16 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
     if (rows > 0) {
       Buffer xn = ws_.xn.rows_view(0, rows), out = ws_.logits.rows_view(0, rows);
       be.linear(xn, lm_head, nullptr, out);
-      // One copy to the host for the whole pass (on a GPU each is a synchronization), unless a
-      // single item takes every row.
-      const bool gathered = pass_spans_.size() > 1;
+      // Greedy items take their ids from one search over the pass's rows on the backend; the
+      // others one copy of the logits to the host for the whole pass (on a GPU each is a
+      // synchronization), unless a single item takes every row.
+      bool any_greedy = false, any_logits = false;
+      for (int64_t k : pass_items_) (items[size_t(k)].greedy ? any_greedy : any_logits) = true;
+      if (any_greedy) {
+        pass_ids_.resize(size_t(rows));
+        be.greedy_rows(out, pass_ids_);
+      }
+      const bool gathered = any_logits && pass_spans_.size() > 1;
       if (gathered) {
         pass_logits_.resize(size_t(rows * vocab));
         be.to_host(out, pass_logits_.data());
@@ -212,14 +221,23 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
         const size_t i = size_t(pass_items_[k]);
         const SequenceBatch& it = items[i];
         const int64_t n = int64_t(it.tokens.size());
-        const bool all = int64_t(it.logits.size()) == n * vocab;
+        const bool all = !it.greedy && int64_t(it.logits.size()) == n * vocab;
         if (!all && done_[i] + s.rows != n) continue;
         const int64_t count = all ? s.rows : 1;
-        float* dst = it.logits.data() + (all ? done_[i] * vocab : 0);
-        if (gathered)
-          std::copy_n(pass_logits_.data() + rows * vocab, size_t(count * vocab), dst);
-        else
-          be.to_host(out.rows_view(rows, count), dst);
+        if (it.greedy) {
+          *it.greedy = pass_ids_[size_t(rows)];
+          if (*it.greedy < 0) {  // NaN, +inf or nothing above -inf: the sampler's words for it
+            std::vector<float> row(static_cast<size_t>(vocab));
+            be.to_host(out.rows_view(rows, 1), row.data());
+            *it.greedy = greedy_choice(row);
+          }
+        } else {
+          float* dst = it.logits.data() + (all ? done_[i] * vocab : 0);
+          if (gathered)
+            std::copy_n(pass_logits_.data() + rows * vocab, size_t(count * vocab), dst);
+          else
+            be.to_host(out.rows_view(rows, count), dst);
+        }
         rows += count;
       }
     }

@@ -75,6 +75,7 @@ class DecoderModel : public Model {
   std::vector<RowSpan> pass_spans_;
   std::vector<int64_t> pass_items_, done_;
   std::vector<float> pass_logits_;
+  std::vector<int32_t> pass_ids_;
 };
 
 struct MoeDecoderLayer {

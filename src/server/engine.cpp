@@ -159,6 +159,7 @@ void Engine::loop() {
 void Engine::start(Slot& s) {
   const JobRequest& r = s.job->request();
   s.sampler = std::make_unique<Sampler>(r.sampling);
+  s.greedy = plain_greedy(r.sampling) && !r.constraint && r.logprobs < 0;
   const int64_t reused = cache_.restore(r.prompt, *s.state);
   s.tokens.assign(r.prompt.begin(), r.prompt.begin() + reused);
   s.context = r.prompt;
@@ -185,7 +186,8 @@ void Engine::step() {
     }
     s.chunk = 0;
     if (s.prompt_done == int64_t(s.job->request().prompt.size())) {
-      items_.push_back({std::span<const int32_t>(&s.next, 1), s.state.get(), s.logits});
+      items_.push_back(s.greedy ? SequenceBatch{std::span<const int32_t>(&s.next, 1), s.state.get(), {}, &s.greedy_id}
+                                : SequenceBatch{std::span<const int32_t>(&s.next, 1), s.state.get(), s.logits});
       batch_.push_back(&s);
     }
   }
@@ -197,8 +199,9 @@ void Engine::step() {
     if (left <= 0 || budget <= 0) continue;
     s.chunk = std::min(budget, left);
     budget -= s.chunk;
-    items_.push_back({std::span(s.job->request().prompt).subspan(size_t(s.prompt_done), size_t(s.chunk)),
-                      s.state.get(), s.logits});
+    const auto chunk = std::span(s.job->request().prompt).subspan(size_t(s.prompt_done), size_t(s.chunk));
+    items_.push_back(s.greedy ? SequenceBatch{chunk, s.state.get(), {}, &s.greedy_id}
+                              : SequenceBatch{chunk, s.state.get(), s.logits});
     batch_.push_back(&s);
   }
   if (items_.empty()) return;
@@ -247,8 +250,8 @@ void Engine::sample_and_emit(Slot& s) {
   // The model's distribution for logprobs is kept before anything changes the logits.
   if (r.logprobs >= 0) raw_logits_ = s.logits;
   if (r.constraint) r.constraint->mask(s.logits);
-  int32_t next;
-  {
+  int32_t next = s.greedy_id;
+  if (!s.greedy) {
     ScopedTimer timer(model_.backend().times().sampling);
     next = s.sampler->sample(s.logits, s.context, s.generated_ids);
   }

@@ -149,6 +149,10 @@ class Engine {
     int generated = 0;
     int32_t next = -1;            // sampled, not yet forwarded
     std::vector<float> logits;    // of this step's last position
+    // A plain greedy request (no penalties, bias, constraint or logprobs) takes the model's greedy
+    // id (SequenceBatch::greedy) instead of the logits.
+    bool greedy = false;
+    int32_t greedy_id = -1;
     int64_t chunk = 0;            // prompt tokens in this step (0: a decode token, or not in it)
   };
 

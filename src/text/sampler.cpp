@@ -53,6 +53,16 @@ void check_logits(std::span<const float> logits) {
   if (all_masked) fail("all logits are -inf (of ", logits.size(), "): no token can be sampled");
 }
 
+int32_t greedy_choice(std::span<const float> logits) {
+  check_logits(logits);
+  return int32_t(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+bool plain_greedy(const SamplingParams& p) {
+  return p.temperature <= 0 && p.repetition_penalty == 1.0f && p.presence_penalty == 0.0f &&
+         p.frequency_penalty == 0.0f && p.logit_bias.empty();
+}
+
 int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> context,
                         std::span<const int32_t> generated) {
   check_logits(logits);

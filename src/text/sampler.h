@@ -47,6 +47,13 @@ class Sampler {
 // and when there are none or all are -inf (masked). One pass over the vocabulary.
 void check_logits(std::span<const float> logits);
 
+// The greedy choice (the lowest id of the largest logit) after check_logits.
+int32_t greedy_choice(std::span<const float> logits);
+
+// True when params choose greedily with nothing that changes the logits first (no penalties, no
+// bias): the choice is then greedy_choice of the model's logits.
+bool plain_greedy(const SamplingParams& params);
+
 // Throws Error naming the parameter when a value is out of range (temperature < 0, top_p not in
 // (0, 1], min_p not in [0, 1], repetition_penalty <= 0, top_k < 0, presence or frequency penalty
 // not in [-2, 2], a logit_bias value not in [-100, 100] or a negative token id).

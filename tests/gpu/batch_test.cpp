@@ -49,5 +49,12 @@ TEST_F(GpuBatch, Qwen3NextMatchesLoneRuns) {
   expect_batch_matches_lone(family("qwen3_next_tiny"), -1, {}, kTolerance, "cuda");
 }
 
+// Greedy ids found on the GPU (Backend::greedy_rows) against the argmax of the same batches'
+// logits, one to four rows a step.
+TEST_F(GpuBatch, GreedyItemsMatchTheirLogits) {
+  expect_greedy_items_match_logits(model_fixture("qwen3moe_mlx_g32"), "cuda");
+  expect_greedy_items_match_logits(family("gpt_oss_tiny"), "cuda");
+}
+
 }  // namespace
 }  // namespace moestream

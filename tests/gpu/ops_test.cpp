@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <memory>
 #include <random>
 #include <span>
@@ -203,6 +204,33 @@ TEST_F(Pair, LinearFp8PartialGroups) {
       gpu->linear(x.g, wg, nullptr, out.g);
       EXPECT_LT(err(out), linear_tolerance(T)) << fmt << " T=" << T << " [" << c.rows << ", " << c.cols << "]";
     }
+}
+
+// greedy_rows on the GPU against the CPU's (the sampler's choice): a vocabulary of 151,936 (many
+// chunks, the last partial), ties within and across chunks, NaN, +inf, all -inf, a row of one
+// finite value; then narrow rows.
+TEST_F(Pair, GreedyRowsMatchTheCpu) {
+  constexpr float kInf = std::numeric_limits<float>::infinity();
+  for (const int64_t cols : {int64_t(151936), int64_t(1000), int64_t(1)}) {
+    SCOPED_TRACE(cols);
+    const int64_t rows = 8;
+    std::vector<float> v = random(size_t(rows * cols), 11);
+    auto at = [&](int64_t r, int64_t c) -> float& { return v[size_t(r * cols + std::min(c, cols - 1))]; };
+    at(0, 5000) = at(0, 140000) = at(0, 4095) = 50.0f;  // ties across chunks: the lowest column
+    at(1, cols - 1) = 60.0f;                             // the last column
+    at(2, 100000) = NAN;
+    for (int64_t c = 0; c < cols; ++c) at(3, c) = -kInf;
+    at(4, 7) = kInf;
+    for (int64_t c = 0; c < cols; ++c) at(5, c) = -kInf;
+    at(5, 77777) = -3.0f;
+    at(6, 0) = 40.0f;  // the first column
+    Buf x = buf(rows, cols, v);
+    std::vector<int32_t> want(static_cast<size_t>(rows)), got(static_cast<size_t>(rows), 99);
+    cpu->greedy_rows(x.c, want);
+    gpu->greedy_rows(x.g, got);
+    EXPECT_EQ(got, want);
+    if (cols == 151936) EXPECT_EQ(want, (std::vector<int32_t>{4095, 151935, -1, -1, -1, 77777, 0, want[7]}));
+  }
 }
 
 TEST_F(Pair, Embed) {

@@ -131,6 +131,20 @@ class CudaBackend final : public Backend {
     MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
   }
 
+  void greedy_rows(const Buffer& x, std::span<int32_t> ids) override {
+    if (int64_t(ids.size()) != x.rows) fail("greedy_rows: ", ids.size(), " ids for ", x.rows, " rows");
+    if (x.rows == 0) return;
+    prof_.begin(compute_);
+    int32_t* dev = scratch_.get<int32_t>(kGreedyIds, ids.size() + size_t(cuda::greedy_work_ints(x.rows, x.cols)));
+    cuda::greedy_rows(x.data, x.rows, x.cols, dev, dev + ids.size(), compute_);
+    op_done([&] { return op_label("greedy token", x.rows); });
+    if (capturing_) finish_capture();  // a graph step ends here, with the search in it
+    int32_t* host = staging_.get<int32_t>(kGreedyIdsHost, ids.size(), compute_);
+    MS_CUDA_CHECK(cudaMemcpyAsync(host, dev, ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, compute_));
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    std::copy_n(host, ids.size(), ids.data());
+  }
+
   void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
     check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
@@ -147,7 +161,7 @@ class CudaBackend final : public Backend {
     check_embed_args(tokens, table, out);
     const int64_t T = int64_t(tokens.size());
     if (T == 0) return;
-    int32_t* host = staging_.get<int32_t>(0, size_t(T), compute_);
+    int32_t* host = staging_.get<int32_t>(kTokensHost, size_t(T), compute_);
     MS_CUDA_CHECK(cudaEventSynchronize(staging_free_));
     std::memcpy(host, tokens.data(), size_t(T) * sizeof(int32_t));
     int32_t* dev = scratch_.get<int32_t>(kTokens, size_t(T));
@@ -374,7 +388,8 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  enum ScratchSlot { kTokens, kMlpGate, kMlpUp, kKvStaged };
+  enum ScratchSlot { kTokens, kMlpGate, kMlpUp, kKvStaged, kGreedyIds };
+  enum StagingSlot { kTokensHost, kGreedyIdsHost };
 
   // attention() for a compact or windowed cache (backend/kv_cache.h): new rows packed on the GPU,
   // into the cache, or for a ring into scratch first and into the ring after the attention.

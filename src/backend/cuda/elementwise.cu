@@ -1,4 +1,6 @@
 // RMSNorm, residual add, clamp, column copies, sigmoid gates and the SwiGLU activations.
+#include <algorithm>
+
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/elementwise.h"
 
@@ -72,7 +74,87 @@ __global__ void activation_kernel(float* g, const float* u, int64_t rows, int64_
   g[i] = gated_activation(a, b, clamped, limit, alpha);
 }
 
+// Greedy token search: a block of kGreedyThreads takes kGreedyChunk columns of a row, each thread
+// every kGreedyThreads-th of them in ascending order (the loads all issued first), keeping the first
+// of its largest values; the block keeps the lowest column among equal values. A NaN or +inf
+// poisons the chunk (column -1). Then one warp per row folds the chunks the same way.
+constexpr int kGreedyThreads = 256, kGreedyPerThread = 16, kGreedyChunk = kGreedyThreads * kGreedyPerThread;
+constexpr int kGreedyNone = 0x7fffffff;  // no value above -inf
+
+struct Best {
+  float v;
+  int i;  // column, -1 when poisoned, kGreedyNone when empty
+};
+
+__device__ __forceinline__ Best better(Best a, Best b) {
+  if (a.i == -1 || b.i == -1) return {0.0f, -1};
+  if (b.v > a.v || (b.v == a.v && b.i < a.i)) return b;
+  return a;
+}
+
+__device__ __forceinline__ Best warp_best(Best b) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) b = better(b, {__shfl_xor_sync(0xffffffffu, b.v, o), __shfl_xor_sync(0xffffffffu, b.i, o)});
+  return b;
+}
+
+__global__ void greedy_chunks_kernel(const float* __restrict__ x, int64_t cols, int n_chunks, float* part_v,
+                                     int* part_i) {
+  const int64_t row = blockIdx.y;
+  const int64_t c0 = int64_t(blockIdx.x) * kGreedyChunk + threadIdx.x;
+  const float* src = x + row * cols;
+  float v[kGreedyPerThread];
+#pragma unroll
+  for (int j = 0; j < kGreedyPerThread; ++j) {
+    const int64_t c = c0 + int64_t(j) * kGreedyThreads;
+    v[j] = c < cols ? src[c] : -INFINITY;
+  }
+  Best b{-INFINITY, kGreedyNone};
+#pragma unroll
+  for (int j = 0; j < kGreedyPerThread; ++j) {
+    if (!(v[j] < INFINITY)) b.i = -1;  // NaN or +inf
+    else if (b.i != -1 && v[j] > b.v) b = {v[j], int(c0 + int64_t(j) * kGreedyThreads)};
+  }
+  __shared__ Best warps[kGreedyThreads / 32];
+  b = warp_best(b);
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = b;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    b = threadIdx.x < kGreedyThreads / 32 ? warps[threadIdx.x] : Best{-INFINITY, kGreedyNone};
+    b = warp_best(b);
+    if (threadIdx.x == 0) {
+      part_v[row * n_chunks + blockIdx.x] = b.v;
+      part_i[row * n_chunks + blockIdx.x] = b.i;
+    }
+  }
+}
+
+__global__ void greedy_fold_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i, int n_chunks,
+                                   int32_t* ids) {
+  const int64_t row = blockIdx.x;
+  Best b{-INFINITY, kGreedyNone};
+  for (int c = threadIdx.x; c < n_chunks; c += 32) b = better(b, {part_v[row * n_chunks + c], part_i[row * n_chunks + c]});
+  b = warp_best(b);
+  if (threadIdx.x == 0) ids[row] = b.i == kGreedyNone ? -1 : b.i;
+}
+
 }  // namespace
+
+int64_t greedy_work_ints(int64_t rows, int64_t cols) {
+  return 2 * rows * std::max<int64_t>(1, (cols + kGreedyChunk - 1) / kGreedyChunk);
+}
+
+void greedy_rows(const float* x, int64_t rows, int64_t cols, int32_t* ids, int32_t* work, cudaStream_t s) {
+  if (rows == 0) return;
+  const int n_chunks = int(std::max<int64_t>(1, (cols + kGreedyChunk - 1) / kGreedyChunk));
+  float* part_v = reinterpret_cast<float*>(work);
+  int* part_i = work + rows * n_chunks;
+  greedy_chunks_kernel<<<dim3(unsigned(n_chunks), unsigned(rows)), kGreedyThreads, 0, s>>>(x, cols, n_chunks, part_v,
+                                                                                            part_i);
+  MS_CUDA_CHECK_LAUNCH();
+  greedy_fold_kernel<<<unsigned(rows), 32, 0, s>>>(part_v, part_i, n_chunks, ids);
+  MS_CUDA_CHECK_LAUNCH();
+}
 
 int rmsnorm_threads(int64_t group) { return group >= 1024 ? 1024 : group >= 256 ? 256 : group > 64 ? 128 : 32; }
 

@@ -29,4 +29,9 @@ void sigmoid_gate(float* y, int64_t rows, int64_t cols, const float* gate, int64
 void expert_activation(float* g, const float* u, int64_t rows, int64_t cols, const float* gate_bias,
                        const float* up_bias, const MoeParams& p, cudaStream_t s);
 
+// ids[r] = the lowest column of row r's largest value (x: rows x cols), -1 where the row holds a
+// NaN or +inf or only -inf (Backend::greedy_rows). `work`: greedy_work_ints(rows, cols) ints.
+void greedy_rows(const float* x, int64_t rows, int64_t cols, int32_t* ids, int32_t* work, cudaStream_t s);
+int64_t greedy_work_ints(int64_t rows, int64_t cols);
+
 }  // namespace moestream::cuda
