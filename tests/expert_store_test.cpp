@@ -9,7 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
-#include "experts/eviction.h"
+#include "backend/eviction.h"
 #include "io/pack.h"
 #include "models/model.h"
 #include "models/synth.h"

@@ -32,6 +32,7 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& o) {
       c.max_expert_bytes = o.max_expert_bytes;
       c.total_experts = o.total_experts;
       c.host_expert_mb = o.host_expert_mb;
+      c.policy = o.cache_policy;
       return make_cuda_backend(c);
     }
     if (o.device == "cuda") fail("--device cuda: ", why);

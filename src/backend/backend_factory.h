@@ -19,6 +19,7 @@ struct BackendOptions {
   uint64_t max_expert_bytes = 0;  // the pack's largest expert (a VRAM slot)
   int64_t total_experts = 0;      // routed experts in the pack
   double host_expert_mb = -1;     // the ExpertStore's budget (ExpertStoreOptions::cache_mb)
+  std::string cache_policy = "lcp";  // CUDA: the VRAM slots' eviction policy (ExpertStoreOptions::policy)
 };
 
 // Fails naming --device when the device is unknown, or is "cuda" and unusable (a build without

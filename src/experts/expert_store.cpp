@@ -19,7 +19,7 @@
 #include <optional>
 
 #include "core/error.h"
-#include "experts/eviction.h"
+#include "backend/eviction.h"
 #include "io/async_reader.h"
 #include "io/pack.h"
 

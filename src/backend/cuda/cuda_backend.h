@@ -19,6 +19,7 @@ struct CudaOptions {
   uint64_t max_expert_bytes = 0;  // the pack's largest expert (one slot); 0: the first one seen
   int64_t total_experts = 0;      // routed experts of the model, for sizing the slot arena
   double host_expert_mb = -1;     // the ExpertStore's budget (the pinned host tier); < 0: unbounded
+  std::string policy = "lcp";     // which VRAM slot a miss takes (backend/eviction.h), as the store's
 };
 
 // Whether a CUDA device can be used; when not, `why` says what is missing.

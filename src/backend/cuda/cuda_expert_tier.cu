@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <limits>
 
 #include "backend/cuda/cuda_expert_tier.cuh"
 #include "backend/expert_provider.h"
@@ -83,7 +84,7 @@ void PinnedPool::free(void* p) {
 ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
                        PhaseTimes& times, bool sync_ops, OpProfile& profile)
     : opt_(options), compute_(compute), copy_(copy), gemm_(gemm), times_(times), sync_ops_(sync_ops),
-      prof_(profile) {
+      prof_(profile), policy_(make_eviction_policy(options.policy)) {
   MS_CUDA_CHECK(cudaEventCreate(&copy_start_));
   MS_CUDA_CHECK(cudaEventCreate(&copy_done_));
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
@@ -124,8 +125,6 @@ void ExpertTier::init(const MoeParams& p, uint64_t first_expert_bytes) {
   MS_CUDA_CHECK(cudaMalloc(&slot_arena_, n_slots_ * slot_bytes_));
   slot_owner_.assign(n_slots_, {-1, -1});
   slot_call_.assign(n_slots_, 0);
-  lru_pos_.resize(n_slots_);
-  for (uint64_t s = 0; s < n_slots_; ++s) lru_pos_[s] = lru_.insert(lru_.end(), int(s));
   tier_ready_ = true;
 }
 
@@ -149,6 +148,7 @@ void ExpertTier::ensure_table(int layer) {
   table_host_ = host;
   layers_cap_ = cap;
   where_.resize(size_t(cap));
+  use_.resize(size_t(cap));
   resident_.resize(size_t(cap), 0);
   formats_.resize(size_t(cap));
 }
@@ -159,9 +159,34 @@ void ExpertTier::upload_table_row(int layer) {
                                 cudaMemcpyHostToDevice, compute_));
 }
 
-void ExpertTier::touch(int slot) {
-  lru_.splice(lru_.end(), lru_, lru_pos_[size_t(slot)]);
-  slot_call_[size_t(slot)] = call_;
+void ExpertTier::touch(int slot) { slot_call_[size_t(slot)] = call_; }
+
+ExpertUse& ExpertTier::use_of(int layer, int expert) {
+  if (use_.size() <= size_t(layer)) use_.resize(size_t(layer) + 1);
+  auto& u = use_[size_t(layer)];
+  if (u.empty()) u.assign(size_t(n_experts_), ExpertUse{});
+  return u[size_t(expert)];
+}
+
+// victims_: the slots this call does not hold, the `needed` of lowest priority first in order.
+void ExpertTier::rank_victims(size_t needed) {
+  // The policy ages uses in tokens: a token is one call per MoE layer.
+  const double ticks_per_token =
+      n_experts_ > 0 && opt_.total_experts > 0 ? std::max(1.0, double(opt_.total_experts) / n_experts_) : 1.0;
+  victims_.clear();
+  for (uint64_t s = 0; s < n_slots_; ++s) {
+    if (slot_call_[s] == call_) continue;
+    const auto [layer, expert] = slot_owner_[s];
+    const double p = layer < 0 ? -std::numeric_limits<double>::infinity()
+                               : policy_->priority(use_of(layer, expert), call_, ticks_per_token);
+    victims_.emplace_back(p, int(s));
+  }
+  needed = std::min(std::max<size_t>(needed, 1), victims_.size());
+  std::nth_element(victims_.begin(), victims_.begin() + long(needed) - 1, victims_.end());
+  std::sort(victims_.begin(), victims_.begin() + long(needed));
+  victims_.resize(needed);
+  next_victim_ = 0;
+  victims_ranked_ = true;
 }
 
 void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slot) {
@@ -406,6 +431,18 @@ void ExpertTier::split_hits_and_misses(const Call& c) {
   }
   stats_.hits += hits_.size();
   stats_.misses += request_.size();
+  if (tier_ready_) {
+    for (int e : hits_) {
+      ExpertUse& u = use_of(c.layer, e);
+      ++u.uses;
+      u.last_use = call_;
+    }
+    for (int e : request_) {
+      ExpertUse& u = use_of(c.layer, e);
+      ++u.uses;
+      u.last_use = call_;
+    }
+  }
 }
 
 // The hits go first, as one batch.
@@ -433,6 +470,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
         request.push_back(e);
   }
   settle_copies();
+  victims_ranked_ = false;
   experts.request(layer, request);
   // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
   // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
@@ -499,20 +537,21 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   deferred.clear();
 }
 
-// The least recently used slot that this call does not hold. When every slot holds an expert of
-// this call, those are computed first and their slots reused.
+// The slot of lowest priority (an empty one first) that this call does not hold. When every slot
+// holds an expert of this call, those are computed first and their slots reused.
 int ExpertTier::free_slot(Call& c, HostGroups& h) {
-  int slot = -1;
   for (;;) {
-    for (int s : lru_)
-      if (slot_call_[size_t(s)] != call_) {
-        slot = s;
-        break;
-      }
-    if (slot >= 0) return slot;
-    launch(c, h);
-    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
-    for (uint64_t s = 0; s < n_slots_; ++s) slot_call_[s] = 0;
+    if (!victims_ranked_) rank_victims(request_.size());
+    while (next_victim_ < victims_.size()) {
+      const int s = victims_[next_victim_++].second;
+      if (slot_call_[size_t(s)] != call_) return s;
+    }
+    victims_ranked_ = false;
+    if (victims_.empty()) {  // every slot is this call's
+      launch(c, h);
+      MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+      for (uint64_t s = 0; s < n_slots_; ++s) slot_call_[s] = 0;
+    }
   }
 }
 

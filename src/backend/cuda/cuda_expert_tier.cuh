@@ -14,7 +14,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <list>
+#include <memory>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -26,6 +26,7 @@
 #include "backend/cuda/linear.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/op_profile.h"
+#include "backend/eviction.h"
 
 namespace moestream::cuda {
 
@@ -133,6 +134,8 @@ class ExpertTier {
   void launch_hits(Call& c, HostGroups& h);
   void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
+  void rank_victims(size_t needed);
+  ExpertUse& use_of(int layer, int expert);
   void combine_through_host(Call& c, HostGroups& h);
   void bind_layer(Call& c);
   void run_formats(Call& c);
@@ -176,8 +179,14 @@ class ExpertTier {
   char* slot_arena_ = nullptr;
   std::vector<std::pair<int, int>> slot_owner_;
   std::vector<uint64_t> slot_call_;       // the call that last used the slot
-  std::list<int> lru_;                    // least recently used first
-  std::vector<std::list<int>::iterator> lru_pos_;
+  // Which slot a miss takes: the policy's priority of each slot's expert (use_: [layer][expert],
+  // counted over tiered calls, also across evictions), ranked once per miss call, lowest first;
+  // empty slots before all.
+  std::unique_ptr<EvictionPolicy> policy_;
+  std::vector<std::vector<ExpertUse>> use_;
+  std::vector<std::pair<double, int>> victims_;
+  size_t next_victim_ = 0;
+  bool victims_ranked_ = false;
   std::vector<std::vector<int>> where_;   // [layer][expert] -> slot or -1
   std::vector<int> resident_;             // experts of each layer in VRAM
   int full_layers_ = 0;                   // layers with every expert in VRAM

@@ -1,6 +1,7 @@
-// Eviction policies for the expert cache: which unpinned cached expert gives up its slot.
-// Each cached expert is described by when it was last used and how often it has been used
-// (counted since the start, also across evictions); the lowest priority is evicted.
+// Eviction policies for expert caches (the ExpertStore's host slots, the CUDA tier's VRAM slots):
+// which unpinned cached expert gives up its slot. Each cached expert is described by when it was
+// last used and how often it has been used (counted since the start, also across evictions); the
+// lowest priority is evicted.
 #pragma once
 
 #include <cstdint>

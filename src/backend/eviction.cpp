@@ -1,4 +1,4 @@
-#include "experts/eviction.h"
+#include "backend/eviction.h"
 
 #include <cmath>
 
