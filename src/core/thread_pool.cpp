@@ -1,77 +1,109 @@
 #include "core/thread_pool.h"
 
 #include <algorithm>
+#include <chrono>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
 
 namespace moestream {
 
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#else
+  std::this_thread::yield();
+#endif
+}
+
+inline uint32_t epoch_of(uint64_t claim) { return uint32_t(claim >> 32); }
+
+}  // namespace
+
 ThreadPool::ThreadPool(int n_threads) {
   if (n_threads <= 0) n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
-  for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this, i] { worker_loop(i); });
+  for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
 
 ThreadPool::~ThreadPool() {
   {
     std::lock_guard lock(mu_);
-    stop_ = true;
+    stop_.store(true);
   }
   wake_.notify_all();
   for (auto& t : workers_) t.join();
 }
 
-void ThreadPool::run_chunks() {
+void ThreadPool::run_chunks(uint32_t epoch) {
+  const Job& job = jobs_[epoch & 1];
+  uint64_t c = claim_.load(std::memory_order_acquire);
   for (;;) {
-    size_t begin;
-    {
-      std::lock_guard lock(mu_);
-      if (next_ >= n_) return;
-      begin = next_;
-      next_ = std::min(n_, next_ + chunk_);
-    }
-    (*job_)(begin, std::min(n_, begin + chunk_));
+    if (epoch_of(c) != epoch) return;
+    const uint32_t i = uint32_t(c);
+    constexpr auto relaxed = std::memory_order_relaxed;
+    if (i >= job.chunks.load(relaxed)) return;  // read after the epoch was seen: this epoch's (see Job)
+    const auto* fn = job.fn.load(relaxed);
+    const size_t n = job.n.load(relaxed), chunk = job.chunk.load(relaxed);
+    if (!claim_.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+    const size_t begin = size_t(i) * chunk;
+    (*fn)(begin, std::min(n, begin + chunk));
+    done_.fetch_add(1, std::memory_order_acq_rel);
+    c = claim_.load(std::memory_order_acquire);
   }
 }
 
-void ThreadPool::worker_loop(int) {
-  uint64_t seen = 0;
+void ThreadPool::worker_loop() {
+  uint32_t seen = 0;
   for (;;) {
-    {
-      std::unique_lock lock(mu_);
-      wake_.wait(lock, [&] { return stop_ || generation_ != seen; });
-      if (stop_) return;
-      seen = generation_;
-      ++busy_;
+    // Poll for a new epoch for a while, then sleep until one is published.
+    auto start = std::chrono::steady_clock::now();
+    uint32_t epoch;
+    for (int spins = 0;; ++spins) {
+      if (stop_.load(std::memory_order_relaxed)) return;
+      epoch = epoch_of(claim_.load(std::memory_order_acquire));
+      if (epoch != seen) break;
+      cpu_relax();
+      if ((spins & 255) == 255 &&
+          std::chrono::steady_clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
+        std::unique_lock lock(mu_);
+        sleepers_.fetch_add(1);
+        wake_.wait(lock, [&] { return stop_.load() || epoch_of(claim_.load()) != seen; });
+        sleepers_.fetch_sub(1);
+        start = std::chrono::steady_clock::now();
+      }
     }
-    run_chunks();
-    {
-      std::lock_guard lock(mu_);
-      if (--busy_ == 0) done_.notify_all();
-    }
+    seen = epoch;
+    run_chunks(epoch);
   }
 }
 
-void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn,
-                              size_t min_chunk) {
+void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t min_chunk) {
   if (n == 0) return;
-  size_t threads = size();
+  const size_t threads = size();
   if (threads == 1 || n <= min_chunk) {
     fn(0, n);
     return;
   }
-  // A few chunks per thread balance uneven work without much locking.
-  size_t chunk = std::max(min_chunk, (n + threads * 4 - 1) / (threads * 4));
-  {
+  // A few chunks per thread balance uneven work.
+  const size_t chunk = std::max(min_chunk, (n + threads * 4 - 1) / (threads * 4));
+  const uint32_t epoch = ++epoch_ == 0 ? ++epoch_ : epoch_;  // 0 means "no job"
+  Job& job = jobs_[epoch & 1];
+  const uint32_t chunks = uint32_t((n + chunk - 1) / chunk);
+  job.fn.store(&fn, std::memory_order_relaxed);
+  job.n.store(n, std::memory_order_relaxed);
+  job.chunk.store(chunk, std::memory_order_relaxed);
+  job.chunks.store(chunks, std::memory_order_relaxed);
+  done_.store(0, std::memory_order_relaxed);
+  claim_.store(uint64_t(epoch) << 32);  // publishes the job (sequentially consistent)
+  if (sleepers_.load() > 0) {
     std::lock_guard lock(mu_);
-    job_ = &fn;
-    n_ = n;
-    chunk_ = chunk;
-    next_ = 0;
-    ++generation_;
+    wake_.notify_all();
   }
-  wake_.notify_all();
-  run_chunks();
-  std::unique_lock lock(mu_);
-  done_.wait(lock, [&] { return busy_ == 0 && next_ >= n_; });
-  job_ = nullptr;
+  run_chunks(epoch);
+  while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();
 }
 
 }  // namespace moestream

@@ -259,11 +259,13 @@ class CpuBackend final : public Backend {
     auto t_routed = std::chrono::steady_clock::now();
     times_.routing += std::chrono::duration<double>(t_routed - t_start).count();
     ScopedTimer compute(times_.expert_compute);  // includes waiting; the model subtracts it
+    const bool together = T <= kTogetherTokens && all_resident(store, p, ids);
     store.request(p.layer, ids);
     if (!skipped_.empty()) store.fetch_later(p.layer, skipped_);
     int e;
     MlpWeights w;
-    while (store.next(e, w)) {
+    if (together) experts_together(x, store, p, routed_out);
+    while (!together && store.next(e, w)) {
       const auto& routed = by_expert[size_t(e)];
       const int64_t n = int64_t(routed.size());
       Buffer xe = scratch(3, n, dim);
@@ -400,25 +402,123 @@ class CpuBackend final : public Backend {
     return true;
   }
 
+  // A call of at most this many tokens whose experts are all in memory runs them together.
+  static constexpr int64_t kTogetherTokens = 8;
+
+  bool all_resident(ExpertProvider& store, const MoeParams& p, const std::vector<int>& ids) {
+    resident_.resize(size_t(p.n_experts));
+    store.resident(p.layer, resident_);
+    return std::all_of(ids.begin(), ids.end(), [&](int id) { return resident_[size_t(id)] != 0; });
+  }
+
+  // The requested experts (all in memory) computed together, as expert_mlp computes each, bit for
+  // bit: gate and up of every expert in one parallel loop, the activation, then every down, so
+  // that a decode step's small matrices (8 experts of 768 x 2048) keep all threads busy with two
+  // loops a layer instead of three per expert.
+  void experts_together(const Buffer& x, ExpertProvider& store, const MoeParams& p, Buffer& routed_out) {
+    const int64_t dim = x.cols;
+    together_.clear();
+    int e;
+    MlpWeights w;
+    while (store.next(e, w)) together_.emplace_back(e, w);
+    const size_t n = together_.size();
+    int64_t rows = 0, inter = n ? together_[0].second.gate.rows : 0;
+    bool same = true;
+    for (const auto& [id, ew] : together_) {
+      rows += int64_t(by_expert_[size_t(id)].size());
+      same = same && ew.gate.rows == inter && ew.up.rows == inter && ew.down.cols == inter &&
+             ew.gate.dtype == ew.up.dtype && ew.gate.quant.bits == ew.up.quant.bits &&
+             ew.gate.quant.group_size == ew.up.quant.group_size;
+    }
+    Buffer xs = scratch(3, rows, dim), g = scratch(0, rows, inter), u = scratch(1, rows, inter);
+    auto first = [&](size_t i) { return first_row_[size_t(together_[i].first)]; };
+    auto count = [&](size_t i) { return int64_t(by_expert_[size_t(together_[i].first)].size()); };
+    if (!same) {  // gate and up in different formats or shapes: one expert at a time
+      for (size_t i = 0; i < n; ++i) {
+        Buffer xe = xs.rows_view(0, count(i)), ye = routed_out.rows_view(first(i), count(i));
+        gather_rows(x, by_expert_[size_t(together_[i].first)], xe);
+        expert_mlp(xe, together_[i].second, p, ye);
+      }
+    } else {
+      if (inputs_.size() < n) inputs_.resize(n);
+      for (size_t i = 0; i < n; ++i) {
+        Buffer xe = xs.rows_view(first(i), count(i));
+        gather_rows(x, by_expert_[size_t(together_[i].first)], xe);
+        cpu::prepare_input(together_[i].second.gate, xe.data, count(i), precise_, inputs_[i]);
+      }
+      // Output row r of the loop: expert r / (2 inter), gate or up, row r % inter; a chunk is cut
+      // where a matrix ends.
+      pool_.parallel_for(size_t(n) * size_t(2 * inter), [&](size_t a, size_t b) {
+        while (a < b) {
+          const size_t i = a / size_t(2 * inter), m = a / size_t(inter) % 2, row = a % size_t(inter);
+          const size_t end = std::min(b, a + size_t(inter) - row);
+          const MlpWeights& ew = together_[i].second;
+          cpu::matmul_rows(m ? ew.up : ew.gate, inputs_[i], (m ? u.data : g.data) + first(i) * inter, inter,
+                           int64_t(row), int64_t(row + end - a));
+          a = end;
+        }
+      }, rows_per_chunk(dim, rows));
+      for (size_t i = 0; i < n; ++i) {
+        const MlpWeights& ew = together_[i].second;
+        add_bias(g.rows_view(first(i), count(i)), ew.gate_bias);
+        add_bias(u.rows_view(first(i), count(i)), ew.up_bias);
+      }
+      activate(g, u, p);
+      for (size_t i = 0; i < n; ++i)
+        cpu::prepare_input(together_[i].second.down, g.data + first(i) * inter, count(i), precise_, inputs_[i]);
+      pool_.parallel_for(size_t(n) * size_t(dim), [&](size_t a, size_t b) {
+        while (a < b) {
+          const size_t i = a / size_t(dim), row = a % size_t(dim);
+          const size_t end = std::min(b, a + size_t(dim) - row);
+          cpu::matmul_rows(together_[i].second.down, inputs_[i], routed_out.data + first(i) * dim, dim,
+                           int64_t(row), int64_t(end - a + row));
+          a = end;
+        }
+      }, rows_per_chunk(inter, rows));
+      for (size_t i = 0; i < n; ++i)
+        add_bias(routed_out.rows_view(first(i), count(i)), together_[i].second.down_bias);
+    }
+    for (const auto& [id, ew] : together_) store.release(id);
+  }
+
+  static void gather_rows(const Buffer& x, const std::vector<std::pair<int64_t, float>>& routed, Buffer& xe) {
+    for (size_t j = 0; j < routed.size(); ++j)
+      std::memcpy(xe.data + int64_t(j) * x.cols, x.data + routed[j].first * x.cols, size_t(x.cols) * sizeof(float));
+  }
+
+  // out rows += bias, as linear() adds it.
+  static void add_bias(Buffer out, const Vector& bias) {
+    if (!bias) return;
+    for (int64_t t = 0; t < out.rows; ++t)
+      for (int64_t r = 0; r < out.cols; ++r) out.data[t * out.cols + r] += bias.data[r];
+  }
+
+  // g = act(g, u) element-wise (SwiGLU, or gpt-oss's clamped form).
+  void activate(Buffer& g, const Buffer& u, const MoeParams& p) {
+    const int64_t n = g.rows * g.cols;
+    pool_.parallel_for(size_t(n), [&](size_t i0, size_t i1) {
+      if (p.activation == ExpertActivation::SwiGlu) {
+        for (size_t i = i0; i < i1; ++i) {
+          const float a = g.data[i];
+          g.data[i] = a / (1.0f + std::exp(-a)) * u.data[i];
+        }
+      } else {
+        const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
+        for (size_t i = i0; i < i1; ++i) {
+          const float a = std::min(g.data[i], limit), b = std::min(std::max(u.data[i], -limit), limit);
+          g.data[i] = (b + 1.0f) * (a / (1.0f + std::exp(-alpha * a)));
+        }
+      }
+    }, 2048);
+  }
+
   // out = down(act(gate x + gate_bias, up x + up_bias)) + down_bias
   void expert_mlp(const Buffer& x, const MlpWeights& w, const MoeParams& p, Buffer& out) {
     const int64_t T = x.rows, inter = w.gate.rows;
     Buffer g = scratch(0, T, inter), u = scratch(1, T, inter);
     linear(x, w.gate, w.gate_bias ? &w.gate_bias : nullptr, g);
     linear(x, w.up, w.up_bias ? &w.up_bias : nullptr, u);
-    const int64_t n = g.rows * g.cols;
-    if (p.activation == ExpertActivation::SwiGlu) {
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = g.data[i];
-        g.data[i] = a / (1.0f + std::exp(-a)) * u.data[i];
-      }
-    } else {
-      const float limit = p.swiglu_limit, alpha = p.swiglu_alpha;
-      for (int64_t i = 0; i < n; ++i) {
-        const float a = std::min(g.data[i], limit), b = std::min(std::max(u.data[i], -limit), limit);
-        g.data[i] = (b + 1.0f) * (a / (1.0f + std::exp(-alpha * a)));
-      }
-    }
+    activate(g, u, p);
     linear(g, w.down, w.down_bias ? &w.down_bias : nullptr, out);
   }
 
@@ -444,6 +544,8 @@ class CpuBackend final : public Backend {
   std::vector<char> resident_;  // the provider's residency of the layer's experts (lossy options)
   std::vector<int> skipped_;    // experts chosen but skipped by the miss fallback
   std::vector<int64_t> first_row_;
+  std::vector<std::pair<int, MlpWeights>> together_;  // experts_together: the call's experts
+  std::vector<cpu::PreparedInput> inputs_;            // and each one's prepared input
   struct RouteScratch {  // behind route(), reused
     std::vector<float> choice, group_score;
     std::vector<int> groups;
