@@ -229,7 +229,9 @@ TEST_F(Pair, GreedyRowsMatchTheCpu) {
     cpu->greedy_rows(x.c, want);
     gpu->greedy_rows(x.g, got);
     EXPECT_EQ(got, want);
-    if (cols == 151936) EXPECT_EQ(want, (std::vector<int32_t>{4095, 151935, -1, -1, -1, 77777, 0, want[7]}));
+    if (cols == 151936) {
+      EXPECT_EQ(want, (std::vector<int32_t>{4095, 151935, -1, -1, -1, 77777, 0, want[7]}));
+    }
   }
 }
 
