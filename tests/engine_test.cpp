@@ -3,6 +3,7 @@
 // the queue limit leave nothing behind.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <thread>
 
 #include "core/error.h"
@@ -132,6 +133,50 @@ TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
   FinishReason reason;
   drain(*a, reason);
   drain(*b, reason);
+}
+
+// A model that declares `eos` its end-of-sequence id; everything else is the wrapped model's.
+class EosModel final : public Model {
+ public:
+  EosModel(Model& m, int32_t eos) : m_(m), info_(m.info()) { info_.eos_token_ids = {eos}; }
+  const ModelInfo& info() const override { return info_; }
+  Backend& backend() override { return m_.backend(); }
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override { return m_.new_sequence(capacity); }
+  ExpertStats expert_stats() const override { return m_.expert_stats(); }
+  std::vector<std::vector<uint64_t>> expert_usage() const override { return m_.expert_usage(); }
+  void forward(std::span<const int32_t> tokens, SequenceState& state, std::span<float> logits) override {
+    m_.forward(tokens, state, logits);
+  }
+  void forward_batch(std::span<const SequenceBatch> items) override { m_.forward_batch(items); }
+
+ private:
+  Model& m_;
+  ModelInfo info_;
+};
+
+// ignore_eos: the end-of-sequence id is generated like any token, up to max_tokens (with the
+// greedy id found by the model, and with logprobs, which need the logits).
+TEST_F(EngineTest, IgnoreEosGeneratesPastTheEndOfSequenceId) {
+  const std::vector<int32_t>& want = expected_[0];
+  const int32_t eos = want[3];
+  const long first = long(std::find(want.begin(), want.end(), eos) - want.begin());
+  EosModel model(*model_, eos);
+  EngineOptions o;
+  o.parallel = 2;
+  o.ctx = 64;
+  Engine engine(model, o);
+  FinishReason reason;
+  auto stopped = engine.submit(request(prompts_[0]));
+  EXPECT_EQ(drain(*stopped, reason), std::vector<int32_t>(want.begin(), want.begin() + first));
+  EXPECT_EQ(reason, FinishReason::eos);
+  for (int logprobs : {-1, 2}) {
+    JobRequest r = request(prompts_[0]);
+    r.ignore_eos = true;
+    r.logprobs = logprobs;
+    auto job = engine.submit(r);
+    EXPECT_EQ(drain(*job, reason), want) << "logprobs " << logprobs;
+    EXPECT_EQ(reason, FinishReason::length);
+  }
 }
 
 }  // namespace

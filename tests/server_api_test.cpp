@@ -485,13 +485,18 @@ TEST(ServerApi, UnhonouredFieldsAre400NamingThem) {
       {"/v1/completions", {{"prompt", "hi"}, {"best_of", 3}}, "best_of"},
       {"/v1/completions", {{"prompt", "hi"}, {"echo", true}}, "echo"},
       {"/v1/completions", {{"prompt", "hi"}, {"guided_json", json::object()}}, "guided_json"},
+      {"/v1/completions", {{"prompt", "hi"}, {"ignore_eos", "yes"}}, "ignore_eos"},
   };
   for (const Case& c : cases) {
     json r = post(s, c.path, c.body, 400);
     EXPECT_EQ(r["error"]["param"], c.param) << r.dump();
   }
-  // null is "not set"; text is the one modality.
+  // null is "not set"; text is the one modality; ignore_eos (vLLM's, llama.cpp's) is honoured
+  // (EngineTest.IgnoreEosGeneratesPastTheEndOfSequenceId).
   post(s, "/v1/chat/completions", {{"messages", msgs}, {"max_tokens", 1}, {"functions", nullptr}, {"modalities", {"text"}}});
+  json ok = post(s, "/v1/completions", {{"prompt", "hi"}, {"max_tokens", 3}, {"temperature", 0}, {"ignore_eos", true}});
+  EXPECT_EQ(ok["usage"]["completion_tokens"], 3) << ok.dump();
+  EXPECT_EQ(ok["choices"][0]["finish_reason"], "length") << ok.dump();
   json a = post(s, "/v1/messages", {{"max_tokens", 2}, {"messages", msgs}, {"mcp_servers", json::array()}}, 400);
   EXPECT_NE(a["error"]["message"].get<std::string>().find("'mcp_servers'"), std::string::npos) << a.dump();
 }

@@ -256,7 +256,7 @@ void Engine::sample_and_emit(Slot& s) {
     next = s.sampler->sample(s.logits, s.context, s.generated_ids);
   }
   const auto& eos = model_.info().eos_token_ids;
-  if (std::find(eos.begin(), eos.end(), next) != eos.end()) return finish(s, FinishReason::eos);
+  if (!r.ignore_eos && std::find(eos.begin(), eos.end(), next) != eos.end()) return finish(s, FinishReason::eos);
   if (r.constraint) r.constraint->accept(next);
   s.next = next;
   s.context.push_back(next);

@@ -49,6 +49,7 @@ struct JobRequest {
   int max_tokens = 0;                           // >= 1
   std::shared_ptr<TokenConstraint> constraint;  // optional
   int logprobs = -1;                            // -1: none; else also this many alternatives (<= 20)
+  bool ignore_eos = false;  // an end-of-sequence id is a token like any other (vLLM's and llama.cpp's field)
 };
 
 // Log-probabilities at one position from the model's logits (see TokenLogprob); `top` alternatives.

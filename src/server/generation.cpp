@@ -116,6 +116,7 @@ Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std:
   request.sampling = o_.sampling;
   request.max_tokens = o_.max_tokens;
   request.logprobs = o_.logprobs;
+  request.ignore_eos = o_.ignore_eos;
   if (o_.grammar) request.constraint = std::make_shared<GrammarConstraint>(m.token_bytes(), o_.grammar);
   else if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
   else if (o_.tool_call_grammar)

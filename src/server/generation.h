@@ -59,6 +59,7 @@ struct GenerateOptions {
   // (tool_choice auto with strict tools).
   std::shared_ptr<const JsonGrammar> tool_call_grammar;
   int logprobs = -1;              // -1: none; else report logprobs with this many alternatives
+  bool ignore_eos = false;        // generate past end-of-sequence ids, up to max_tokens or a stop string
   bool chat = false;              // split reasoning and tool calls out of the text
   bool parse_tools = false;
   bool single_tool_call = false;  // end the reply after its first tool call

@@ -116,6 +116,7 @@ Common common_fields(const ServedModel& m, const ojson& body) {
     c.include_usage = field::boolean(body["stream_options"], "include_usage", false);
   }
   c.n = int(field::integer(body, "n", 1, 1, kMaxChoices));
+  c.options.ignore_eos = field::boolean(body, "ignore_eos", false);
   c.options.grammar = response_format_grammar(body, c.options.json_object);
   const std::string model = field::string(body, "model", m.id);
   (void)model;  // one model is served; any name addresses it
@@ -149,7 +150,7 @@ ChatRequest parse_chat_request(const ServedModel& m, const ojson& body, int64_t 
                            "stream_options", "n", "logprobs", "top_logprobs", "response_format", "tools",
                            "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
                            "max_tokens", "max_completion_tokens", "user", "service_tier", "store", "metadata",
-                           "modalities"});
+                           "modalities", "ignore_eos"});
   Common c = common_fields(m, body);
   ChatRequest r;
   const bool logprobs = field::boolean(body, "logprobs", false);
@@ -230,7 +231,7 @@ CompletionRequest parse_completion_request(const ServedModel& m, const ojson& bo
   field::known_only(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
                            "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
                            "stop", "stream", "stream_options", "n", "best_of", "logprobs", "echo", "suffix",
-                           "response_format", "user", "service_tier", "store", "metadata"});
+                           "response_format", "user", "service_tier", "store", "metadata", "ignore_eos"});
   Common c = common_fields(m, body);
   if (!body.contains("prompt") || body["prompt"].is_null()) throw ApiError(400, "prompt", "'prompt' is required");
   const ojson& p = body["prompt"];
