@@ -65,7 +65,10 @@ void ThreadPool::worker_loop() {
       if (stop_.load(std::memory_order_relaxed)) return;
       epoch = epoch_of(claim_.load(std::memory_order_acquire));
       if (epoch != seen) break;
-      cpu_relax();
+      // Every 64 polls the core goes to whoever else wants it: with more threads than cores
+      // (-t above the core count, a container's CPU quota) the polling must not starve them.
+      if ((spins & 63) == 63) std::this_thread::yield();
+      else cpu_relax();
       if ((spins & 255) == 255 &&
           std::chrono::steady_clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
         std::unique_lock lock(mu_);
@@ -103,7 +106,10 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)
     wake_.notify_all();
   }
   run_chunks(epoch);
-  while (done_.load(std::memory_order_acquire) < chunks) cpu_relax();
+  for (int spins = 1; done_.load(std::memory_order_acquire) < chunks; ++spins) {
+    if ((spins & 63) == 0) std::this_thread::yield();
+    else cpu_relax();
+  }
 }
 
 }  // namespace moestream
