@@ -126,14 +126,10 @@ def transformers_tensors(c, seed, device):
     return out, transformers.__version__
 
 
-def write_shards(out_dir, c, tensors, shard_gb):
-    """bf16 safetensors shards of at most shard_gb each, and their index."""
-    shapes = list(tensor_shapes(c))
-    names = {n for n, _ in shapes}
-    if set(tensors) != names:
-        missing, extra = sorted(names - set(tensors))[:3], sorted(set(tensors) - names)[:3]
-        sys.exit(f"make_bench_checkpoint: the model's tensors differ from the expected ones "
-                 f"(missing {missing}, unexpected {extra})")
+def write_bf16_safetensors(out_dir, shapes, chunks, shard_gb):
+    """bf16 safetensors shards of at most shard_gb each, in the Hub's layout, and their index.
+    shapes: (name, shape) in file order; chunks(name, shape, n): the tensor's n bytes, as pieces.
+    Returns (bytes, shards). tools/make_bf16_checkpoint.py writes its files with it too."""
     shards, current, size = [], [], 0
     for name, shape in shapes:
         n = 2
@@ -158,13 +154,26 @@ def write_shards(out_dir, c, tensors, shard_gb):
         with open(os.path.join(out_dir, fname), "wb") as f:
             f.write(struct.pack("<Q", len(head)) + head)
             for name, shape, n in shard:
-                data = tensors[name]()
-                assert len(data) == n, name
-                f.write(data)
+                written = 0
+                for piece in chunks(name, shape, n):
+                    f.write(piece)
+                    written += len(piece)
+                assert written == n, name
         total += offset
     with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
     return total, len(shards)
+
+
+def write_shards(out_dir, c, tensors, shard_gb):
+    """The model's tensors (name -> bytes producer) as bf16 safetensors shards and their index."""
+    shapes = list(tensor_shapes(c))
+    names = {n for n, _ in shapes}
+    if set(tensors) != names:
+        missing, extra = sorted(names - set(tensors))[:3], sorted(set(tensors) - names)[:3]
+        sys.exit(f"make_bench_checkpoint: the model's tensors differ from the expected ones "
+                 f"(missing {missing}, unexpected {extra})")
+    return write_bf16_safetensors(out_dir, shapes, lambda name, shape, n: [tensors[name]()], shard_gb)
 
 
 def main():

@@ -7,14 +7,15 @@ safetensors with an index), for measuring `moestream pack` on checkpoint-sized i
 The shape is Qwen3-30B-A3B's (hidden 2048, 128 experts of width 768, 32/4 heads of 128, vocab
 151936) with the given number of layers. Values are small normal numbers; one random block is
 reused for every tensor, since packing speed does not depend on the values. Standard library and
-numpy only.
+numpy only; the files are written by make_bench_checkpoint.py's writer.
 """
 import argparse
 import json
 import os
-import struct
 
 import numpy as np
+
+from make_bench_checkpoint import write_bf16_safetensors
 
 HIDDEN, EXPERTS, TOP_K, EXPERT_W, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 128, 8, 768, 32, 4, 128, 151936
 
@@ -53,36 +54,14 @@ def main():
     block = block.astype(np.uint16).tobytes()  # 64 MB of bf16 values
     ones = np.full(1 << 16, 0x3F80, dtype=np.uint16).tobytes()  # 1.0: norm weights
 
-    shards, current, size = [], [], 0
-    for name, shape in tensors(args.layers):
-        n = int(np.prod(shape)) * 2
-        if current and size + n > args.shard_gb * 1e9:
-            shards.append(current)
-            current, size = [], 0
-        current.append((name, shape, n))
-        size += n
-    shards.append(current)
+    def chunks(name, shape, n):  # the one random block (or ones, for norms) repeated
+        src = ones if len(shape) == 1 else block
+        while n > 0:
+            k = min(n, len(src))
+            yield src[:k]
+            n -= k
 
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        header, offset = {}, 0
-        for name, shape, n in shard:
-            header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + n]}
-            offset += n
-            weight_map[name] = fname
-        head = json.dumps(header).encode()
-        head += b" " * (-len(head) % 8)
-        with open(os.path.join(args.out, fname), "wb") as f:
-            f.write(struct.pack("<Q", len(head)) + head)
-            for name, shape, n in shard:
-                src = ones if len(shape) == 1 else block
-                while n > 0:
-                    k = min(n, len(src))
-                    f.write(src[:k])
-                    n -= k
-    with open(os.path.join(args.out, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    write_bf16_safetensors(args.out, tensors(args.layers), chunks, args.shard_gb)
     config = {
         "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": HIDDEN,
         "intermediate_size": 6144, "moe_intermediate_size": EXPERT_W, "num_hidden_layers": args.layers,
