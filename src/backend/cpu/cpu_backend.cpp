@@ -99,9 +99,7 @@ class CpuBackend final : public Backend {
     pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
       cpu::matmul_rows(w, input_, out.data, n_out, int64_t(r0), int64_t(r1));
     }, rows_per_chunk(w.cols, T));
-    if (bias)
-      for (int64_t t = 0; t < T; ++t)
-        for (int64_t r = 0; r < n_out; ++r) out.data[t * n_out + r] += bias->data[r];
+    if (bias) add_bias(Buffer{out.data, T, n_out}, *bias);
   }
 
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) override {
@@ -264,16 +262,18 @@ class CpuBackend final : public Backend {
     if (!skipped_.empty()) store.fetch_later(p.layer, skipped_);
     int e;
     MlpWeights w;
-    if (together) experts_together(x, store, p, routed_out);
-    while (!together && store.next(e, w)) {
-      const auto& routed = by_expert[size_t(e)];
-      const int64_t n = int64_t(routed.size());
-      Buffer xe = scratch(3, n, dim);
-      for (int64_t j = 0; j < n; ++j)
-        std::memcpy(xe.data + j * dim, x.data + routed[j].first * dim, size_t(dim) * sizeof(float));
-      Buffer ye = routed_out.rows_view(first_row_[size_t(e)], n);
-      expert_mlp(xe, w, p, ye);
-      store.release(e);
+    if (together) {
+      experts_together(x, store, p, routed_out);
+    } else {
+      while (store.next(e, w)) {
+        const auto& routed = by_expert[size_t(e)];
+        const int64_t n = int64_t(routed.size());
+        Buffer xe = scratch(3, n, dim);
+        gather_rows(x, routed, xe);
+        Buffer ye = routed_out.rows_view(first_row_[size_t(e)], n);
+        expert_mlp(xe, w, p, ye);
+        store.release(e);
+      }
     }
     std::fill(out.data, out.data + T * dim, 0.0f);
     for (int id : ids) {
@@ -417,14 +417,18 @@ class CpuBackend final : public Backend {
   // loops a layer instead of three per expert.
   void experts_together(const Buffer& x, ExpertProvider& store, const MoeParams& p, Buffer& routed_out) {
     const int64_t dim = x.cols;
-    together_.clear();
+    size_t n = 0;  // together_ keeps its entries (and their names' storage) between calls
     int e;
     MlpWeights w;
-    while (store.next(e, w)) together_.emplace_back(e, w);
-    const size_t n = together_.size();
+    while (store.next(e, w)) {
+      if (together_.size() == n) together_.emplace_back();
+      together_[n].first = e;
+      together_[n++].second = w;
+    }
     int64_t rows = 0, inter = n ? together_[0].second.gate.rows : 0;
     bool same = true;
-    for (const auto& [id, ew] : together_) {
+    for (size_t i = 0; i < n; ++i) {
+      const auto& [id, ew] = together_[i];
       rows += int64_t(by_expert_[size_t(id)].size());
       same = same && ew.gate.rows == inter && ew.up.rows == inter && ew.down.cols == inter &&
              ew.gate.dtype == ew.up.dtype && ew.gate.quant.bits == ew.up.quant.bits &&
@@ -478,7 +482,7 @@ class CpuBackend final : public Backend {
       for (size_t i = 0; i < n; ++i)
         add_bias(routed_out.rows_view(first(i), count(i)), together_[i].second.down_bias);
     }
-    for (const auto& [id, ew] : together_) store.release(id);
+    for (size_t i = 0; i < n; ++i) store.release(together_[i].first);
   }
 
   static void gather_rows(const Buffer& x, const std::vector<std::pair<int64_t, float>>& routed, Buffer& xe) {
@@ -486,7 +490,7 @@ class CpuBackend final : public Backend {
       std::memcpy(xe.data + int64_t(j) * x.cols, x.data + routed[j].first * x.cols, size_t(x.cols) * sizeof(float));
   }
 
-  // out rows += bias, as linear() adds it.
+  // out rows += bias (linear's, and the experts' biases when they run together).
   static void add_bias(Buffer out, const Vector& bias) {
     if (!bias) return;
     for (int64_t t = 0; t < out.rows; ++t)

@@ -431,17 +431,13 @@ void ExpertTier::split_hits_and_misses(const Call& c) {
   }
   stats_.hits += hits_.size();
   stats_.misses += request_.size();
-  if (tier_ready_) {
-    for (int e : hits_) {
-      ExpertUse& u = use_of(c.layer, e);
-      ++u.uses;
-      u.last_use = call_;
-    }
-    for (int e : request_) {
-      ExpertUse& u = use_of(c.layer, e);
-      ++u.uses;
-      u.last_use = call_;
-    }
+  if (tier_ready_) {  // the eviction policy's use counts, of hits and misses alike
+    for (const auto* ids : {&hits_, &request_})
+      for (int e : *ids) {
+        ExpertUse& u = use_of(c.layer, e);
+        ++u.uses;
+        u.last_use = call_;
+      }
   }
 }
 
