@@ -307,6 +307,7 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   b.params = &p;
   b.few_tokens = T <= kGemvMaxTokens;
   b.groups = g;
+  b.pairs = pairs;
   b.hidden = nullptr;
   b.y = nullptr;
   auto t_routed = std::chrono::steady_clock::now();
@@ -322,6 +323,7 @@ void ExpertTier::bind_layer(Call& c) {
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
   b.gemm = &gemm_;
+  b.exact = &exact_scratch_;
   // The opt-in cuBLAS path dequantizes a whole batch in one format.
   b.tensor_cores = formats_[size_t(c.layer)].size() == 1 && use_expert_gemm(c.T, c.K, c.E, c.dim, b.inter);
 }

@@ -2,20 +2,27 @@
 // (run_experts_exact_mma in moe.h). A quantized weight is code * scale (+ bias) per group, and the
 // codes are small numbers that FP16 holds exactly: affine codes are integers below 256, MXFP4 codes
 // (doubled, as everywhere here) integers up to 12, FP8 E4M3 values fit FP16's range and mantissa.
-// So each pack of 32 columns is multiplied on the tensor cores as codes x activations, and the
+// So each group's columns are multiplied on the tensor cores as codes x activations, and the
 // group's scale and bias are applied in float32 afterwards, as the CUDA-core kernels do.
-// The activations are the inexact part: each token's 64 columns of a step are scaled by a power
-// of two so their largest lands in [2^14, 2^15), then split into hi = fp16(x) and lo =
-// fp16(x - hi), and both halves go through the MMA (products of FP16 values are exact in the
-// float32 sums). That keeps 22 of float32's 24 bits of every activation above 2^-17 of the
-// step's largest one, so the result differs from the float32 kernels by float32-sized rounding,
-// not FP16's.
 //
-// One launch for gate/up and one for down cover every active expert (grid.y) and 64-row tiles
-// of its matrices (grid.x); a block of 4 warps walks its expert's tokens 32 at a time (four MMA
-// column tiles of 8; empty tiles skipped). mma.sync m16n8k16 with the fragment layout of the PTX
-// ISA: a warp's 16 weight rows are the A operand (row-major), the tokens the B operand, and the
-// float32 accumulators come back per (row, token), so the group's scale applies per row.
+// The activations are the inexact part. Before the products, split_kernel scales each row (a
+// token's x, or an expert row's hidden values) by a power of two that puts its largest finite
+// magnitude in [2^14, 2^15) and splits it into hi = fp16(x) and lo = fp16(x - hi); both halves go
+// through the MMA (products of FP16 values are exact in the float32 sums) and the row's scaling is
+// undone when the result is written. That keeps 22 of float32's 24 bits of every activation above
+// 2^-18 of its row's largest; smaller ones keep fewer (an absolute error below 2^-39 of the row's
+// largest), far below the float32 rounding of a sum that holds the largest. It also gives each
+// pack of 32 columns its float32 sum, which multiplies an affine group's bias.
+//
+// Work items: an active expert's rows (its (token, slot) pairs) in chunks of kTok, planned on the
+// device (plan_kernel), so that a heavily chosen expert is spread over many blocks instead of one
+// block walking all its rows. A block of 4 warps computes 64 output rows (16 per warp) of one work
+// item: per step of 64 columns, the next step's activations are copied to shared memory with
+// cp.async and its weight packs loaded into registers while the current step's products run; the
+// packs are then decoded into FP16 codes in shared memory (q4 and q8 without int-to-float
+// conversions: the code is placed in the mantissa of 1024.0 and 1024 subtracted). Fragments come
+// from shared memory through ldmatrix; mma.sync m16n8k16, the weight rows as the A operand, the
+// tokens as B, float32 accumulators per (row, token).
 #include <cuda_fp16.h>
 
 #include "backend/cuda/moe.h"
@@ -28,114 +35,154 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // weight rows per block
-constexpr int kTok = 32;            // tokens per pass
-constexpr int kTiles = kTok / 8;    // MMA column tiles per pass
+constexpr int kTok = 32;            // rows of activations (tokens) per work item
+constexpr int kTiles = kTok / 8;    // MMA column tiles per work item
 constexpr int kK = 64;              // columns per step: two packs of 32
-constexpr int kLd = kK + 8;         // halves per shared row: fragment loads hit 32 distinct banks
+constexpr int kSplitThreads = 128;
 
-
+// Offset (in halves) of 16-byte chunk `chunk` (8 columns) of `row` in a shared [rows][kK] array:
+// the chunks of each row are permuted by the row's low 3 bits, so the 8 rows an ldmatrix reads at
+// one chunk lie on distinct banks without padding (which would cost the fourth block per SM).
+__device__ __forceinline__ int swz(int row, int chunk) { return row * kK + ((chunk ^ (row & 7)) * 8); }
 
 // 2^e as a float, e in [-126, 127].
 __device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 
-// One matrix's share of a block's shared memory for one step: codes as FP16 [kRows][kLd] and the
-// scale and bias of each (row, pack).
-struct WeightTile {
-  __half codes[kRows * kLd];
-  float scale[kRows][2], bias[kRows][2];
+// Shared memory for one step: M matrices' codes (FP16, kRows x kK) with each (row, pack)'s scale
+// and bias, and the activations of the work item's tokens (hi and lo halves, kTok x kK) with the
+// sums of their two packs.
+template <int M>
+struct Stage {
+  __half codes[M][kRows * kK];  // swizzled (swz)
+  __half x[2][kTok * kK];
+  float scale[M][kRows][2], bias[M][kRows][2];
+  float sum[kTok][2];
 };
 
-struct TokenTile {
-  __half hi[kTok * kLd], lo[kTok * kLd];
-  float sum[kTok][2];  // float32 sum of each pack of the unscaled x: multiplies the affine bias
-  float inv[kTok];     // 2^-shift of the token's scaling this step
+// Activations as the kernels read them (split_kernel writes them).
+struct SplitRows {
+  __half* hi = nullptr;  // [rows, cols], columns in the weight format's order within each 8
+  __half* lo = nullptr;
+  float* sum = nullptr;  // [rows, sum_stride]: each pack's float32 sum of the scaled row; 0 past the packs
+  float* inv = nullptr;  // [rows]: 2^-s, the inverse of the row's scaling
+  int64_t cols = 0, sum_stride = 0;
 };
 
-constexpr int kTokPerWarp = kTok / kWarps;
+// The q4 decode below turns a word of 8 codes into FP16 pairs of columns (i, i + 4); the
+// activations are laid out the same way, so each product still pairs a code with its column.
+// Position of column c (0..7) of each 8 in shared memory and in SplitRows.
+__device__ __forceinline__ int slot_of(int c, bool interleaved) { return interleaved ? 2 * (c & 3) + (c >> 2) : c; }
 
-// What a thread loads for one step, issued before the previous step's products so that the loads
-// overlap them: its pack of each of the M matrices (row threadIdx / 2, pack threadIdx % 2 of the
-// step) and its two columns (2 * lane, 2 * lane + 1) of the tokens its warp stages (warp,
-// warp + kWarps, ...).
-template <int KIND, int M>
-struct StepLoads {
-  RawQuantPack<KIND> w[M];
-  bool w_valid;
-  float2 x[kTokPerWarp];
+struct SplitArgs {
+  const float* src;  // [n_rows, out.cols]
+  int64_t n_rows;
+  // When set, only rows [offset[a_begin], offset[end]) of the batch are split (end = *n_active
+  // when counted on the device, else a_end).
+  const int* offset;
+  const int* n_active;
+  int a_begin, a_end;
+  SplitRows out;
 };
 
-// rows[i]: the float row of token warp + i * kWarps of the pass (null past the pass's tokens).
-template <int KIND, int M>
-__device__ __forceinline__ void load_step(const WeightRef* const (&mats)[M], int64_t row0, int64_t k0,
-                                          const float* const (&rows)[kTokPerWarp], int64_t cols,
-                                          StepLoads<KIND, M>& l) {
-  const int r = int(threadIdx.x) / 2, half_pack = int(threadIdx.x) % 2, lane = int(threadIdx.x) % 32;
-  const int64_t row = row0 + r, p = k0 / 32 + half_pack;
-  l.w_valid = row < mats[0]->rows && p * 32 < mats[0]->cols;
-  if (l.w_valid) {
-#pragma unroll
-    for (int m = 0; m < M; ++m) load_raw_pack<KIND>(*mats[m], row, p, l.w[m]);
+// One block per row: the row's largest finite magnitude, then 8 columns per thread scaled, split
+// and stored in the format's order; 4 threads per pack of 32 sum it.
+template <bool INTERLEAVED>
+__global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
+  __shared__ float scratch[kSplitThreads / 32];
+  const int64_t r = blockIdx.x;
+  if (a.offset) {
+    const int end = a.n_active ? *a.n_active : a.a_end;
+    if (r < a.offset[a.a_begin] || r >= a.offset[end]) return;
   }
-  const int64_t c = k0 + 2 * lane;
+  const int64_t cols = a.out.cols;
+  const float* x = a.src + r * cols;
+  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  float mx = 0.0f;
+  for (int64_t c = 4 * tid; c < cols; c += 4 * kSplitThreads) {
+    const float4 v = *reinterpret_cast<const float4*>(x + c);
+    mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
+  }
+  mx = warp_max(mx);
+  if (lane == 0) scratch[warp] = mx;
+  __syncthreads();
+  mx = scratch[0];
 #pragma unroll
-  for (int i = 0; i < kTokPerWarp; ++i)
-    l.x[i] = rows[i] && c < cols ? *reinterpret_cast<const float2*>(rows[i] + c) : make_float2(0.0f, 0.0f);
+  for (int w = 1; w < kSplitThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
+  int shift = 0;
+  if (mx > 0.0f && mx <= 3.4e38f) {  // finite and non-zero; Inf and NaN go through unscaled
+    int e;
+    frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+    shift = min(max(15 - e, -126), 126);
+  }
+  const float up = pow2(shift);
+  if (tid == 0) a.out.inv[r] = pow2(-shift);
+  const int64_t packs = cols / 32;
+  for (int64_t c8 = 8 * int64_t(tid); c8 < cols; c8 += 8 * kSplitThreads) {
+    const float4 v0 = *reinterpret_cast<const float4*>(x + c8), v1 = *reinterpret_cast<const float4*>(x + c8 + 4);
+    const float v[8] = {v0.x * up, v0.y * up, v0.z * up, v0.w * up, v1.x * up, v1.y * up, v1.z * up, v1.w * up};
+    __align__(16) __half hi[8], lo[8];
+    float s = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const __half h = __float2half_rn(v[i]);
+      const int at = slot_of(i, INTERLEAVED);
+      hi[at] = h;
+      lo[at] = __float2half_rn(v[i] - __half2float(h));
+      s += v[i];
+    }
+    *reinterpret_cast<uint4*>(a.out.hi + r * cols + c8) = *reinterpret_cast<const uint4*>(hi);
+    *reinterpret_cast<uint4*>(a.out.lo + r * cols + c8) = *reinterpret_cast<const uint4*>(lo);
+    // The 4 threads of a pack are 4 consecutive lanes (kSplitThreads * 8 columns per round is a
+    // multiple of 32).
+    s += __shfl_xor_sync(0xffffffffu, s, 1);
+    s += __shfl_xor_sync(0xffffffffu, s, 2);
+    if (tid % 4 == 0) a.out.sum[r * a.out.sum_stride + c8 / 32] = s;
+  }
+  if (tid == 0)
+    for (int64_t p = packs; p < a.out.sum_stride; ++p) a.out.sum[r * a.out.sum_stride + p] = 0.0f;
 }
 
-// The loaded step into shared memory: codes as FP16 with the groups' scales and biases (zeros past
-// the matrix), and the first `staged` tokens split into hi and lo halves after scaling each token
-// by a power of two (its largest value of the step into [2^14, 2^15)), with the pack sums.
-template <int KIND, bool SF16, int M>
-__device__ __forceinline__ void store_step(const StepLoads<KIND, M>& l, int staged, WeightTile* w, TokenTile& t) {
-  const int r = int(threadIdx.x) / 2, half_pack = int(threadIdx.x) % 2;
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+// The work items of a batch: (active index, first row within the expert's rows), kTok rows each,
+// in active order. One warp.
+__global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int* n_active, int2* work, int* n_work) {
+  const int lane = int(threadIdx.x);
+  const int end = n_active ? *n_active : a_end;
+  int base = 0;
+  for (int a0 = a_begin; a0 < end; a0 += 32) {
+    const int ai = a0 + lane;
+    const int rows = ai < end ? offset[ai + 1] - offset[ai] : 0;
+    const int n = (rows + kTok - 1) / kTok;
+    int incl = n;
 #pragma unroll
-  for (int m = 0; m < M; ++m) {
-    __half* dst = w[m].codes + r * kLd + half_pack * 32;
-    if (!l.w_valid) {
-#pragma unroll
-      for (int i = 0; i < 32; i += 2) *reinterpret_cast<__half2*>(dst + i) = __float2half2_rn(0.0f);
-      w[m].scale[r][half_pack] = 0.0f;
-      w[m].bias[r][half_pack] = 0.0f;
-      continue;
+    for (int o = 1; o < 32; o <<= 1) {
+      const int v = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += v;
     }
-    float q[32], scale, bias;
-    decode_raw_pack<KIND, SF16>(l.w[m], q, scale, bias);
-    w[m].scale[r][half_pack] = scale;
-    w[m].bias[r][half_pack] = bias;
-#pragma unroll
-    for (int i = 0; i < 32; i += 2) *reinterpret_cast<__half2*>(dst + i) = __floats2half2_rn(q[i], q[i + 1]);
+    for (int i = 0, first = base + incl - n; i < n; ++i) work[first + i] = make_int2(ai, i * kTok);
+    base += __shfl_sync(0xffffffffu, incl, 31);
   }
-#pragma unroll
-  for (int i = 0; i < kTokPerWarp; ++i) {
-    const int tok = warp + i * kWarps;
-    if (tok >= staged) break;
-    const float2 v = l.x[i];
-    const float mx = warp_max(fmaxf(fabsf(v.x), fabsf(v.y)));
-    int shift = 0;
-    if (mx > 0.0f && mx <= 3.4e38f) {  // finite and non-zero; Inf and NaN go through unscaled
-      int e;
-      frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
-      shift = min(max(15 - e, -126), 126);
-    }
-    const float up = pow2(shift);
-    const float x0 = v.x * up, x1 = v.y * up;
-    const __half2 hi = __floats2half2_rn(x0, x1);
-    const float2 hf = __half22float2(hi);
-    *reinterpret_cast<__half2*>(t.hi + tok * kLd + 2 * lane) = hi;
-    *reinterpret_cast<__half2*>(t.lo + tok * kLd + 2 * lane) = __floats2half2_rn(x0 - hf.x, x1 - hf.y);
-    float s = v.x + v.y;
-#pragma unroll
-    for (int o = 8; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
-    if (lane == 0) {
-      t.sum[tok][0] = s;
-      t.inv[tok] = pow2(-shift);
-    }
-    if (lane == 16) t.sum[tok][1] = s;
-  }
+  if (lane == 0) *n_work = base;
 }
 
-__device__ __forceinline__ uint32_t ld32(const __half* p) { return *reinterpret_cast<const uint32_t*>(p); }
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+// 16 bytes global -> shared without registers; src_bytes 0 fills zeros (and reads nothing).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
+
+// Four 8x8 FP16 matrices from shared memory; lane L gives the address of row L % 8 of matrix L / 8.
+__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const __half* p) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(smem_addr(p))
+               : "memory");
+}
 
 // d += a (16 x 16, row-major) * b (16 x 8, column-major), FP16 inputs, float32 sums.
 __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -146,16 +193,119 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// For M matrices sharing the staged tokens: acc[m][j][i] += this step's contribution to the
-// warp's rows and the tokens of column tile j (element i: row g + 8 * (i / 2), token 2 * q + i % 2
-// of the tile, where g = lane / 4 and q = lane % 4).
-template <int M>
-__device__ __forceinline__ void multiply_step(const WeightTile* w, const TokenTile& t, int tiles,
-                                              float (&acc)[M][kTiles][4]) {
-  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
-  const int rl = warp * 16 + g;
+// 1024 + code in FP16 (the code in the low mantissa bits of 0x6400), minus 1024: exact.
+__device__ __forceinline__ uint32_t minus_1024(uint32_t h2) {
+  const __half2 k = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+  __half2 v = *reinterpret_cast<const __half2*>(&h2);
+  v = __hsub2(v, k);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// A pack's 32 codes as FP16 into chunks chunk0..chunk0 + 3 of `row` of codes, in the format's
+// column order.
+template <int KIND, bool SF16>
+__device__ __forceinline__ void store_codes(const RawQuantPack<KIND>& p, __half* codes, int row, int chunk0) {
+  uint32_t h[16];
+  if constexpr (KIND == kQ4) {
 #pragma unroll
-  for (int pack = 0; pack < 2; ++pack) {
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int s = 0; s < 4; ++s) h[4 * j + s] = minus_1024(((p.words[j] >> (4 * s)) & 0x000F000Fu) | 0x64006400u);
+  } else if constexpr (KIND == kQ8) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      h[2 * j] = minus_1024(__byte_perm(p.words[j], 0x64646464u, 0x4140));
+      h[2 * j + 1] = minus_1024(__byte_perm(p.words[j], 0x64646464u, 0x4342));
+    }
+  } else {
+    float q[32], scale, bias;
+    decode_raw_pack<KIND, SF16>(p, q, scale, bias);
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      const __half2 v = __floats2half2_rn(q[2 * i], q[2 * i + 1]);
+      h[i] = *reinterpret_cast<const uint32_t*>(&v);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    *reinterpret_cast<uint4*>(codes + swz(row, chunk0 + i)) = make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+}
+
+template <int KIND, bool SF16>
+__device__ __forceinline__ void pack_scale_bias(const RawQuantPack<KIND>& p, float& scale, float& bias) {
+  if constexpr (KIND == kMxfp4) scale = mxfp4_scale(p.scale);
+  else if constexpr (KIND == kFp8) scale = __uint_as_float(p.scale);
+  else scale = scale_value<SF16>(uint16_t(p.scale));
+  bias = is_affine(KIND) ? scale_value<SF16>(uint16_t(p.bias)) : 0.0f;
+}
+
+struct ExactArgs {
+  ExpertArgs e;
+  const int2* work;
+  const int* n_work;
+  SplitRows in;  // gate/up: the tokens' x; down: the hidden rows
+};
+
+// One work item's 64 output rows (blockIdx.x) of M matrices sharing the input (gate and up, or
+// down), over all columns. Returns the accumulators (in the scaled units of the input rows).
+template <int KIND, bool SF16, int M>
+struct ExactBlock {
+  const WeightRef* mats[M];
+  int64_t row0, cols;
+  int nt, tiles;
+  bool merge;  // every matrix's groups span whole steps: one epilogue per step instead of per pack
+  // This thread's share of the copies: token rows of SplitRows (4 per thread) and the sums' row.
+  int64_t x_off[4], sum_off;
+  int half, part;
+
+  // The step's activations (cp.async) of k0.
+  __device__ __forceinline__ void copy_x(Stage<M>& st, const SplitRows& in, int64_t k0) const {
+    const int tid = int(threadIdx.x);
+    const __half* src = half ? in.lo : in.hi;
+    const int64_t c = k0 + 8 * part;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int tok = tid / 16 + 8 * u;
+      const bool ok = c < cols;
+      cp_async16(st.x[half] + swz(tok, part), src + x_off[u] + (ok ? c : 0), ok ? 16 : 0);
+    }
+    if (tid < kTok) cp_async8(st.sum[tid], in.sum + sum_off + k0 / 32);
+  }
+
+  // The raw packs of this thread's (row, pack) of the step k0 for every matrix.
+  __device__ __forceinline__ bool load_w(int64_t k0, RawQuantPack<KIND> (&raw)[M]) const {
+    const int r = int(threadIdx.x) / 2;
+    const int64_t p = k0 / 32 + int(threadIdx.x) % 2;
+    const bool valid = row0 + r < mats[0]->rows && p * 32 < cols;
+    if (valid) {
+#pragma unroll
+      for (int m = 0; m < M; ++m) load_raw_pack<KIND>(*mats[m], row0 + r, p, raw[m]);
+    }
+    return valid;
+  }
+
+  __device__ __forceinline__ void store_w(Stage<M>& st, const RawQuantPack<KIND> (&raw)[M], bool valid) const {
+    const int r = int(threadIdx.x) / 2, hp = int(threadIdx.x) % 2;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      __half* codes = st.codes[m];
+      if (!valid) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(codes + swz(r, 4 * hp + i)) = make_uint4(0, 0, 0, 0);
+        st.scale[m][r][hp] = 0.0f;
+        st.bias[m][r][hp] = 0.0f;
+        continue;
+      }
+      store_codes<KIND, SF16>(raw[m], codes, r, 4 * hp);
+      pack_scale_bias<KIND, SF16>(raw[m], st.scale[m][r][hp], st.bias[m][r][hp]);
+    }
+  }
+
+  // acc[m][j][i] += the step's contribution to the warp's rows and the tokens of column tile j
+  // (element i: row g + 8 * (i / 2), token 2 * q + i % 2 of the tile; g = lane / 4, q = lane % 4).
+  __device__ __forceinline__ void multiply(const Stage<M>& st, float (&acc)[M][kTiles][4]) const {
+    const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
+    const int rl = warp * 16 + g;
     float c[M][kTiles][4];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -164,79 +314,88 @@ __device__ __forceinline__ void multiply_step(const WeightTile* w, const TokenTi
 #pragma unroll
         for (int i = 0; i < 4; ++i) c[m][j][i] = 0.0f;
 #pragma unroll
-    for (int ks = 0; ks < 2; ++ks) {
-      const int kk = pack * 32 + ks * 16 + 2 * q;
-      uint32_t a[M][4];
+    for (int pack = 0; pack < 2; ++pack) {
+#pragma unroll
+      for (int ks = 0; ks < 2; ++ks) {
+        const int kk = pack * 32 + ks * 16;
+        uint32_t a[M][4];
+#pragma unroll
+        for (int m = 0; m < M; ++m) ldsm4(a[m], st.codes[m] + swz(warp * 16 + lane % 16, kk / 8 + lane / 16));
+#pragma unroll
+        for (int j = 0; j < kTiles; ++j) {
+          if (j >= tiles) break;
+          uint32_t b[4];  // hi k0..7, hi k8..15, lo k0..7, lo k8..15
+          ldsm4(b, st.x[lane / 16] + swz(j * 8 + lane % 8, kk / 8 + (lane / 8) % 2));
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            mma16816(c[m][j], a[m], b[0], b[1]);
+            mma16816(c[m][j], a[m], b[2], b[3]);
+          }
+        }
+      }
+      if (merge && pack == 0) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        a[m][0] = ld32(w[m].codes + rl * kLd + kk);
-        a[m][1] = ld32(w[m].codes + (rl + 8) * kLd + kk);
-        a[m][2] = ld32(w[m].codes + rl * kLd + kk + 8);
-        a[m][3] = ld32(w[m].codes + (rl + 8) * kLd + kk + 8);
-      }
+        const float s0 = st.scale[m][rl][pack], s1 = st.scale[m][rl + 8][pack];
+        const float b0 = st.bias[m][rl][pack], b1 = st.bias[m][rl + 8][pack];
 #pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        if (j >= tiles) break;
-        const int tok = j * 8 + g;
-        const uint32_t h0 = ld32(t.hi + tok * kLd + kk), h1 = ld32(t.hi + tok * kLd + kk + 8);
-        const uint32_t l0 = ld32(t.lo + tok * kLd + kk), l1 = ld32(t.lo + tok * kLd + kk + 8);
+        for (int j = 0; j < kTiles; ++j) {
+          if (j >= tiles) break;
 #pragma unroll
-        for (int m = 0; m < M; ++m) {
-          mma16816(c[m][j], a[m], h0, h1);
-          mma16816(c[m][j], a[m], l0, l1);
-        }
-      }
-    }
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float s0 = w[m].scale[rl][pack], s1 = w[m].scale[rl + 8][pack];
-      const float b0 = w[m].bias[rl][pack], b1 = w[m].bias[rl + 8][pack];
-#pragma unroll
-      for (int j = 0; j < kTiles; ++j) {
-        if (j >= tiles) break;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int tok = j * 8 + 2 * q + (i & 1);
-          const float scale = i < 2 ? s0 : s1, bias = i < 2 ? b0 : b1;
-          acc[m][j][i] += fmaf(c[m][j][i] * t.inv[tok], scale, bias * t.sum[tok][pack]);
+          for (int i = 0; i < 4; ++i) {
+            const float scale = i < 2 ? s0 : s1;
+            if constexpr (is_affine(KIND)) {
+              const int tok = j * 8 + 2 * q + (i & 1);
+              const float sx = merge ? st.sum[tok][0] + st.sum[tok][1] : st.sum[tok][pack];
+              acc[m][j][i] += fmaf(c[m][j][i], scale, (i < 2 ? b0 : b1) * sx);
+            } else {
+              acc[m][j][i] = fmaf(c[m][j][i], scale, acc[m][j][i]);
+            }
+            c[m][j][i] = 0.0f;
+          }
         }
       }
     }
   }
-}
 
-// Every pass of up to kTok of the expert's tokens over the K columns of its M matrices (gate and
-// up, or down): the loads of step s + 1 are issued between the barrier that publishes step s and
-// its products. emit(acc, t0, nt) writes a pass's results.
-template <int KIND, bool SF16, int M, class RowOf, class Emit>
-__device__ __forceinline__ void expert_passes(const WeightRef* const (&mats)[M], int64_t row0, int r0, int r1,
-                                              int64_t cols, RowOf row_of, Emit emit, WeightTile* w, TokenTile& t) {
-  const int warp = int(threadIdx.x) / 32;
-  for (int t0 = r0; t0 < r1; t0 += kTok) {
-    const int nt = min(kTok, r1 - t0), tiles = (nt + 7) / 8;
-    const float* rows[kTokPerWarp];
-#pragma unroll
-    for (int i = 0; i < kTokPerWarp; ++i) {
-      const int tok = warp + i * kWarps;
-      rows[i] = tok < nt ? row_of(t0 + tok) : nullptr;
-    }
-    float acc[M][kTiles][4] = {};
-    StepLoads<KIND, M> l;
-    load_step<KIND, M>(mats, row0, 0, rows, cols, l);
-    for (int64_t k0 = 0; k0 < cols; k0 += kK) {
-      store_step<KIND, SF16, M>(l, tiles * 8, w, t);
-      __syncthreads();
-      if (k0 + kK < cols) load_step<KIND, M>(mats, row0, k0 + kK, rows, cols, l);
-      multiply_step<M>(w, t, tiles, acc);
+  // Every step over the columns: the next step's copies and loads are issued before the current
+  // step's products, its codes decoded after them; one barrier per step.
+  __device__ __forceinline__ void run(Stage<M>* st, const SplitRows& in, float (&acc)[M][kTiles][4]) const {
+    RawQuantPack<KIND> raw[M];
+    copy_x(st[0], in, 0);
+    store_w(st[0], raw, load_w(0, raw));
+    cp_async_wait_all();
+    __syncthreads();
+    const int64_t steps = (cols + kK - 1) / kK;
+    for (int64_t s = 0; s < steps; ++s) {
+      const bool more = s + 1 < steps;
+      bool valid = false;
+      if (more) {
+        copy_x(st[(s + 1) % 2], in, (s + 1) * kK);
+        valid = load_w((s + 1) * kK, raw);
+      }
+      multiply(st[s % 2], acc);
+      if (more) store_w(st[(s + 1) % 2], raw, valid);
+      cp_async_wait_all();
       __syncthreads();
     }
-    emit(acc, t0, nt);
   }
+};
+
+// The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
+__device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt) {
+  if (int(blockIdx.y) >= *a.n_work) return false;
+  const int2 w = a.work[blockIdx.y];
+  expert = a.e.g.active[w.x];
+  if (a.e.only_formats >= 0 && a.e.table[expert].formats != a.e.only_formats) return false;
+  r0 = a.e.g.offset[w.x] + w.y;
+  nt = min(kTok, a.e.g.offset[w.x + 1] - r0);
+  return true;
 }
 
-// f(j, i, token, row) for each of this thread's accumulator elements that is an output of the
-// pass (token < nt, row < rows): column tile j, element i, at token j * 8 + 2 * (lane % 4) + i % 2
-// of the pass and row row0 + 16 * warp + lane / 4 (+ 8 for i >= 2), the m16n8 accumulator layout.
+// f(j, i, token, row) for each of this thread's accumulator elements that is an output (token <
+// nt, row < rows): column tile j, element i, at token j * 8 + 2 * (lane % 4) + i % 2 of the item
+// and row row0 + 16 * warp + lane / 4 (+ 8 for i >= 2), the m16n8 accumulator layout.
 template <class F>
 __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t rows, F f) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
@@ -250,65 +409,145 @@ __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t ro
     }
 }
 
-template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) gate_up_exact_kernel(ExpertArgs a) {
-  __shared__ __align__(16) WeightTile w[2];
-  __shared__ __align__(16) TokenTile xt;
-  int e, r0, r1;
-  if (!block_expert(a, e, r0, r1)) return;
-  const DevExpert& d = a.table[e];
-  const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const WeightRef* const mats[2] = {&d.gate, &d.up};
-  expert_passes<KIND, SF16, 2>(
-      mats, row0, r0, r1, a.dim, [&](int row) { return a.x + int64_t(a.g.row_token[row] / a.k) * a.dim; },
-      [&](const float (&acc)[2][kTiles][4], int t0, int nt) {
-        for_each_output(row0, nt, a.inter, [&](int j, int i, int tok, int64_t row) {
-          const float gv = acc[0][j][i] + (d.gate_bias ? d.gate_bias[row] : 0.0f);
-          const float uv = acc[1][j][i] + (d.up_bias ? d.up_bias[row] : 0.0f);
-          a.hidden[int64_t(t0 + tok) * a.inter + row] = gated_activation(gv, uv, a.clamped, a.limit, a.alpha);
-        });
-      },
-      w, xt);
+template <int KIND, bool SF16, int M>
+__device__ __forceinline__ void init_block(ExactBlock<KIND, SF16, M>& blk, const ExactArgs& a, int r0, int nt,
+                                           int64_t cols, bool by_token) {
+  blk.row0 = int64_t(blockIdx.x) * kRows;
+  blk.cols = cols;
+  blk.nt = nt;
+  blk.tiles = (nt + 7) / 8;
+  blk.merge = cols % kK == 0;
+#pragma unroll
+  for (int m = 0; m < M; ++m) blk.merge = blk.merge && blk.mats[m]->group_size % kK == 0;
+  const int tid = int(threadIdx.x);
+  blk.half = (tid / 8) % 2;
+  blk.part = tid % 8;
+  // Rows past the item's tokens copy its last token's (their products are never written).
+  auto in_row = [&](int t) -> int64_t {
+    const int r = r0 + min(t, nt - 1);
+    return by_token ? a.e.g.row_token[r] / a.e.k : r;
+  };
+#pragma unroll
+  for (int u = 0; u < 4; ++u) blk.x_off[u] = in_row(tid / 16 + 8 * u) * cols;
+  blk.sum_off = in_row(tid % kTok) * a.in.sum_stride;
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) down_exact_kernel(ExpertArgs a) {
-  __shared__ __align__(16) WeightTile w[1];
-  __shared__ __align__(16) TokenTile xt;
-  int e, r0, r1;
-  if (!block_expert(a, e, r0, r1)) return;
-  const DevExpert& d = a.table[e];
-  const int64_t row0 = int64_t(blockIdx.x) * kRows;
-  const WeightRef* const mats[1] = {&d.down};
-  expert_passes<KIND, SF16, 1>(
-      mats, row0, r0, r1, a.inter, [&](int row) { return a.hidden + int64_t(row) * a.inter; },
-      [&](const float (&acc)[1][kTiles][4], int t0, int nt) {
-        for_each_output(row0, nt, a.dim, [&](int j, int i, int tok, int64_t row) {
-          a.y[int64_t(t0 + tok) * a.dim + row] = acc[0][j][i] + (d.down_bias ? d.down_bias[row] : 0.0f);
-        });
-      },
-      w, xt);
+__global__ void __launch_bounds__(kThreads, 4) gate_up_exact_kernel(ExactArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int e, r0, nt;
+  if (!block_work(a, e, r0, nt)) return;
+  const DevExpert& d = a.e.table[e];
+  ExactBlock<KIND, SF16, 2> blk;
+  blk.mats[0] = &d.gate;
+  blk.mats[1] = &d.up;
+  init_block(blk, a, r0, nt, a.e.dim, true);
+  float acc[2][kTiles][4] = {};
+  blk.run(reinterpret_cast<Stage<2>*>(smem), a.in, acc);
+  for_each_output(blk.row0, nt, a.e.inter, [&](int j, int i, int tok, int64_t row) {
+    const float inv = a.in.inv[a.e.g.row_token[r0 + tok] / a.e.k];
+    const float gv = acc[0][j][i] * inv + (d.gate_bias ? d.gate_bias[row] : 0.0f);
+    const float uv = acc[1][j][i] * inv + (d.up_bias ? d.up_bias[row] : 0.0f);
+    a.e.hidden[int64_t(r0 + tok) * a.e.inter + row] = gated_activation(gv, uv, a.e.clamped, a.e.limit, a.e.alpha);
+  });
 }
+
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kThreads) down_exact_kernel(ExactArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int e, r0, nt;
+  if (!block_work(a, e, r0, nt)) return;
+  const DevExpert& d = a.e.table[e];
+  ExactBlock<KIND, SF16, 1> blk;
+  blk.mats[0] = &d.down;
+  init_block(blk, a, r0, nt, a.e.inter, false);
+  float acc[1][kTiles][4] = {};
+  blk.run(reinterpret_cast<Stage<1>*>(smem), a.in, acc);
+  for_each_output(blk.row0, nt, a.e.dim, [&](int j, int i, int tok, int64_t row) {
+    a.e.y[int64_t(r0 + tok) * a.e.dim + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[row] : 0.0f);
+  });
+}
+
+enum ExactSlot { kXHi, kXLo, kXSum, kXInv, kHHi, kHLo, kHSum, kHInv, kWork, kNWork };
+
+SplitRows split_buffers(Scratch& s, int first_slot, int64_t rows, int64_t cols) {
+  SplitRows r;
+  r.cols = cols;
+  r.sum_stride = (cols / 32 + 1) / 2 * 2;  // even: a step's two sums are one 8-byte copy
+  r.hi = s.get<__half>(first_slot, size_t(rows * cols));
+  r.lo = s.get<__half>(first_slot + 1, size_t(rows * cols));
+  r.sum = s.get<float>(first_slot + 2, size_t(rows * r.sum_stride));
+  r.inv = s.get<float>(first_slot + 3, size_t(rows));
+  return r;
+}
+
+template <bool INTERLEAVED>
+void split(const SplitArgs& a, cudaStream_t s) {
+  split_kernel<INTERLEAVED><<<unsigned(a.n_rows), kSplitThreads, 0, s>>>(a);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void split_rows(const SplitArgs& a, bool interleaved, cudaStream_t s) {
+  if (a.n_rows <= 0) return;
+  if (interleaved) split<true>(a, s);
+  else split<false>(a, s);
+}
+
+template <auto Kernel>
+void allow_smem(size_t bytes) {
+  static bool configured = false;  // one per kernel
+  if (!configured) {
+    MS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    configured = true;
+  }
+}
+
+bool interleaved_of(FormatTag t) { return t.kind == kQ4; }
 
 }  // namespace
 
 bool experts_exact_mma_supported(const ExpertBatch& b) {
-  return exact_mma_enabled() && is_quant(b.gate_up.kind) && is_quant(b.down.kind) && b.dim % 32 == 0 && b.inter % 32 == 0;
+  return exact_mma_enabled() && b.exact && b.pairs > 0 && is_quant(b.gate_up.kind) && is_quant(b.down.kind) &&
+         b.dim % 32 == 0 && b.inter % 32 == 0;
 }
 
 void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
-  const int n_blocks = b.a_end - b.a_begin;
-  if (n_blocks <= 0) return;
-  const ExpertArgs a = expert_args(b);
+  const int n_active = b.a_end - b.a_begin;
+  if (n_active <= 0) return;
+  const int k = b.params->top_k;
+  const int64_t T = b.pairs / k;
+  const int64_t max_work = (b.pairs + kTok - 1) / kTok + n_active;
+  if (max_work > 65535) fail("cuda moe: ", b.pairs, " (token, expert) pairs in one call (at most ", 65535 * kTok / 2, ")");
+  Scratch& sc = *b.exact;
+  ExactArgs a;
+  a.e = expert_args(b);
+  int2* work = sc.get<int2>(kWork, size_t(max_work));
+  int* n_work = sc.get<int>(kNWork, 1);
+  a.work = work;
+  a.n_work = n_work;
+  const int* count = b.count_on_device ? b.groups.n_active : nullptr;
+  plan_kernel<<<1, 32, 0, s>>>(b.groups.offset, b.a_begin, b.a_end, count, work, n_work);
+  MS_CUDA_CHECK_LAUNCH();
+
+  // gate/up over the tokens' x
+  a.in = split_buffers(sc, kXHi, T, b.dim);
+  split_rows(SplitArgs{b.x, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
-      gate_up_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kRows), unsigned(n_blocks)), kThreads, 0, s>>>(a);
+      const size_t smem = 2 * sizeof(Stage<2>);
+      allow_smem<gate_up_exact_kernel<KIND, SF16>>(smem);
+      gate_up_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
       MS_CUDA_CHECK_LAUNCH();
     }
   });
+  // down over the batch's hidden rows
+  a.in = split_buffers(sc, kHHi, b.pairs, b.inter);
+  split_rows(SplitArgs{b.hidden, b.pairs, b.groups.offset, count, b.a_begin, b.a_end, a.in}, interleaved_of(b.down), s);
   dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
-      down_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.dim, kRows), unsigned(n_blocks)), kThreads, 0, s>>>(a);
+      const size_t smem = 2 * sizeof(Stage<1>);
+      allow_smem<down_exact_kernel<KIND, SF16>>(smem);
+      down_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.dim, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
       MS_CUDA_CHECK_LAUNCH();
     }
   });

@@ -52,6 +52,7 @@ struct ExpertBatch {
   FormatTag gate_up, down;
   int64_t dim, inter;
   MoeGroups groups;
+  int64_t pairs = 0;              // (token, expert) pairs of the call: T * top_k
   int a_begin = 0, a_end = 0;     // active experts [a_begin, a_end) ...
   bool count_on_device = false;   // ... or [0, *groups.n_active) when true, a_end an upper bound
   const float* x;     // [T, dim]
@@ -71,6 +72,7 @@ struct ExpertBatch {
   // is resident, the budgets) does not change how any expert is computed.
   bool tensor_cores = false;
   GemmScratch* gemm = nullptr;
+  Scratch* exact = nullptr;      // the exact tensor-core kernels' split activations and work items
   OpProfile* profile = nullptr;  // when profiling: the gate/up and down kernels as entries of their own
 };
 // What the expert kernels read (expert_args(batch) fills it): the table, the groups, the
@@ -128,9 +130,11 @@ bool experts_mma_supported(const ExpertBatch& b);
 void run_experts_mma(const ExpertBatch& b, cudaStream_t s);
 // The default for calls of more than one token (expert_exact_mma.cu): the codes of quantized
 // experts (exact in FP16) times activations split into two FP16 halves on the tensor cores, the
-// groups' scales and biases applied in float32: float32-level rounding, tensor-core speed. Taken
-// when both matrices are quantized and dim and inter are multiples of 32
-// (MOESTREAM_CUDA_EXACT_MMA=0: the CUDA-core kernels instead, for comparison).
+// groups' scales and biases applied in float32: float32-level rounding, tensor-core speed. Each
+// active expert's rows go in chunks of 32 to blocks of their own (planned on the device, no host
+// round trip). Taken when both matrices are quantized, dim and inter are multiples of 32 and the
+// batch has its `exact` scratch (MOESTREAM_CUDA_EXACT_MMA=0: the CUDA-core kernels instead, for
+// comparison).
 bool experts_exact_mma_supported(const ExpertBatch& b);
 void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s);
 void run_experts_gemm(const ExpertBatch& b, cudaStream_t s);
