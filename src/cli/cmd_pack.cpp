@@ -35,6 +35,13 @@ void add_pack(CLI::App& app) {
   cmd->add_option("--read-ahead", f->options.read_ahead,
                   "Batches of experts read ahead of the one converting (default 2; 0: read each when its turn comes)")
       ->check(kNonNegative);
+  cmd->add_option("--read-io", f->options.read_io,
+                  "How the source is read: direct (O_DIRECT; buffered where the filesystem refuses it), buffered "
+                  "(through the page cache) or mmap (the kernel's readahead through the mapping) (default direct)")
+      ->check(CLI::IsMember({"direct", "buffered", "mmap"}));
+  cmd->add_option("--read-threads", f->options.read_threads,
+                  "Source reads in flight, each of up to 8 MiB (default 8)")
+      ->check(kPositive);
   CLI::Option* gptq = cmd->add_option("--gptq", f->options.gptq_text,
                                       "Quantize experts by GPTQ, calibrated on this text (not the one you measure on)");
   cmd->add_option("--gptq-tokens", f->options.gptq_tokens, "Calibration tokens at most (default 65536; 0: all)")

@@ -124,6 +124,12 @@ struct PackOptions {
   // Batches of experts read from the source ahead of the one being converted (0: each batch is
   // read when its turn comes); the bytes of the pack do not depend on it.
   int read_ahead = 2;
+  // How the source is read: "direct" (preads with O_DIRECT, through the page cache where the
+  // filesystem refuses it), "buffered" (preads through the page cache) or "mmap" (the kernel's
+  // readahead through the mapping), by read_threads threads, each one request of up to 8 MiB at
+  // a time. The bytes of the pack depend on neither.
+  std::string read_io = "direct";
+  int read_threads = 8;
   // GPTQ (pack --gptq): experts quantized with error compensation under Hessians collected by
   // running the model on this calibration text (io/gptq.h); empty: round to nearest.
   std::string gptq_text;

@@ -560,6 +560,7 @@ void write_pack(const std::string& src, const std::string& out_arg, const Expert
                 const PackOptions& options) {
   const std::string out = pack_format::without_trailing_slashes(out_arg);
   const QuantFormat target = Converter::target_format(options);  // a bad --quant fails before anything is read
+  (void)parse_source_io(options.read_io);
   if (!options.gptq_text.empty() && target.bits == 0)
     fail("--gptq: needs a quantized --quant (q2, q3, q4, q6 or q8), not ", options.quant);
   if (!options.expert_bits.empty() && target.bits == 0)
@@ -648,11 +649,11 @@ static void write_converted(const std::string& src, PackWriter& writer, int n_la
       writer.kept_weights() ? std::vector<const TensorView*>() : sorted.resident;
   std::vector<std::vector<SourceRange>> groups(resident.size() + (items.size() + batch - 1) / batch);
   const auto add_range = [&](std::vector<SourceRange>& group, const TensorView* t, const char* data, uint64_t n) {
-    group.push_back({data, n, checkpoint.weights.file_of(t->name), t->name});
+    group.push_back({data, n, &checkpoint.weights.mapping_of(t->name), t->name});
     auto scale = checkpoint.fp8_scales.find(t);
     if (scale != checkpoint.fp8_scales.end()) {
       const TensorView* s = scale->second;
-      group.push_back({s->as<char>(), s->nbytes, checkpoint.weights.file_of(s->name), s->name});
+      group.push_back({s->as<char>(), s->nbytes, &checkpoint.weights.mapping_of(s->name), s->name});
     }
   };
   for (size_t i = 0; i < resident.size(); ++i) add_range(groups[i], resident[i], resident[i]->as<char>(), resident[i]->nbytes);
@@ -664,7 +665,9 @@ static void write_converted(const std::string& src, PackWriter& writer, int n_la
     for (const SourceRange& r : group) bytes += r.size;
     batch_bytes = std::max(batch_bytes, bytes);
   }
-  ReadAhead reads(std::move(groups), uint64_t(std::max(0, options.read_ahead)) * batch_bytes, 4);
+  ReadAhead reads(std::move(groups), ReadOptions{uint64_t(std::max(0, options.read_ahead)) * batch_bytes,
+                                                 options.read_threads, parse_source_io(options.read_io),
+                                                 options.progress});
 
   if (writer.kept_weights()) {
     for (const TensorView* t : sorted.resident) progress.skip(t->nbytes);

@@ -82,22 +82,18 @@ std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   std::shared_ptr<MappedFile> f(new MappedFile());
   f->path_ = path;
   f->size_ = size_t(st.st_size);
+  f->fd_ = fd;  // closed by the destructor, also when mmap fails
   if (f->size_ > 0) {  // mmap of length 0 is invalid; an empty file maps to nothing
     void* p = ::mmap(nullptr, f->size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (p == MAP_FAILED) {
-      int e = errno;
-      ::close(fd);
-      errno = e;
-      MS_CHECK_SYS(false, "mmap", path);
-    }
+    MS_CHECK_SYS(p != MAP_FAILED, "mmap", path);
     f->data_ = static_cast<const uint8_t*>(p);
   }
-  ::close(fd);  // the mapping keeps the file alive
   return f;
 }
 
 MappedFile::~MappedFile() {
   if (data_) ::munmap(const_cast<uint8_t*>(data_), size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -317,11 +313,11 @@ const TensorView* WeightSet::find(const std::string& name) const {
   return it == index_.end() ? nullptr : it->second;
 }
 
-const std::string& WeightSet::file_of(const std::string& name) const {
+const MappedFile& WeightSet::mapping_of(const std::string& name) const {
   for (const auto& f : files_)
-    if (f->tensors().count(name)) return f->path();
+    if (f->tensors().count(name)) return f->mapping();
   (void)get(name);  // names the missing tensor
-  return origin_;
+  fail("tensor '", name, "' not found in ", origin_);
 }
 
 const TensorView& WeightSet::get(const std::string& name) const {

@@ -18,7 +18,8 @@
 
 namespace moestream {
 
-// A read-only mapping of a whole file; unmapped on destruction.
+// A read-only mapping of a whole file; unmapped on destruction. The file stays open, so that a
+// reader can pread it into the mapping's addresses (pack's ReadAhead).
 class MappedFile {
  public:
   static std::shared_ptr<MappedFile> open(const std::string& path);
@@ -26,12 +27,14 @@ class MappedFile {
   const uint8_t* data() const { return data_; }
   size_t size() const { return size_; }
   const std::string& path() const { return path_; }
+  int fd() const { return fd_; }
 
  private:
   MappedFile() = default;
   std::string path_;
   const uint8_t* data_ = nullptr;
   size_t size_ = 0;
+  int fd_ = -1;
 };
 
 class SafetensorsFile {
@@ -40,6 +43,7 @@ class SafetensorsFile {
   const std::string& path() const { return file_->path(); }
   const std::map<std::string, TensorView>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
+  const MappedFile& mapping() const { return *file_; }
 
  private:
   std::shared_ptr<MappedFile> file_;
@@ -59,7 +63,7 @@ class WeightSet {
   const TensorView& get(const std::string& name) const;   // throws Error naming tensor and dir
   bool has(const std::string& name) const { return find(name) != nullptr; }
   std::vector<std::string> names() const;  // sorted
-  const std::string& file_of(const std::string& name) const;  // the path of the file holding it
+  const MappedFile& mapping_of(const std::string& name) const;  // the file holding it
   const std::string& origin() const { return origin_; }
 
  private:
