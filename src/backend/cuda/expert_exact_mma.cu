@@ -74,8 +74,8 @@ struct SplitRows {
 __device__ __forceinline__ int slot_of(int c, bool interleaved) { return interleaved ? 2 * (c & 3) + (c >> 2) : c; }
 
 struct SplitArgs {
-  const float* src;  // [n_rows, out.cols]
-  int64_t n_rows;
+  const float* src;  // [n_rows, out.cols], row stride ld
+  int64_t ld, n_rows;
   // When set, only rows [offset[a_begin], offset[end]) of the batch are split (end = *n_active
   // when counted on the device, else a_end).
   const int* offset;
@@ -95,7 +95,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
     if (r < a.offset[a.a_begin] || r >= a.offset[end]) return;
   }
   const int64_t cols = a.out.cols;
-  const float* x = a.src + r * cols;
+  const float* x = a.src + r * a.ld;
   const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
   float mx = 0.0f;
   for (int64_t c = 4 * tid; c < cols; c += 4 * kSplitThreads) {
@@ -409,10 +409,11 @@ __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t ro
     }
 }
 
-template <int KIND, bool SF16, int M>
-__device__ __forceinline__ void init_block(ExactBlock<KIND, SF16, M>& blk, const ExactArgs& a, int r0, int nt,
-                                           int64_t cols, bool by_token) {
-  blk.row0 = int64_t(blockIdx.x) * kRows;
+// in_row(r): the row of `in` that row r of the item (r0 <= r < r0 + nt) multiplies.
+template <int KIND, bool SF16, int M, class InRow>
+__device__ __forceinline__ void init_block(ExactBlock<KIND, SF16, M>& blk, const SplitRows& in, int64_t row0, int r0,
+                                           int nt, int64_t cols, InRow in_row) {
+  blk.row0 = row0;
   blk.cols = cols;
   blk.nt = nt;
   blk.tiles = (nt + 7) / 8;
@@ -423,13 +424,9 @@ __device__ __forceinline__ void init_block(ExactBlock<KIND, SF16, M>& blk, const
   blk.half = (tid / 8) % 2;
   blk.part = tid % 8;
   // Rows past the item's tokens copy its last token's (their products are never written).
-  auto in_row = [&](int t) -> int64_t {
-    const int r = r0 + min(t, nt - 1);
-    return by_token ? a.e.g.row_token[r] / a.e.k : r;
-  };
 #pragma unroll
-  for (int u = 0; u < 4; ++u) blk.x_off[u] = in_row(tid / 16 + 8 * u) * cols;
-  blk.sum_off = in_row(tid % kTok) * a.in.sum_stride;
+  for (int u = 0; u < 4; ++u) blk.x_off[u] = in_row(r0 + min(tid / 16 + 8 * u, nt - 1)) * cols;
+  blk.sum_off = in_row(r0 + min(tid % kTok, nt - 1)) * in.sum_stride;
 }
 
 template <int KIND, bool SF16>
@@ -441,7 +438,8 @@ __global__ void __launch_bounds__(kThreads, 4) gate_up_exact_kernel(ExactArgs a)
   ExactBlock<KIND, SF16, 2> blk;
   blk.mats[0] = &d.gate;
   blk.mats[1] = &d.up;
-  init_block(blk, a, r0, nt, a.e.dim, true);
+  init_block(blk, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.dim,
+             [&](int r) { return int64_t(a.e.g.row_token[r] / a.e.k); });
   float acc[2][kTiles][4] = {};
   blk.run(reinterpret_cast<Stage<2>*>(smem), a.in, acc);
   for_each_output(blk.row0, nt, a.e.inter, [&](int j, int i, int tok, int64_t row) {
@@ -460,7 +458,7 @@ __global__ void __launch_bounds__(kThreads) down_exact_kernel(ExactArgs a) {
   const DevExpert& d = a.e.table[e];
   ExactBlock<KIND, SF16, 1> blk;
   blk.mats[0] = &d.down;
-  init_block(blk, a, r0, nt, a.e.inter, false);
+  init_block(blk, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.inter, [](int r) { return int64_t(r); });
   float acc[1][kTiles][4] = {};
   blk.run(reinterpret_cast<Stage<1>*>(smem), a.in, acc);
   for_each_output(blk.row0, nt, a.e.dim, [&](int j, int i, int tok, int64_t row) {
@@ -468,18 +466,55 @@ __global__ void __launch_bounds__(kThreads) down_exact_kernel(ExactArgs a) {
   });
 }
 
-enum ExactSlot { kXHi, kXLo, kXSum, kXInv, kHHi, kHLo, kHSum, kHInv, kWork, kNWork };
+// Up to kMaxLinear matrices of one format and width over the same x (q, k and v): blockIdx.x
+// counts the row tiles of matrix 0, then of matrix 1, ...
+constexpr int kMaxLinear = 4;
+struct LinearExactArgs {
+  WeightRef w[kMaxLinear];
+  const float* bias[kMaxLinear];  // [w.rows] or null
+  float* out[kMaxLinear];         // [T, ldo]
+  int64_t ldo[kMaxLinear];
+  unsigned first_tile[kMaxLinear + 1];
+  int n;
+  SplitRows in;  // the tokens' x
+  int64_t T;
+};
 
-SplitRows split_buffers(Scratch& s, int first_slot, int64_t rows, int64_t cols) {
+// Dense quantized matrices over T tokens: work item blockIdx.y is tokens [32 y, 32 y + 32).
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kThreads) linear_exact_kernel(LinearExactArgs a) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  int m = 0;
+  while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
+  const int r0 = int(blockIdx.y) * kTok, nt = int(min(int64_t(kTok), a.T - r0));
+  ExactBlock<KIND, SF16, 1> blk;
+  blk.mats[0] = &a.w[m];
+  init_block(blk, a.in, int64_t(blockIdx.x - a.first_tile[m]) * kRows, r0, nt, a.w[m].cols,
+             [](int r) { return int64_t(r); });
+  float acc[1][kTiles][4] = {};
+  blk.run(reinterpret_cast<Stage<1>*>(smem), a.in, acc);
+  const float* bias = a.bias[m];
+  float* out = a.out[m];
+  const int64_t ldo = a.ldo[m];
+  for_each_output(blk.row0, nt, a.w[m].rows, [&](int j, int i, int tok, int64_t row) {
+    out[int64_t(r0 + tok) * ldo + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (bias ? bias[row] : 0.0f);
+  });
+}
+
+// SplitRows for `rows` rows of `cols`, in four areas from get(slot, bytes).
+template <class Get>
+SplitRows split_buffers(Get get, int first_slot, int64_t rows, int64_t cols) {
   SplitRows r;
   r.cols = cols;
   r.sum_stride = (cols / 32 + 1) / 2 * 2;  // even: a step's two sums are one 8-byte copy
-  r.hi = s.get<__half>(first_slot, size_t(rows * cols));
-  r.lo = s.get<__half>(first_slot + 1, size_t(rows * cols));
-  r.sum = s.get<float>(first_slot + 2, size_t(rows * r.sum_stride));
-  r.inv = s.get<float>(first_slot + 3, size_t(rows));
+  r.hi = static_cast<__half*>(get(first_slot, size_t(rows * cols) * sizeof(__half)));
+  r.lo = static_cast<__half*>(get(first_slot + 1, size_t(rows * cols) * sizeof(__half)));
+  r.sum = static_cast<float*>(get(first_slot + 2, size_t(rows * r.sum_stride) * sizeof(float)));
+  r.inv = static_cast<float*>(get(first_slot + 3, size_t(rows) * sizeof(float)));
   return r;
 }
+
+enum ExactSlot { kXHi, kXLo, kXSum, kXInv, kHHi, kHLo, kHSum, kHInv, kWork, kNWork };
 
 template <bool INTERLEAVED>
 void split(const SplitArgs& a, cudaStream_t s) {
@@ -519,6 +554,7 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   const int64_t max_work = (b.pairs + kTok - 1) / kTok + n_active;
   if (max_work > 65535) fail("cuda moe: ", b.pairs, " (token, expert) pairs in one call (at most ", 65535 * kTok / 2, ")");
   Scratch& sc = *b.exact;
+  auto get = [&](int slot, size_t bytes) { return static_cast<void*>(sc.get<unsigned char>(slot, bytes)); };
   ExactArgs a;
   a.e = expert_args(b);
   int2* work = sc.get<int2>(kWork, size_t(max_work));
@@ -530,8 +566,8 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   MS_CUDA_CHECK_LAUNCH();
 
   // gate/up over the tokens' x
-  a.in = split_buffers(sc, kXHi, T, b.dim);
-  split_rows(SplitArgs{b.x, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
+  a.in = split_buffers(get, kXHi, T, b.dim);
+  split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<2>);
@@ -541,8 +577,9 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
     }
   });
   // down over the batch's hidden rows
-  a.in = split_buffers(sc, kHHi, b.pairs, b.inter);
-  split_rows(SplitArgs{b.hidden, b.pairs, b.groups.offset, count, b.a_begin, b.a_end, a.in}, interleaved_of(b.down), s);
+  a.in = split_buffers(get, kHHi, b.pairs, b.inter);
+  split_rows(SplitArgs{b.hidden, b.inter, b.pairs, b.groups.offset, count, b.a_begin, b.a_end, a.in},
+             interleaved_of(b.down), s);
   dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<1>);
@@ -551,6 +588,68 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
       MS_CUDA_CHECK_LAUNCH();
     }
   });
+}
+
+bool linear_exact_mma_supported(FormatTag tag, int64_t cols) {
+  return exact_mma_enabled() && is_quant(tag.kind) && cols % 32 == 0;
+}
+
+namespace {
+
+// The matrices w (one format and width) over x in one launch; false when they cannot take it.
+bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                   std::span<const float* const> bias, std::span<float* const> out, std::span<const int64_t> ldo,
+                   GemmScratch& scratch, cudaStream_t s) {
+  if (T <= 0 || w.empty() || w.size() > size_t(kMaxLinear)) return false;
+  const FormatTag tag = format_of(*w[0]);
+  for (const Matrix* m : w)
+    if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
+  if (!linear_exact_mma_supported(tag, w[0]->cols)) return false;
+  if ((T + kTok - 1) / kTok > 65535) fail("cuda: ", T, " tokens in one call of ", w[0]->name);
+  LinearExactArgs a{};
+  a.n = int(w.size());
+  for (int i = 0; i < a.n; ++i) {
+    a.w[i] = weight_ref(*w[size_t(i)]);
+    a.bias[i] = bias[size_t(i)];
+    a.out[i] = out[size_t(i)];
+    a.ldo[i] = ldo[size_t(i)];
+    a.first_tile[i + 1] = a.first_tile[i] + blocks_for(a.w[i].rows, kRows);
+  }
+  auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
+  a.in = split_buffers(get, kAreaExactHi, T, a.w[0].cols);
+  a.T = T;
+  split_rows(SplitArgs{x, ldx, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(tag), s);
+  dispatch_format(tag, [&]<int KIND, bool SF16>() {
+    if constexpr (is_quant(KIND)) {
+      const size_t smem = 2 * sizeof(Stage<1>);
+      allow_smem<linear_exact_kernel<KIND, SF16>>(smem);
+      linear_exact_kernel<KIND, SF16>
+          <<<dim3(a.first_tile[a.n], unsigned((T + kTok - 1) / kTok)), kThreads, smem, s>>>(a);
+      MS_CUDA_CHECK_LAUNCH();
+    }
+  });
+  return true;
+}
+
+}  // namespace
+
+bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                             std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
+                             cudaStream_t s) {
+  int64_t ldo[kMaxLinear] = {};
+  for (size_t i = 0; i < w.size() && i < size_t(kMaxLinear); ++i) ldo[i] = w[i]->rows;
+  return exact_linears(w, x, ldx, T, bias, out, std::span<const int64_t>(ldo, w.size() <= size_t(kMaxLinear) ? w.size() : 0),
+                       scratch, s);
+}
+
+void linear_exact_mma(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
+                      int64_t ldo, GemmScratch& scratch, cudaStream_t s) {
+  const Matrix* w[1] = {&m};
+  const float* b[1] = {bias};
+  float* o[1] = {out};
+  const int64_t l[1] = {ldo};
+  if (!exact_linears(w, x, ldx, T, b, o, l, scratch, s))
+    fail("cuda: ", m.name, " cannot take the exact tensor-core linear");
 }
 
 }  // namespace moestream::cuda

@@ -407,6 +407,10 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     linear_bf16_split(m, x, ldx, T, bias, out, ldo, scratch, stream);
     return;
   }
+  if (math == GemmMath::Fp16 && linear_exact_mma_supported(tag, w.cols)) {
+    linear_exact_mma(m, x, ldx, T, bias, out, ldo, scratch, stream);
+    return;
+  }
   // GEMM: dequantize up to ~32M elements of W at a time.
   if (!scratch.handle) {
     MS_CUBLAS_CHECK(cublasCreate(&scratch.handle));
@@ -443,7 +447,9 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
 bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                          std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                          cudaStream_t stream) {
-  if (T == 0 || w.empty() || w.size() > size_t(kMaxShared) || T >= gemm_min_tokens()) return false;
+  if (T == 0 || w.empty() || w.size() > size_t(kMaxShared)) return false;
+  if (T >= gemm_min_tokens())  // as linear() computes them: the exact path unless FP16 was asked for
+    return !tensor_cores_for(T) && linear_exact_mma_shared(w, x, ldx, T, bias, out, scratch, stream);
   const FormatTag tag = format_of(*w[0]);
   for (const Matrix* m : w)
     if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;

@@ -14,6 +14,8 @@
 
 namespace moestream::cuda {
 
+struct FormatTag;  // weights.cuh
+
 // Tokens up to which linear() runs the GEMV kernel (weights read once per 4 tokens); above it
 // (MOESTREAM_CUDA_GEMM_TOKENS in the environment moves the bound, for tests) the matrix goes
 // through cuBLAS in dequantized tiles.
@@ -30,7 +32,8 @@ bool tensor_cores_for(int64_t T);
 // (moe.h) FP16 weights, gathered activations, gate / up outputs, hidden activations, down outputs and the
 // device pointer arrays of its grouped GEMMs.
 enum GemmArea : int { kAreaTile16, kAreaX16, kAreaExpertW16, kAreaExpertX16, kAreaExpertGate, kAreaExpertUp,
-                      kAreaExpertHidden, kAreaExpertDown, kAreaExpertPointers };
+                      kAreaExpertHidden, kAreaExpertDown, kAreaExpertPointers,
+                      kAreaExactHi, kAreaExactLo, kAreaExactSum, kAreaExactInv };  // linear_exact_mma's split x
 
 // A failed cuBLAS call throws Error naming the call site (like MS_CUDA_CHECK).
 void check_cublas(cublasStatus_t s, const char* what, const char* file, int line);
@@ -56,13 +59,28 @@ struct GemmScratch {
 // linear layers above the GEMV bound, both to float32 accuracy.
 bool exact_mma_enabled();
 
+// Quantized matrices above the GEMV bound on the tensor cores to float32 accuracy
+// (expert_exact_mma.cu, the experts' kernels with one matrix): codes as FP16 operands, x split
+// into two FP16 halves per row, the groups' scales and biases in float32. linear() takes it for
+// GemmMath::Fp16 when linear_exact_mma_supported (quantized, cols a multiple of 32).
+bool linear_exact_mma_supported(FormatTag tag, int64_t cols);
+void linear_exact_mma(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
+                      int64_t ldo, GemmScratch& scratch, cudaStream_t stream);
+// Up to 4 such matrices of one format and width over the same x (q, k and v) in one launch, x
+// split once; each output as linear_exact_mma computes it (out[i] of row stride w[i].rows). False
+// (nothing launched) when they cannot take it.
+bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                             std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
+                             cudaStream_t stream);
+
 // How linear() multiplies above the GEMV bound.
 //  Fp16: with MOESTREAM_CUDA_TENSOR_CORES=1 (tensor_cores_for), tiles of W dequantized to FP16,
 //        x rounded to FP16 (saturating at +-65504), products on the tensor cores summed in
 //        float32: a relative error of about 1e-3 per output (FP16 keeps 11 significant bits), the
 //        tolerance docs/ARCHITECTURES.md states. Otherwise float32 accuracy: BF16 weights on the
 //        tensor cores with x split into three BF16 parts that sum to it exactly (products exact,
-//        sums float32), also from 2 tokens up (a batched decode step), other formats as F32.
+//        sums float32), also from 2 tokens up (a batched decode step); quantized formats through
+//        linear_exact_mma; the rest as F32.
 //  F32:  tiles dequantized to float32 and SGEMM: the GEMV's float32 arithmetic (the router,
 //        whose top-k compares logits).
 enum class GemmMath { Fp16, F32 };
@@ -74,7 +92,8 @@ void linear(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float
 // out[i][t, :] (row stride w[i].rows) = x[t, :] @ W[i]^T (+ bias[i]) in one GEMV launch, when the
 // call is below the GEMV bound and the matrices (at most 4) share format and width; each row sums
 // exactly as linear()'s GEMV does (BF16 from 2 tokens: x split once, each matrix as linear()
-// multiplies it). False (nothing launched) otherwise.
+// multiplies it). Above the GEMV bound, quantized matrices in one launch of the exact tensor-core
+// linear (linear_exact_mma_shared). False (nothing launched) otherwise.
 bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                          std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                          cudaStream_t stream);
