@@ -40,7 +40,7 @@ void add_pack(CLI::App& app) {
                   "(through the page cache) or mmap (the kernel's readahead through the mapping) (default direct)")
       ->check(CLI::IsMember({"direct", "buffered", "mmap"}));
   cmd->add_option("--read-threads", f->options.read_threads,
-                  "Source reads in flight, each of up to 8 MiB (default 8)")
+                  "Source reads in flight, each of up to 8 MiB (default 16)")
       ->check(kPositive);
   CLI::Option* gptq = cmd->add_option("--gptq", f->options.gptq_text,
                                       "Quantize experts by GPTQ, calibrated on this text (not the one you measure on)");

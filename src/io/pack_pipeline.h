@@ -57,7 +57,7 @@ SourceIo parse_source_io(const std::string& name);  // direct | buffered | mmap;
 struct ReadOptions {
   uint64_t ahead_bytes = 0;  // readers stay at most this far past the end of the group last waited
                              // for (0: a group is read only once it is waited for)
-  int threads = 8;           // reads in flight, each of up to 8 MiB
+  int threads = 16;          // reads in flight, each of up to 8 MiB
   SourceIo io = SourceIo::Direct;
   bool verbose = false;      // a file whose filesystem refuses O_DIRECT is named on stderr
 };
