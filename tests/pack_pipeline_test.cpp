@@ -3,7 +3,9 @@
 // rows. None of it may change a byte of the pack; a read that fails (a source truncated while
 // packing) is one line naming the file and the tensor, not a SIGBUS or a hang; memory stays
 // bounded by what is in flight.
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <deque>
@@ -44,6 +46,18 @@ std::string pack_with(const std::string& src, const std::string& name, const std
   const auto r = test::run_cli("pack " + src + " " + out + " " + flags);
   EXPECT_EQ(r.exit_code, 0) << r.err;
   return out;
+}
+
+// The files of `dir` leave the page cache (written out first), so that --read-io auto reads them
+// from the disk.
+void drop_page_cache(const std::string& dir) {
+  for (const auto& e : fs::directory_iterator(dir)) {
+    const int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
+    ASSERT_GE(fd, 0) << e.path();
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
 }
 
 // A qwen3_moe checkpoint in three shards whose expert weights span many pages (the fixtures'
@@ -121,9 +135,25 @@ TEST(PackPipeline, ReadIoDoesNotChangeTheBytes) {
     for (const std::string run : {"--read-io direct -t 1 --read-ahead 0 --read-threads 1",
                                   "--read-io direct -t 2 --read-ahead 1",
                                   "--read-io direct -t 3 --read-ahead 5 --read-threads 3",
+                                  "--read-io auto -t 3 --read-ahead 1 --read-threads 2",
                                   "--read-io buffered -t 2 --read-ahead 2 --read-threads 16",
                                   "--read-io mmap -t 3 --read-ahead 2 --read-threads 8"})
       EXPECT_EQ(tree(pack_with(src, "pipeline-read-io", quant + " " + run)), mapped) << quant << " " << run;
+    // The default, auto, with the source gone from the page cache once it is open (a small file's
+    // first read, the header's, brings all of it in): read with O_DIRECT.
+    const Architecture& arch = find_architecture("qwen3_moe", "test");
+    PackOptions options;
+    options.quant = quant == "--quant keep" ? "keep" : "q4";
+    options.group_size = 32;
+    options.quant_all = quant != "--quant keep";
+    options.threads = 2;
+    options.progress = false;
+    options.skip = arch.unused_tensors;
+    options.opened = [&] { drop_page_cache(src); };
+    const std::string out = test::temp_dir("pipeline-read-io-cold") + "/pack";
+    fs::remove_all(out);
+    write_pack(src, out, arch.expert_tensors, options);
+    EXPECT_EQ(tree(out), mapped) << quant << ", auto, cold";
   }
 }
 
@@ -177,7 +207,7 @@ TEST(PackPipeline, SourceTruncatedWhilePackingIsNamed) {
   const std::pair<std::string, std::string> sources[] = {{test::fixture(kSource), "model.safetensors"},
                                                          {sharded_source(), "model-00002-of-00003.safetensors"}};
   for (const auto& [source, shard_name] : sources)
-    for (const std::string io : {"direct", "buffered", "mmap"})
+    for (const std::string io : {"auto", "direct", "buffered", "mmap"})
       for (const auto& [threads, ahead] : {std::pair{1, 0}, {3, 2}}) {
         SCOPED_TRACE(shard_name + " --read-io " + io + " -t " + std::to_string(threads) + " --read-ahead " +
                      std::to_string(ahead));
@@ -243,9 +273,15 @@ TEST(PackPipeline, ReadAheadStaysWithinItsWindow) {
   const uint64_t mb = 1 << 20, group = 3 * mb + 1000;
   std::string bytes(size_t(40 * mb), '\0');
   for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = char(i % 251);
-  for (const packer::SourceIo io : {packer::SourceIo::Direct, packer::SourceIo::Buffered, packer::SourceIo::Mapped}) {
+  for (const packer::SourceIo io :
+       {packer::SourceIo::Auto, packer::SourceIo::Direct, packer::SourceIo::Buffered, packer::SourceIo::Mapped}) {
     SCOPED_TRACE(int(io));
     std::ofstream(path, std::ios::binary) << bytes;
+    drop_page_cache(fs::path(path).parent_path().string());
+    if (io == packer::SourceIo::Auto) {  // the first 10 MB (and its readahead) cached and mapped, the rest read
+      std::string head(size_t(10 * mb), '\0');
+      std::ifstream(path, std::ios::binary).read(head.data(), std::streamsize(head.size()));
+    }
     const auto file = MappedFile::open(path);
     const char* data = reinterpret_cast<const char*>(file->data());
     std::vector<std::vector<packer::SourceRange>> groups;

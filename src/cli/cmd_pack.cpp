@@ -36,9 +36,10 @@ void add_pack(CLI::App& app) {
                   "Batches of experts read ahead of the one converting (default 2; 0: read each when its turn comes)")
       ->check(kNonNegative);
   cmd->add_option("--read-io", f->options.read_io,
-                  "How the source is read: direct (O_DIRECT; buffered where the filesystem refuses it), buffered "
-                  "(through the page cache) or mmap (the kernel's readahead through the mapping) (default direct)")
-      ->check(CLI::IsMember({"direct", "buffered", "mmap"}));
+                  "How the source is read: direct (O_DIRECT; buffered where the filesystem refuses it), auto (direct, "
+                  "but what the page cache holds is mapped from it), buffered (through the page cache) or mmap (the "
+                  "kernel's readahead through the mapping) (default auto)")
+      ->check(CLI::IsMember({"auto", "direct", "buffered", "mmap"}));
   cmd->add_option("--read-threads", f->options.read_threads,
                   "Source reads in flight, each of up to 8 MiB (default 16)")
       ->check(kPositive);

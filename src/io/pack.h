@@ -125,11 +125,12 @@ struct PackOptions {
   // read when its turn comes); the bytes of the pack do not depend on it.
   int read_ahead = 2;
   // How the source is read: "direct" (preads with O_DIRECT, through the page cache where the
-  // filesystem refuses it), "buffered" (preads through the page cache) or "mmap" (the kernel's
-  // readahead through the mapping), by read_threads threads, each one request of up to 8 MiB at
+  // filesystem refuses it), "auto" (direct, but what the page cache holds is mapped from it),
+  // "buffered" (preads through the page cache) or "mmap" (the kernel's readahead through the
+  // mapping), by read_threads threads, each one request of up to 8 MiB at
   // a time (16: about 130 MB in flight; on the lent GPU machines bench's raw O_DIRECT reads got
   // 1.25 GB/s with 8 expert reads in flight, 1.56-1.80 with 32). The pack's bytes depend on neither.
-  std::string read_io = "direct";
+  std::string read_io = "auto";
   int read_threads = 16;
   // GPTQ (pack --gptq): experts quantized with error compensation under Hessians collected by
   // running the model on this calibration text (io/gptq.h); empty: round to nearest.

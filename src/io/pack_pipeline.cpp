@@ -47,10 +47,11 @@ const char* page_up(const char* p) { return page_down(p + page_size() - 1); }
 }  // namespace
 
 SourceIo parse_source_io(const std::string& name) {
+  if (name == "auto") return SourceIo::Auto;
   if (name == "direct") return SourceIo::Direct;
   if (name == "buffered") return SourceIo::Buffered;
   if (name == "mmap") return SourceIo::Mapped;
-  fail("--read-io: '", name, "' is not direct, buffered or mmap");
+  fail("--read-io: '", name, "' is not auto, direct, buffered or mmap");
 }
 
 ReadAhead::ReadAhead(std::vector<std::vector<SourceRange>> groups, const ReadOptions& options)
@@ -73,7 +74,7 @@ ReadAhead::ReadAhead(std::vector<std::vector<SourceRange>> groups, const ReadOpt
     if (!source_index.emplace(r->file, sources_.size()).second) continue;
     Source& s = *sources_.emplace_back(std::make_unique<Source>());
     s.file = r->file;
-    if (pread && options_.io == SourceIo::Direct) {
+    if (pread && (options_.io == SourceIo::Auto || options_.io == SourceIo::Direct)) {
       // The file as it was opened (its path may name another by now), with O_DIRECT.
       const std::string reopen = "/proc/self/fd/" + std::to_string(r->file->fd());
       s.direct_fd = ::open(reopen.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
@@ -151,7 +152,8 @@ void ReadAhead::loop() {
   }
 }
 
-void ReadAhead::read_chunk(const Chunk& c) {
+void ReadAhead::read_chunk(Chunk& c) {
+  if (c.pread && options_.io == SourceIo::Auto && in_page_cache(c)) c.pread = false;
   const int err = c.pread ? pread_chunk(c) : populate_chunk(c);
   const std::string error = err ? read_error(c, err) : "";
   std::lock_guard lock(mu_);
@@ -185,6 +187,14 @@ std::string ReadAhead::read_error(const Chunk& c, int err) const {
   const std::string where = f.path() + ": tensor " + (named ? named->tensor : std::string("?"));
   return err == kTruncated ? where + ": the file ends before the tensor's bytes (was it truncated while packing?)"
                            : where + ": read failed: " + std::strerror(err);
+}
+
+// Whether the page cache holds every page of the chunk (mincore reports a file the process may not
+// write as wholly resident: it is then mapped, as before --read-io).
+bool ReadAhead::in_page_cache(const Chunk& c) const {
+  std::vector<unsigned char> resident(c.size / page_size());
+  if (::mincore(const_cast<char*>(c.begin), c.size, resident.data()) != 0) return false;
+  return std::all_of(resident.begin(), resident.end(), [](unsigned char r) { return (r & 1) != 0; });
 }
 
 // Anonymous memory in place of the chunk's pages, and the file's bytes read into it: with

@@ -14,9 +14,11 @@
 // the disk whole, and `threads` of them are in flight. Faulting the mapping in instead
 // (SourceIo::Mapped, the only way before) reads what MADV_WILLNEED leaves out (all but the
 // device's readahead or largest request) in readahead windows (read_ahead_kb, often 128 KiB), one
-// at a time per faulting thread. A span's first and last pages, which it may share with another
-// unit's tensors, are brought in through the mapping. release() puts the file's mapping back over
-// the pages, which frees the memory.
+// at a time per faulting thread. Under SourceIo::Auto a chunk whose pages the page cache already
+// holds (a checkpoint just written, or packed a moment ago through the page cache) is mapped from
+// it rather than read from the disk again. A span's first and last pages, which it may share with
+// another unit's tensors, are brought in through the mapping. release() puts the file's mapping
+// back over the pages, which frees the memory.
 #pragma once
 
 #include <atomic>
@@ -48,17 +50,18 @@ struct SourceRange {
 
 // How the readers bring a range's bytes into memory (pack --read-io).
 enum class SourceIo {
+  Auto,      // Mapped for chunks the page cache holds, else Direct
   Direct,    // preads with O_DIRECT into the range's pages (Buffered for a file whose filesystem refuses it)
   Buffered,  // preads through the page cache into the range's pages
   Mapped,    // the mapping's pages read by the kernel's readahead (madvise WILLNEED, then POPULATE_READ)
 };
-SourceIo parse_source_io(const std::string& name);  // direct | buffered | mmap; Error naming --read-io
+SourceIo parse_source_io(const std::string& name);  // auto | direct | buffered | mmap; Error naming --read-io
 
 struct ReadOptions {
   uint64_t ahead_bytes = 0;  // readers stay at most this far past the end of the group last waited
                              // for (0: a group is read only once it is waited for)
   int threads = 16;          // reads in flight, each of up to 8 MiB
-  SourceIo io = SourceIo::Direct;
+  SourceIo io = SourceIo::Auto;
   bool verbose = false;      // a file whose filesystem refuses O_DIRECT is named on stderr
 };
 
@@ -92,11 +95,13 @@ class ReadAhead {
     const char* begin;  // page aligned
     uint64_t size;      // whole pages
     uint64_t position;  // bytes of every chunk before it
-    bool pread;         // read with pread into anonymous pages, else through the mapping
+    bool pread;         // read with pread into anonymous pages, else through the mapping (set
+                        // by the reader under SourceIo::Auto when the page cache holds the chunk)
   };
   void add_chunks(size_t group, size_t source, const char* begin, const char* end, bool pread);
   void loop();
-  void read_chunk(const Chunk& c);
+  void read_chunk(Chunk& c);
+  bool in_page_cache(const Chunk& c) const;
   int pread_chunk(const Chunk& c);     // 0, kTruncated or an errno
   int populate_chunk(const Chunk& c);  // the same
   std::string read_error(const Chunk& c, int err) const;
