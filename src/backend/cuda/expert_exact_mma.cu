@@ -552,7 +552,7 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   const int k = b.params->top_k;
   const int64_t T = b.pairs / k;
   const int64_t max_work = (b.pairs + kTok - 1) / kTok + n_active;
-  if (max_work > 65535) fail("cuda moe: ", b.pairs, " (token, expert) pairs in one call (at most ", 65535 * kTok / 2, ")");
+  if (max_work > 65535) fail("cuda moe: ", b.pairs, " (token, expert) pairs in one call over ", n_active, " experts (too many)");
   Scratch& sc = *b.exact;
   auto get = [&](int slot, size_t bytes) { return static_cast<void*>(sc.get<unsigned char>(slot, bytes)); };
   ExactArgs a;
@@ -590,8 +590,10 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   });
 }
 
-bool linear_exact_mma_supported(FormatTag tag, int64_t cols) {
-  return exact_mma_enabled() && is_quant(tag.kind) && cols % 32 == 0;
+bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int64_t ldx) {
+  // split_kernel reads x in float4s
+  return exact_mma_enabled() && is_quant(tag.kind) && cols % 32 == 0 && ldx % 4 == 0 &&
+         reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
 namespace {
@@ -604,7 +606,7 @@ bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx
   const FormatTag tag = format_of(*w[0]);
   for (const Matrix* m : w)
     if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
-  if (!linear_exact_mma_supported(tag, w[0]->cols)) return false;
+  if (!linear_exact_mma_supported(tag, w[0]->cols, x, ldx)) return false;
   if ((T + kTok - 1) / kTok > 65535) fail("cuda: ", T, " tokens in one call of ", w[0]->name);
   LinearExactArgs a{};
   a.n = int(w.size());

@@ -407,7 +407,7 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     linear_bf16_split(m, x, ldx, T, bias, out, ldo, scratch, stream);
     return;
   }
-  if (math == GemmMath::Fp16 && linear_exact_mma_supported(tag, w.cols)) {
+  if (math == GemmMath::Fp16 && linear_exact_mma_supported(tag, w.cols, x, ldx)) {
     linear_exact_mma(m, x, ldx, T, bias, out, ldo, scratch, stream);
     return;
   }

@@ -62,8 +62,9 @@ bool exact_mma_enabled();
 // Quantized matrices above the GEMV bound on the tensor cores to float32 accuracy
 // (expert_exact_mma.cu, the experts' kernels with one matrix): codes as FP16 operands, x split
 // into two FP16 halves per row, the groups' scales and biases in float32. linear() takes it for
-// GemmMath::Fp16 when linear_exact_mma_supported (quantized, cols a multiple of 32).
-bool linear_exact_mma_supported(FormatTag tag, int64_t cols);
+// GemmMath::Fp16 when linear_exact_mma_supported (quantized, cols a multiple of 32, x rows 16-byte
+// aligned).
+bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int64_t ldx);
 void linear_exact_mma(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
                       int64_t ldo, GemmScratch& scratch, cudaStream_t stream);
 // Up to 4 such matrices of one format and width over the same x (q, k and v) in one launch, x
