@@ -400,15 +400,25 @@ void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const 
   experts.prefetch(next_layer, ids);
 }
 
-void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
-                             Buffer& x, const MoeFeedForward* next, int next_layer) const {
+bool MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
+                             Buffer& x, const MoeFeedForward* next, int next_layer, const Vector* next_norm,
+                             float eps) const {
   const int64_t T = x.rows;
   Buffer out = ws.ffn_out.rows_view(0, T);
+  // x += y, the last step of every branch; with next_norm also the next layer's normalized input.
+  auto residual = [&](const Buffer& y) {
+    if (!next_norm) {
+      be.add(x, y);
+      return false;
+    }
+    Buffer next_xn = ws.xn.rows_view(0, T);
+    be.add_rmsnorm(x, y, *next_norm, eps, next_xn);
+    return true;
+  };
   if (!moe) {
     ScopedTimer timer(be.times().dense_mlp);
     be.mlp(xn, dense, out);
-    be.add(x, out);
-    return;
+    return residual(out);
   }
   MoeParams p = routing;
   p.layer = l;
@@ -423,10 +433,7 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
   }
   if (next) guess_next_experts(be, experts, ws, xn, *next, next_layer);
   be.moe(xn, router, experts, p, out);
-  if (!shared.gate) {
-    be.add(x, out);
-    return;
-  }
+  if (!shared.gate) return residual(out);
   Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
   if (shared_gate) {
     // Qwen3-Next: out += sigmoid(shared_gate xn) * shared(xn), then x += out.
@@ -438,15 +445,14 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
       be.sigmoid_gate(s, gate);
       be.add(out, s);
     }
-    be.add(x, out);
-    return;
+    return residual(out);
   }
   be.add(x, out);
   {
     ScopedTimer timer(be.times().dense_mlp);
     be.mlp(xn, shared, s);
   }
-  be.add(x, s);
+  return residual(s);
 }
 
 MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias) {

@@ -43,9 +43,14 @@ void MoeDecoder::finish_load(const HfConfig& hf, const ModelOptions& options, co
 void MoeDecoder::run_layer(int l, int64_t T, std::span<const RowSpan> seqs) {
   const MoeDecoderLayer& layer = layers_[size_t(l)];
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-  attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm);
+  attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm,
+                     l > 0 && xn_is_next_input_);
   const int next = next_moe_layer(layers_, l);
-  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
+  // The residual add that ends this layer also normalizes x for the next one (not after the last:
+  // the final norm takes only the rows whose logits are wanted).
+  const Vector* next_norm = l + 1 < int(layers_.size()) ? &layers_[size_t(l) + 1].input_norm : nullptr;
+  xn_is_next_input_ = layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x,
+                                        next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next, next_norm, norm_eps);
 }
 
 
@@ -86,11 +91,11 @@ void DecoderModel::load_embeddings(WeightLoader& w, bool tie_word_embeddings) {
 
 void DecoderModel::attention_residual(const Vector& norm, const GqaAttention& attn,
                                       std::span<const RowSpan> seqs, int l, const RopeTable& rope, int64_t T,
-                                      const Vector* next_norm) {
+                                      const Vector* next_norm, bool normed) {
   Backend& be = *backend_;
   ScopedTimer timer(be.times().attention);
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T), out = ws_.ffn_out.rows_view(0, T);
-  be.rmsnorm(x, norm, norm_eps, x.cols, xn);
+  if (!normed) be.rmsnorm(x, norm, norm_eps, x.cols, xn);
   attn.forward(be, ws_, xn, seqs, l, rope, out);
   if (next_norm) be.add_rmsnorm(x, out, *next_norm, norm_eps, xn);
   else be.add(x, out);

@@ -55,9 +55,10 @@ class DecoderModel : public Model {
   void load_experts(const ModelOptions& options, const std::vector<bool>& moe_layers, int n_experts,
                     int64_t expert_size, ExpertNaming naming, const std::string& model = "model.");
   // ws_.x[:T] += attn(rmsnorm(ws_.x[:T])) for layer l, timed as the attention phase; with next_norm,
-  // also ws_.xn[:T] = rmsnorm(ws_.x[:T]) with it (the FFN's input), fused with the add.
+  // also ws_.xn[:T] = rmsnorm(ws_.x[:T]) with it (the FFN's input), fused with the add. normed:
+  // ws_.xn[:T] already holds rmsnorm(ws_.x[:T]) with `norm` (the previous layer's last add wrote it).
   void attention_residual(const Vector& norm, const GqaAttention& attn, std::span<const RowSpan> seqs, int l,
-                          const RopeTable& rope, int64_t T, const Vector* next_norm = nullptr);
+                          const RopeTable& rope, int64_t T, const Vector* next_norm = nullptr, bool normed = false);
 
   std::unique_ptr<Backend> backend_;
   PackManifest pack_;
@@ -106,6 +107,7 @@ class MoeDecoder : public DecoderModel {
   void run_layer(int l, int64_t T, std::span<const RowSpan> seqs) override;
 
   std::vector<MoeDecoderLayer> layers_;
+  bool xn_is_next_input_ = false;  // the last layer run left ws_.xn = the next layer's normalized input
   RopeTable rope_;
   AttentionShape attention_shape_;  // of every layer (load_layer records it)
   int64_t kv_dim_ = 0;
