@@ -598,15 +598,13 @@ bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int
 
 namespace {
 
-// The matrices w (one format and width) over x in one launch; false when they cannot take it.
+// The matrices w (1 to kMaxLinear, of one format and width: the callers check) over x in one
+// launch; false when they cannot take it.
 bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                    std::span<const float* const> bias, std::span<float* const> out, std::span<const int64_t> ldo,
                    GemmScratch& scratch, cudaStream_t s) {
-  if (T <= 0 || w.empty() || w.size() > size_t(kMaxLinear)) return false;
   const FormatTag tag = format_of(*w[0]);
-  for (const Matrix* m : w)
-    if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
-  if (!linear_exact_mma_supported(tag, w[0]->cols, x, ldx)) return false;
+  if (T <= 0 || !linear_exact_mma_supported(tag, w[0]->cols, x, ldx)) return false;
   if ((T + kTok - 1) / kTok > 65535) fail("cuda: ", T, " tokens in one call of ", w[0]->name);
   LinearExactArgs a{};
   a.n = int(w.size());
@@ -638,10 +636,10 @@ bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx
 bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                              std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                              cudaStream_t s) {
+  if (w.empty() || w.size() > size_t(kMaxLinear)) return false;
   int64_t ldo[kMaxLinear] = {};
-  for (size_t i = 0; i < w.size() && i < size_t(kMaxLinear); ++i) ldo[i] = w[i]->rows;
-  return exact_linears(w, x, ldx, T, bias, out, std::span<const int64_t>(ldo, w.size() <= size_t(kMaxLinear) ? w.size() : 0),
-                       scratch, s);
+  for (size_t i = 0; i < w.size(); ++i) ldo[i] = w[i]->rows;
+  return exact_linears(w, x, ldx, T, bias, out, std::span<const int64_t>(ldo, w.size()), scratch, s);
 }
 
 void linear_exact_mma(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,

@@ -448,11 +448,11 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
                          std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                          cudaStream_t stream) {
   if (T == 0 || w.empty() || w.size() > size_t(kMaxShared)) return false;
-  if (T >= gemm_min_tokens())  // as linear() computes them: the exact path unless FP16 was asked for
-    return !tensor_cores_for(T) && linear_exact_mma_shared(w, x, ldx, T, bias, out, scratch, stream);
   const FormatTag tag = format_of(*w[0]);
   for (const Matrix* m : w)
     if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
+  if (T >= gemm_min_tokens())  // as linear() computes them: the exact path unless FP16 was asked for
+    return !tensor_cores_for(T) && linear_exact_mma_shared(w, x, ldx, T, bias, out, scratch, stream);
   if (bf16_few_tokens(tag, T, w[0]->cols, GemmMath::Fp16)) {  // as linear() computes each, x split once
     const __nv_bfloat16* parts = split_few(x, ldx, T, w[0]->cols, scratch, stream);
     for (size_t i = 0; i < w.size(); ++i) gemm_few(*w[i], parts, T, bias[i], out[i], w[i]->rows, scratch, stream);

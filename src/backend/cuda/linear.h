@@ -67,9 +67,9 @@ bool exact_mma_enabled();
 bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int64_t ldx);
 void linear_exact_mma(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
                       int64_t ldo, GemmScratch& scratch, cudaStream_t stream);
-// Up to 4 such matrices of one format and width over the same x (q, k and v) in one launch, x
-// split once; each output as linear_exact_mma computes it (out[i] of row stride w[i].rows). False
-// (nothing launched) when they cannot take it.
+// Up to 4 such matrices over the same x (q, k and v) in one launch, x split once; each output as
+// linear_exact_mma computes it (out[i] of row stride w[i].rows). The caller checks that they share
+// format and width (linear_shared_input). False (nothing launched) when they cannot take it.
 bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                              std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                              cudaStream_t stream);
