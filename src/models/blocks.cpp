@@ -400,20 +400,16 @@ void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const 
   experts.prefetch(next_layer, ids);
 }
 
-bool MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
+void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
                              Buffer& x, const MoeFeedForward* next, int next_layer, const Vector* next_norm,
                              float eps) const {
   const int64_t T = x.rows;
   Buffer out = ws.ffn_out.rows_view(0, T);
   // x += y, the last step of every branch; with next_norm also the next layer's normalized input.
   auto residual = [&](const Buffer& y) {
-    if (!next_norm) {
-      be.add(x, y);
-      return false;
-    }
+    if (!next_norm) return be.add(x, y);
     Buffer next_xn = ws.xn.rows_view(0, T);
     be.add_rmsnorm(x, y, *next_norm, eps, next_xn);
-    return true;
   };
   if (!moe) {
     ScopedTimer timer(be.times().dense_mlp);

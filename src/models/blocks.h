@@ -197,8 +197,8 @@ struct MoeFeedForward {
   // ws.cache_bias apply to decode steps (one token) with a bounded store only: a prefill batch's
   // tokens choose most of a layer's experts, which it reads anyway. With next_norm (the next
   // layer's input norm, eps), the last residual add also writes ws.xn = rmsnorm(x) with it, fused
-  // (Backend::add_rmsnorm, the same values as add then rmsnorm); returns whether it did.
-  bool forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x,
+  // (Backend::add_rmsnorm, the same values as add then rmsnorm).
+  void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x,
                const MoeFeedForward* next = nullptr, int next_layer = -1, const Vector* next_norm = nullptr,
                float eps = 0.0f) const;
 };

@@ -43,14 +43,13 @@ void MoeDecoder::finish_load(const HfConfig& hf, const ModelOptions& options, co
 void MoeDecoder::run_layer(int l, int64_t T, std::span<const RowSpan> seqs) {
   const MoeDecoderLayer& layer = layers_[size_t(l)];
   Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
-  attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm,
-                     l > 0 && xn_is_next_input_);
+  // Layers run in order, and the residual add that ends each layer but the last (whose rows the
+  // final norm takes, only those whose logits are wanted) also normalizes x for the next one.
+  attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm, l > 0);
   const int next = next_moe_layer(layers_, l);
-  // The residual add that ends this layer also normalizes x for the next one (not after the last:
-  // the final norm takes only the rows whose logits are wanted).
   const Vector* next_norm = l + 1 < int(layers_.size()) ? &layers_[size_t(l) + 1].input_norm : nullptr;
-  xn_is_next_input_ = layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x,
-                                        next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next, next_norm, norm_eps);
+  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
+                    next_norm, norm_eps);
 }
 
 

@@ -107,7 +107,6 @@ class MoeDecoder : public DecoderModel {
   void run_layer(int l, int64_t T, std::span<const RowSpan> seqs) override;
 
   std::vector<MoeDecoderLayer> layers_;
-  bool xn_is_next_input_ = false;  // the last layer run left ws_.xn = the next layer's normalized input
   RopeTable rope_;
   AttentionShape attention_shape_;  // of every layer (load_layer records it)
   int64_t kv_dim_ = 0;
