@@ -44,6 +44,12 @@ const char* page_down(const char* p) {
 }
 const char* page_up(const char* p) { return page_down(p + page_size() - 1); }
 
+// The file's size now (it may have been cut since it was mapped); the mapped size if fstat fails.
+uint64_t size_now(const MappedFile& f) {
+  struct stat st {};
+  return ::fstat(f.fd(), &st) == 0 ? uint64_t(st.st_size) : f.size();
+}
+
 }  // namespace
 
 SourceIo parse_source_io(const std::string& name) {
@@ -169,8 +175,7 @@ void ReadAhead::read_chunk(Chunk& c) {
 std::string ReadAhead::read_error(const Chunk& c, int err) const {
   const MappedFile& f = *sources_[c.source]->file;
   const auto offset = [&](const char* p) { return uint64_t(p - reinterpret_cast<const char*>(f.data())); };
-  struct stat st {};
-  const uint64_t file_size = ::fstat(f.fd(), &st) == 0 ? uint64_t(st.st_size) : f.size();
+  const uint64_t file_size = size_now(f);
   const auto first_covered = [&](bool cut_only) {
     const SourceRange* first = nullptr;
     for (const SourceRange& r : groups_[c.group]) {
@@ -206,10 +211,6 @@ int ReadAhead::pread_chunk(const Chunk& c) {
     return errno;
   ::madvise(begin, c.size, MADV_HUGEPAGE);  // fails where the kernel has none: 4 KiB pages then
   const off_t offset = off_t(c.begin - reinterpret_cast<const char*>(s.file->data()));
-  const auto ends_before = [&] {
-    struct stat st {};
-    return ::fstat(s.file->fd(), &st) == 0 && uint64_t(st.st_size) < uint64_t(offset) + c.size;
-  };
   for (uint64_t got = 0; got < c.size;) {
     const bool direct = s.direct_fd >= 0 && !s.refused;
     const ssize_t n = ::pread(direct ? s.direct_fd : s.file->fd(), begin + got, c.size - got, offset + off_t(got));
@@ -220,7 +221,7 @@ int ReadAhead::pread_chunk(const Chunk& c) {
     const int err = n < 0 ? errno : 0;
     if (err == EINTR) continue;
     // O_DIRECT reads a short last block at the end of the file, and refuses the unaligned read after it.
-    if (n == 0 || ends_before()) return kTruncated;
+    if (n == 0 || size_now(*s.file) < uint64_t(offset) + c.size) return kTruncated;
     if (direct && err == EINVAL) {  // the filesystem refuses this O_DIRECT read: read through the page cache
       refuse_direct(s);
       continue;
