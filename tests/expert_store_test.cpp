@@ -9,7 +9,9 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "backend/backend_factory.h"
 #include "backend/eviction.h"
+#include "experts/expert_store.h"
 #include "io/pack.h"
 #include "models/model.h"
 #include "models/synth.h"
@@ -330,6 +332,52 @@ TEST(ExpertStore, FailedReadLeavesTheStoreUsable) {
     flip();
     EXPECT_EQ(run_loaded(*model, ids), want);
   }
+}
+
+// A store that never evicts (unbounded) is lasting: the CUDA tier keeps the addresses it hands
+// out and reads those experts in place. preload() shows every expert asked for, at the address a
+// later request hands out, and is not counted as the model's use (profiles, hit rate).
+TEST(ExpertStore, LastingStoreKeepsAddressesAndPreloadIsNotUse) {
+  const PackManifest pack = PackManifest::load(ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), ""));
+  auto backend = make_backend(BackendOptions{});
+  ExpertStoreOptions bounded;
+  bounded.cache_mb = 2.5 * double(pack.max_expert_size()) / 1e6;
+  EXPECT_FALSE(make_expert_store(pack, *backend, bounded)->lasting());
+  auto store = make_expert_store(pack, *backend, ExpertStoreOptions{});
+  ASSERT_TRUE(store->lasting());
+  const int n = int(pack.layers[1].size());
+  std::vector<int> all;
+  for (int e = 0; e < n; ++e) all.push_back(e);
+  std::vector<const void*> seen(size_t(n), nullptr);
+  int calls = 0;
+  store->preload(1, all, [&](int e, const MlpWeights& w) {
+    ++calls;
+    ASSERT_TRUE(e >= 0 && e < n);
+    EXPECT_EQ(seen[size_t(e)], nullptr) << "expert " << e << " shown twice";
+    seen[size_t(e)] = w.gate.data;
+  });
+  EXPECT_EQ(calls, n);
+  ExpertStats s = store->stats();
+  EXPECT_EQ(s.hits + s.misses, 0u);
+  EXPECT_GE(s.bytes_read, uint64_t(n) * 1000);
+  for (const auto& layer : store->usage())
+    for (uint64_t u : layer) EXPECT_EQ(u, 0u);
+  const std::vector<int> some = {2, 5};
+  store->request(1, some);
+  int e;
+  MlpWeights w;
+  int handed = 0;
+  while (store->next(e, w)) {
+    EXPECT_EQ(w.gate.data, seen[size_t(e)]) << "expert " << e << " moved";
+    store->release(e);
+    ++handed;
+  }
+  EXPECT_EQ(handed, 2);
+  s = store->stats();
+  EXPECT_EQ(s.hits, 2u);
+  EXPECT_EQ(store->usage()[1][2], 1u);
+  EXPECT_EQ(store->usage()[1][5], 1u);
+  EXPECT_EQ(store->usage()[1][3], 0u);
 }
 
 TEST(ExpertStore, TruncatedExpertFileIsAnErrorAtLoad) {

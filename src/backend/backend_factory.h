@@ -35,6 +35,9 @@ struct GpuTierStats {
   uint64_t hits = 0, misses = 0, prefetched = 0, resident_calls = 0;
   uint64_t graph_steps = 0;   // decode steps replayed as one CUDA graph
   uint64_t bytes_h2d = 0;     // expert bytes copied host -> GPU
+  // Decode read in place: MoE calls so run, the experts they read from pinned host memory (each
+  // distinct expert of a call counted once), and misses copied into VRAM slots after their call.
+  uint64_t in_place_calls = 0, bytes_in_place = 0, promotions = 0;
   double h2d_seconds = 0;     // GPU time of those copies
   uint64_t slot_bytes = 0, slots = 0;
   uint64_t pinned_bytes = 0;  // pinned host memory handed to the ExpertStore

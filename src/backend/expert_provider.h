@@ -11,6 +11,7 @@
 // experts cycle its slots. An expert's weights stay valid until it is released.
 #pragma once
 
+#include <functional>
 #include <span>
 
 #include "backend/backend.h"
@@ -40,6 +41,23 @@ class ExpertProvider {
   virtual void fetch_later(int layer, std::span<const int> experts) {
     (void)layer;
     (void)experts;
+  }
+
+  // Whether every expert handed out stays at its address, unchanged, for the provider's life (a
+  // cache that never evicts), in memory from Backend::alloc_host. A backend may then keep the
+  // weights' addresses and read them in place later without asking again.
+  virtual bool lasting() const { return false; }
+  // Shows `seen` the weights of each of `experts` of `layer` (read now where needed), as a
+  // request would, but without counting them as the model's use: for a backend that keeps a
+  // lasting provider's addresses. Call it between requests.
+  virtual void preload(int layer, std::span<const int> experts, const std::function<void(int, const MlpWeights&)>& seen) {
+    request(layer, experts);
+    int e;
+    MlpWeights w;
+    while (next(e, w)) {
+      seen(e, w);
+      release(e);
+    }
   }
 };
 

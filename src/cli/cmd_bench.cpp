@@ -322,7 +322,9 @@ void add_bench(CLI::App& app) {
         // per token over the raw read rate).
         const GpuTierStats t1 = *gpu_tier_stats(model->backend()), &t0s = *tier_before;
         const double tps = generated / secs;
-        const double pcie_per_token = double(t1.bytes_h2d - t0s.bytes_h2d) / double(generated);
+        // Copies and reads in place both cross PCIe.
+        const double pcie_per_token =
+            double(t1.bytes_h2d - t0s.bytes_h2d + t1.bytes_in_place - t0s.bytes_in_place) / double(generated);
         const double disk_per_token = double(bytes) / double(generated);
         const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
         const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;
@@ -335,6 +337,9 @@ void add_bench(CLI::App& app) {
             {"disk_bound_tok_per_s", disk_bound}, {"of_disk_bound", disk_bound > 0 ? tps / disk_bound : 0.0},
             {"vram_hit_rate", vh + vm ? double(vh) / double(vh + vm) : 1.0},
             {"resident_layer_calls", t1.resident_calls - t0s.resident_calls},
+            {"in_place_layer_calls", t1.in_place_calls - t0s.in_place_calls},
+            {"in_place_bytes_per_token", double(t1.bytes_in_place - t0s.bytes_in_place) / double(generated)},
+            {"promotions", t1.promotions - t0s.promotions},
             {"pcie_gb_per_s_while_copying", t1.h2d_seconds > t0s.h2d_seconds
                                                ? double(t1.bytes_h2d - t0s.bytes_h2d) / (t1.h2d_seconds - t0s.h2d_seconds) / 1e9
                                                : 0.0},
@@ -420,10 +425,11 @@ void add_bench(CLI::App& app) {
       std::printf("GPU: device copy %.0f GB/s, pinned H2D %.1f GB/s (%.1f GB/s per expert-sized copy)\n",
                   out["gpu"]["d2d_gb_per_s"].get<double>(), out["gpu"]["h2d_pinned_gb_per_s"].get<double>(),
                   out["gpu"]["h2d_slot_gb_per_s"].get<double>());
-      std::printf("tg: %.0f%% of the HBM bound (%.0f t/s); VRAM hit rate %.1f%%; PCIe %.1f MB/token, %.0f%% of its bound "
-                  "(%.1f t/s); disk %.0f%% of its bound (%.1f t/s)\n",
+      std::printf("tg: %.0f%% of the HBM bound (%.0f t/s); VRAM hit rate %.1f%%; PCIe %.1f MB/token (%.1f read in place), "
+                  "%.0f%% of its bound (%.1f t/s); disk %.0f%% of its bound (%.1f t/s)\n",
                   100 * g["of_hbm_bound"].get<double>(), g["hbm_bound_tok_per_s"].get<double>(),
                   100 * g["vram_hit_rate"].get<double>(), g["pcie_bytes_per_token"].get<double>() / 1e6,
+                  g["in_place_bytes_per_token"].get<double>() / 1e6,
                   100 * g["of_pcie_bound"].get<double>(), g["pcie_bound_tok_per_s"].get<double>(),
                   100 * g["of_disk_bound"].get<double>(), g["disk_bound_tok_per_s"].get<double>());
     }

@@ -124,6 +124,37 @@ class StreamingExpertStore final : public ExpertStore {
     start_loads();
   }
 
+  bool lasting() const override { return !bounded(); }
+
+  // The request's use counts and hit statistics are put back: a preload is not the model's use.
+  void preload(int layer, std::span<const int> experts,
+               const std::function<void(int, const MlpWeights&)>& seen) override {
+    std::vector<ExpertUse> saved;
+    uint64_t tick, hits, misses;
+    {
+      std::lock_guard lock(mu_);
+      if (layer < 0 || size_t(layer) >= use_.size()) fail("expert store: layer ", layer, " has no routed experts");
+      saved = use_[size_t(layer)];
+      tick = tick_;
+      hits = stats_.hits;
+      misses = stats_.misses;
+    }
+    auto restore = [&] {
+      std::lock_guard lock(mu_);
+      use_[size_t(layer)] = saved;
+      tick_ = tick;
+      stats_.hits = hits;
+      stats_.misses = misses;
+    };
+    try {
+      ExpertStore::preload(layer, experts, seen);
+    } catch (...) {
+      restore();
+      throw;
+    }
+    restore();
+  }
+
   bool wants_prefetch() const override { return lookahead_ && bounded(); }
   bool bounded() const override { return max_slots_ < total_experts_; }
 

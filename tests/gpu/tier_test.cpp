@@ -4,10 +4,12 @@
 // tiered budgets (one VRAM slot, a few) and everything resident.
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <span>
+#include <utility>
 
 #include "backend/backend_factory.h"
 #include "backend/cuda/cuda_backend.h"
@@ -49,14 +51,17 @@ TEST(CudaTier, FailedExpertReadLeavesTheTierUsable) {
   };
   const auto ref = nlohmann::json::parse(test::read_file(src + "/ref.json"));
   const auto ids = ref["logit_tokens"].get<std::vector<int32_t>>();
-  for (double vram_mb : {0.0, 0.05, -1.0}) {
-    SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb));
+  // (VRAM, host) budgets: the host round trip; everything in VRAM; a few slots and the rest read
+  // in place from an unbounded host tier (whose preload of the layer meets the damaged expert).
+  for (const auto [vram_mb, host_mb] :
+       {std::pair{0.0, 0.05}, std::pair{0.05, 0.05}, std::pair{-1.0, -1.0}, std::pair{0.05, -1.0}}) {
+    SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb) + ", host " + std::to_string(host_mb));
     ModelOptions o;
     o.device = "cuda";
     o.precise = true;
     o.cache_dir = cache;
     o.gpu_expert_mb = vram_mb;
-    o.experts.cache_mb = vram_mb < 0 ? -1 : 0.05;
+    o.experts.cache_mb = host_mb;
     auto fresh = load_model(dir, o);
     const std::vector<float> want = run(*fresh, ids);
     fresh.reset();
@@ -93,6 +98,8 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
     std::vector<float> logits;
     GpuTierStats stats;
   };
+  // The policy of the host path: reading in place (below) has its own test.
+  setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
   auto decode = [&](double vram_mb, const std::string& policy) {
     ModelOptions o;
     o.device = "cuda";
@@ -137,8 +144,85 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
               std::to_string(lru.stats.hits + lru.stats.misses) + ", lcp " + std::to_string(lcp.stats.hits) + "/" +
               std::to_string(lcp.stats.hits + lcp.stats.misses) + "; ";
   }
+  unsetenv("MOESTREAM_CUDA_IN_PLACE");
   EXPECT_GT(lcp_hits, lru_hits + lru_hits / 4) << counts;
   ::testing::Test::RecordProperty("vram_hits", counts);
+}
+
+// Decode over a host tier that keeps every expert (the default, unbounded): the experts not in
+// VRAM are read in place from pinned memory, steps become CUDA graphs, and misses the policy
+// ranks above a slot's expert are promoted into VRAM between steps. The logits of a prefill,
+// single-token steps and batched steps equal everything resident, bit for bit, and equal the host
+// round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place.
+TEST(CudaTier, ReadInPlaceMatchesResident) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::string src = test::fixture("models/qwen3moe_gqa_tied");  // 3 layers of 8 experts, top 2
+  const std::string cache = test::temp_dir("gpu-tier-in-place");
+  const std::string dir = ensure_pack(src, cache);
+  const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
+  struct Result {
+    std::vector<float> logits;
+    GpuTierStats stats;
+  };
+  auto decode = [&](double vram_mb) {
+    ModelOptions o;
+    o.device = "cuda";
+    o.precise = true;
+    o.cache_dir = cache;
+    o.gpu_expert_mb = vram_mb;
+    auto model = load_model(dir, o);
+    const int64_t vocab = model->info().vocab_size;
+    Result r;
+    std::vector<float> logits(static_cast<size_t>(vocab));
+    auto keep = [&](const std::vector<float>& l) { r.logits.insert(r.logits.end(), l.begin(), l.end()); };
+    auto seq = model->new_sequence(64);
+    const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+    model->forward(prompt, *seq, logits);
+    keep(logits);
+    const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+    for (int step = 0; step < 16; ++step) {
+      model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
+      keep(logits);
+    }
+    constexpr int kSeqs = 3;  // batched steps: a few tokens a call
+    std::vector<std::unique_ptr<SequenceState>> states;
+    for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
+    std::vector<int32_t> tokens(kSeqs);
+    std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
+    for (int step = 0; step < 6; ++step) {
+      std::vector<SequenceBatch> items;
+      for (int i = 0; i < kSeqs; ++i) {
+        tokens[size_t(i)] = cycle[(3 * step + i) % 8];
+        items.push_back({std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
+      }
+      model->forward_batch(items);
+      for (const auto& l : rows) keep(l);
+    }
+    r.stats = *gpu_tier_stats(model->backend());
+    return r;
+  };
+  const Result all = decode(-1);
+  EXPECT_EQ(all.stats.in_place_calls, 0u);
+  for (double slots : {0.0, 3.0, 10.0}) {
+    SCOPED_TRACE(std::to_string(slots) + " slots");
+    const Result in_place = decode(slots * slot_mb);
+    EXPECT_EQ(in_place.logits, all.logits);
+    EXPECT_GT(in_place.stats.in_place_calls, 0u);
+    EXPECT_GT(in_place.stats.bytes_in_place, 0u);
+    EXPECT_GT(in_place.stats.misses, 0u);
+    EXPECT_GT(in_place.stats.graph_steps, 0u);
+    if (slots > 0) {
+      EXPECT_GT(in_place.stats.promotions, 0u);
+      EXPECT_GT(in_place.stats.hits, 0u);
+    }
+    setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
+    const Result host_path = decode(slots * slot_mb);
+    unsetenv("MOESTREAM_CUDA_IN_PLACE");
+    EXPECT_EQ(host_path.logits, all.logits);
+    EXPECT_EQ(host_path.stats.in_place_calls, 0u);
+    EXPECT_EQ(host_path.stats.graph_steps, 0u);
+  }
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 #include <span>
 #include <nlohmann/json.hpp>
 
+#include "backend/backend_factory.h"
 #include "backend/cuda/cuda_backend.h"
 #include "core/error.h"
 #include "io/pack.h"
@@ -55,14 +56,18 @@ TEST(TieredGpu, MixedFormatsMatchTheCpu) {
 
   auto cpu = load(dir + "/pack", "cpu", -1, -1);
   const std::vector<float> want_prefill = test::prefill_logits(*cpu, kTokens), want_decode = decode_logits(*cpu);
-  for (double vram_mb : {-1.0, 0.0}) {
-    SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb));
-    auto gpu = load(dir + "/pack", "cuda", vram_mb, vram_mb);
+  // Every expert in VRAM; one slot fed by the host round trip (a bounded host tier); one slot and
+  // the rest read in place (an unbounded host tier).
+  for (const auto [vram_mb, host_mb] : {std::pair{-1.0, -1.0}, std::pair{0.0, 0.0}, std::pair{0.0, -1.0}}) {
+    SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb) + ", host " + std::to_string(host_mb));
+    auto gpu = load(dir + "/pack", "cuda", vram_mb, host_mb);
     const double prefill_err = test::relative_error(test::prefill_logits(*gpu, kTokens), want_prefill);
     const double decode_err = test::relative_error(decode_logits(*gpu), want_decode);
-    std::printf("[ tiered   ] gpu expert MB %g: max rel err prefill %.2e, decode %.2e\n", vram_mb, prefill_err, decode_err);
+    std::printf("[ tiered   ] gpu expert MB %g, host %g: max rel err prefill %.2e, decode %.2e\n", vram_mb, host_mb,
+                prefill_err, decode_err);
     EXPECT_LT(prefill_err, 1e-5);
     EXPECT_LT(decode_err, 1e-5);
+    if (vram_mb == 0 && host_mb < 0) EXPECT_GT(gpu_tier_stats(gpu->backend())->in_place_calls, 0u);
   }
 }
 

@@ -165,14 +165,16 @@ class CudaBackend final : public Backend {
     MS_CUDA_CHECK(cudaEventSynchronize(staging_free_));
     std::memcpy(host, tokens.data(), size_t(T) * sizeof(int32_t));
     int32_t* dev = scratch_.get<int32_t>(kTokens, size_t(T));
-    // From the third single-token step in a row on, with every expert resident, the whole step
-    // (this embed up to the logits' to_host) is captured as a CUDA graph and replayed: one
-    // launch instead of ~20 per layer. The graph reads the token from the pinned staging area.
+    // From the third single-token step in a row on, with every expert resident or read in place
+    // (ExpertTier::graph_ready), the whole step (this embed up to the logits' to_host) is
+    // captured as a CUDA graph and replayed: one launch instead of ~20 per layer. The graph reads
+    // the token from the pinned staging area.
     // Not for batched steps: the GPU idles while a step is captured, and a batch of 8 decode rows
     // keeps it busier than the launches cost (8 sequences: 1,035 tok/s without, 870 with the
     // graph; docs/PERFORMANCE.md).
     decode_streak_ = T == 1 ? decode_streak_ + 1 : 0;
-    if (T == 1 && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->all_resident()) {
+    tier_->step_begins();
+    if (T == 1 && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->graph_ready()) {
       MS_CUDA_CHECK(cudaStreamBeginCapture(compute_, cudaStreamCaptureModeRelaxed));
       capturing_ = true;
     }

@@ -3,7 +3,10 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
+#include <cstdlib>
+#include <fstream>
 #include <limits>
+#include <string>
 
 #include "backend/cuda/cuda_expert_tier.cuh"
 #include "backend/expert_provider.h"
@@ -39,6 +42,61 @@ void expert_extent(const MlpWeights& w, const char*& lo, const char*& hi) {
     }
   }
   for (const Vector* v : {&w.gate_bias, &w.up_bias, &w.down_bias}) span(v->data, size_t(v->size) * sizeof(float));
+}
+
+// w's table entry for its bytes [lo, ...) copied to `base` (base == lo: read where they are).
+DevExpert entry_at(const MlpWeights& w, const char* lo, const char* base) {
+  auto rebase = [&](const void* p) -> const void* { return p ? base + (static_cast<const char*>(p) - lo) : nullptr; };
+  auto ref = [&](const Matrix& m) {
+    WeightRef r = weight_ref(m);
+    r.data = rebase(m.data);
+    r.scales = rebase(m.scales);
+    r.biases = static_cast<const uint16_t*>(rebase(m.biases));
+    return r;
+  };
+  DevExpert d;
+  d.gate = ref(w.gate);
+  d.up = ref(w.up);
+  d.down = ref(w.down);
+  d.gate_bias = static_cast<const float*>(rebase(w.gate_bias.data));
+  d.up_bias = static_cast<const float*>(rebase(w.up_bias.data));
+  d.down_bias = static_cast<const float*>(rebase(w.down_bias.data));
+  d.formats = format_pair(format_of(w.gate), format_of(w.down));
+  return d;
+}
+
+// The same entry with every pointer moved from the bytes at `from` to their copy at `to`.
+DevExpert moved(const DevExpert& d, const char* from, const char* to) {
+  auto move = [&](const void* p) -> const void* { return p ? to + (static_cast<const char*>(p) - from) : nullptr; };
+  DevExpert m = d;
+  for (WeightRef* r : {&m.gate, &m.up, &m.down}) {
+    r->data = move(r->data);
+    r->scales = move(r->scales);
+    r->biases = static_cast<const uint16_t*>(move(r->biases));
+  }
+  m.gate_bias = static_cast<const float*>(move(d.gate_bias));
+  m.up_bias = static_cast<const float*>(move(d.up_bias));
+  m.down_bias = static_cast<const float*>(move(d.down_bias));
+  return m;
+}
+
+// MemAvailable of /proc/meminfo in bytes (0 when it cannot be read).
+double memory_available() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  double kb = 0;
+  std::string unit;
+  while (f >> key >> kb >> unit)
+    if (key == "MemAvailable:") return kb * 1024.0;
+  return 0;
+}
+
+// Most promotions started between two steps (MOESTREAM_CUDA_PROMOTIONS overrides). Measured on
+// the 48-layer Qwen3-30B-A3B shape at 25% in VRAM (docs/PERFORMANCE.md): 0, 4, 16 a step hold
+// the hit rate at 26%, 39%, 58%; from 32 on the policy, not the cap, decides (70-71%).
+int promotions_per_step() {
+  const char* v = std::getenv("MOESTREAM_CUDA_PROMOTIONS");
+  return v && *v ? std::max(0, std::atoi(v)) : 64;
 }
 
 }  // namespace
@@ -88,9 +146,15 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   MS_CUDA_CHECK(cudaEventCreate(&copy_start_));
   MS_CUDA_CHECK(cudaEventCreate(&copy_done_));
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
+  const char* in_place = std::getenv("MOESTREAM_CUDA_IN_PLACE");
+  in_place_on_ = !(in_place && std::string(in_place) == "0");
 }
 
 ExpertTier::~ExpertTier() {
+  cudaStreamSynchronize(copy_);
+  for (auto& [ev, batch] : promoting_) cudaEventDestroy(ev);
+  for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
+  if (log_host_) cudaFreeHost(log_host_);
   if (slot_arena_) cudaFree(slot_arena_);
   if (table_dev_) cudaFree(table_dev_);
   if (table_host_) cudaFreeHost(table_host_);
@@ -99,7 +163,11 @@ ExpertTier::~ExpertTier() {
   cudaEventDestroy(copies_end_);
 }
 
-GpuTierStats ExpertTier::stats() const {
+GpuTierStats ExpertTier::stats() {
+  if (!log_.empty()) {
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    digest_log();
+  }
   GpuTierStats s = stats_;
   s.slot_bytes = slot_bytes_;
   s.slots = n_slots_;
@@ -125,6 +193,7 @@ void ExpertTier::init(const MoeParams& p, uint64_t first_expert_bytes) {
   MS_CUDA_CHECK(cudaMalloc(&slot_arena_, n_slots_ * slot_bytes_));
   slot_owner_.assign(n_slots_, {-1, -1});
   slot_call_.assign(n_slots_, 0);
+  slot_busy_.assign(n_slots_, 0);
   tier_ready_ = true;
 }
 
@@ -151,6 +220,9 @@ void ExpertTier::ensure_table(int layer) {
   use_.resize(size_t(cap));
   resident_.resize(size_t(cap), 0);
   formats_.resize(size_t(cap));
+  host_.resize(size_t(cap));
+  host_known_.resize(size_t(cap), 0);
+  row_dirty_.resize(size_t(cap), 0);
 }
 
 void ExpertTier::upload_table_row(int layer) {
@@ -168,20 +240,22 @@ ExpertUse& ExpertTier::use_of(int layer, int expert) {
   return u[size_t(expert)];
 }
 
-// victims_: the slots this call does not hold, the `needed` of lowest priority first in order.
-void ExpertTier::rank_victims(size_t needed) {
+// victims_: the slots this call does not hold (with this_call_too, any slot), never one a
+// promotion is filling, the `needed` of lowest priority first in order.
+void ExpertTier::rank_victims(size_t needed, bool this_call_too) {
   // The policy ages uses in tokens: a token is one call per MoE layer.
   const double ticks_per_token =
       n_experts_ > 0 && opt_.total_experts > 0 ? std::max(1.0, double(opt_.total_experts) / n_experts_) : 1.0;
   victims_.clear();
   for (uint64_t s = 0; s < n_slots_; ++s) {
-    if (slot_call_[s] == call_) continue;
+    if ((slot_call_[s] == call_ && !this_call_too) || slot_busy_[s]) continue;
     const auto [layer, expert] = slot_owner_[s];
     const double p = layer < 0 ? -std::numeric_limits<double>::infinity()
                                : policy_->priority(use_of(layer, expert), call_, ticks_per_token);
     victims_.emplace_back(p, int(s));
   }
   needed = std::min(std::max<size_t>(needed, 1), victims_.size());
+  if (needed == 0) return;
   std::nth_element(victims_.begin(), victims_.begin() + long(needed) - 1, victims_.end());
   std::sort(victims_.begin(), victims_.begin() + long(needed));
   victims_.resize(needed);
@@ -196,41 +270,38 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
   const uint64_t bytes = uint64_t(hi - lo);
   if (bytes > slot_bytes_)
     fail("cuda: expert ", expert, " of layer ", layer, " takes ", bytes, " bytes, more than a slot (", slot_bytes_, ")");
-  const FormatTag gu = format_of(w.gate), dn = format_of(w.down);
-  if (!(format_of(w.up) == gu)) fail("cuda: expert ", expert, " of layer ", layer, ": gate and up differ in format");
-  auto& formats = formats_[size_t(layer)];
-  if (std::find(formats.begin(), formats.end(), std::make_pair(gu, dn)) == formats.end()) formats.emplace_back(gu, dn);
+  note_formats(layer, expert, w);
   char* dst = slot_arena_ + uint64_t(slot) * slot_bytes_;
-  // Evict the previous owner.
-  auto [old_layer, old_expert] = slot_owner_[size_t(slot)];
-  if (old_layer >= 0) {
-    where_[size_t(old_layer)][size_t(old_expert)] = -1;
-    if (resident_[size_t(old_layer)]-- == n_experts_) --full_layers_;
-    table_host_[size_t(old_layer) * n_experts_ + size_t(old_expert)] = DevExpert{};
-  }
+  evict(slot);
   MS_CUDA_CHECK(cudaMemcpyAsync(dst, lo, bytes, cudaMemcpyHostToDevice, copy_));
-  auto rebase = [&](const void* p) -> const void* { return p ? dst + (static_cast<const char*>(p) - lo) : nullptr; };
-  auto ref = [&](const Matrix& m) {
-    WeightRef r = weight_ref(m);
-    r.data = rebase(m.data);
-    r.scales = rebase(m.scales);
-    r.biases = static_cast<const uint16_t*>(rebase(m.biases));
-    return r;
-  };
-  DevExpert d;
-  d.gate = ref(w.gate);
-  d.up = ref(w.up);
-  d.down = ref(w.down);
-  d.gate_bias = static_cast<const float*>(rebase(w.gate_bias.data));
-  d.up_bias = static_cast<const float*>(rebase(w.up_bias.data));
-  d.down_bias = static_cast<const float*>(rebase(w.down_bias.data));
-  d.formats = format_pair(gu, dn);
-  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = d;
+  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = entry_at(w, lo, dst);
   slot_owner_[size_t(slot)] = {layer, expert};
   where_[size_t(layer)][size_t(expert)] = slot;
   if (++resident_[size_t(layer)] == n_experts_) ++full_layers_;
   touch(slot);
   stats_.bytes_h2d += bytes;
+}
+
+// The expert's (gate/up, down) formats among its layer's, and the layer's expert width.
+void ExpertTier::note_formats(int layer, int expert, const MlpWeights& w) {
+  const FormatTag gu = format_of(w.gate), dn = format_of(w.down);
+  if (!(format_of(w.up) == gu)) fail("cuda: expert ", expert, " of layer ", layer, ": gate and up differ in format");
+  auto& formats = formats_[size_t(layer)];
+  if (std::find(formats.begin(), formats.end(), std::make_pair(gu, dn)) == formats.end()) formats.emplace_back(gu, dn);
+  if (int64_t(inter_.size()) <= layer) inter_.resize(size_t(layer) + 1, 0);
+  inter_[size_t(layer)] = w.gate.rows;
+}
+
+// The slot's expert leaves VRAM: its table entry points at its host copy where one is known.
+void ExpertTier::evict(int slot) {
+  const auto [layer, expert] = slot_owner_[size_t(slot)];
+  slot_owner_[size_t(slot)] = {-1, -1};
+  if (layer < 0) return;
+  where_[size_t(layer)][size_t(expert)] = -1;
+  if (resident_[size_t(layer)]-- == n_experts_) --full_layers_;
+  const HostExpert& h = host_[size_t(layer)].empty() ? HostExpert{} : host_[size_t(layer)][size_t(expert)];
+  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.lo ? h.dev : DevExpert{};
+  row_dirty_[size_t(layer)] = 1;
 }
 
 void ExpertTier::settle_copies() {
@@ -250,14 +321,17 @@ void ExpertTier::settle_copies() {
 
 void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
   if (x.rows == 0) return;
+  const bool in_place = reads_in_place(p.layer, x.rows, p.n_experts, experts);
+  if (in_place) upload_dirty_rows();
   prof_.begin(compute_);
-  Call c = route(x, router, p, out);
+  Call c = route(x, router, p, out, in_place);
   if (prof_.on()) prof_.end(compute_, weight_label("moe router + top-k", router, x.rows), stored_bytes(router));
   ScopedTimer compute(times_.expert_compute);
   if (c.resident) {
     run_resident(c);
     return;
   }
+  finish_promotions(true);  // the host path below finds every slot settled
   prof_.begin(compute_);
   read_selection(c);
   HostGroups h = host_groups(c);
@@ -270,7 +344,8 @@ void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& expe
 
 // Router logits and each token's top k on the GPU (float32 activations, like the CPU), and the
 // call's buffers; the time goes to routing.
-ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out) {
+ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out,
+                                   bool in_place) {
   Call c;
   c.T = x.rows;
   c.dim = x.cols;
@@ -296,8 +371,9 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   // Routing compares logits: float32 activations, like the CPU.
   cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
   if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
-  c.resident = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E &&
-               formats_known(formats_, layer);
+  const bool in_vram = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E && formats_known(formats_, layer);
+  c.in_place = in_place && !in_vram;
+  c.resident = in_vram || c.in_place;
   cuda::route(logits, T, p, p.router_bias ? p.router_bias->data : nullptr, c.sel_ids, c.sel_w,
               c.resident && T == 1 ? &g : nullptr, compute_);
 
@@ -344,7 +420,12 @@ void ExpertTier::run_formats(Call& c) {
 // Every expert of the layer in VRAM: groups, expert kernels and combine on the GPU.
 void ExpertTier::run_resident(Call& c) {
   ExpertBatch& b = c.b;
-  ++stats_.resident_calls;
+  if (c.in_place) {
+    ++stats_.in_place_calls;
+    log_routing(c);
+  } else {
+    ++stats_.resident_calls;
+  }
   bind_layer(c);
   if (c.T > 1) cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, c.g, compute_);
   b.count_on_device = true;
@@ -510,8 +591,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
       ensure_table(layer);
     }
     if (where_[size_t(layer)].empty()) where_[size_t(layer)].assign(size_t(E), -1);
-    if (int64_t(inter_.size()) <= layer) inter_.resize(size_t(layer) + 1, 0);
-    inter_[size_t(layer)] = w.gate.rows;
+    if (lasting_ == &experts) note_host(layer, e, w);
     const bool selected = !pairs_of_[size_t(e)].empty();
     const int slot = free_slot(c, h);
     if (!selected) ++stats_.prefetched;
@@ -559,6 +639,220 @@ void ExpertTier::combine_through_host(Call& c, HostGroups& h) {
   MS_CUDA_CHECK(cudaMemcpyAsync(c.g.row_of, h.row_of, size_t(c.pairs) * sizeof(int), cudaMemcpyHostToDevice, compute_));
   cuda::combine(c.b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
   op_done();
+}
+
+// --- reading in place -----------------------------------------------------------------------
+
+// Whether this call reads the experts of `layer` that are not in VRAM from the host tier in place;
+// the first call of a layer over a lasting provider preloads the layer into the host tier (for a
+// prefill too, so that the decode after it starts in place).
+bool ExpertTier::reads_in_place(int layer, int64_t T, int n_experts, ExpertProvider& experts) {
+  if (!in_place_on_ || !tier_ready_ || prefetch_layers_ || n_experts != n_experts_ || layer < 0 || !experts.lasting())
+    return false;
+  if (lasting_ != &experts) {  // another provider: the addresses known so far are not its
+    if (lasting_) return false;
+    lasting_ = &experts;
+  }
+  ensure_table(layer);
+  if (host_known_[size_t(layer)] < n_experts_) {
+    if (!host_fits()) return false;
+    preload_layer(layer, experts);
+  }
+  return T <= kGemvMaxTokens && host_known_[size_t(layer)] == n_experts_;
+}
+
+// Whether pinned host memory can hold every expert: at most 80% of the memory available when
+// first asked (else the tier keeps to the host round trip, and the host tier to what it reads).
+bool ExpertTier::host_fits() {
+  if (host_fit_ < 0) {
+    const double need = double(opt_.total_experts) * double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
+    host_fit_ = opt_.total_experts > 0 && need <= 0.8 * memory_available() ? 1 : 0;
+  }
+  return host_fit_ == 1;
+}
+
+// Every expert of `layer` the tier has no host address for, through the provider's preload.
+void ExpertTier::preload_layer(int layer, ExpertProvider& experts) {
+  if (!log_host_) {  // the routing log, here: never while a step is captured
+    log_cap_ = size_t(1) << 18;
+    MS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&log_host_), log_cap_ * sizeof(int), cudaHostAllocDefault));
+  }
+  auto& known = host_[size_t(layer)];
+  if (known.empty()) known.assign(size_t(n_experts_), HostExpert{});
+  if (where_[size_t(layer)].empty()) where_[size_t(layer)].assign(size_t(n_experts_), -1);
+  std::vector<int> ids;
+  for (int e = 0; e < n_experts_; ++e)
+    if (!known[size_t(e)].lo) ids.push_back(e);
+  settle_copies();  // the previous miss call's experts are released before a new request
+  experts.preload(layer, ids, [&](int e, const MlpWeights& w) { note_host(layer, e, w); });
+}
+
+// The lasting host copy of an expert, and its table entry there while it is not in VRAM. Memory
+// that is not pinned (not from the backend's pool) turns reading in place off.
+void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
+  auto& known = host_[size_t(layer)];
+  if (known.empty()) known.assign(size_t(n_experts_), HostExpert{});
+  HostExpert& h = known[size_t(expert)];
+  if (h.lo || host_fit_ == 0) return;
+  const char* lo;
+  const char* hi;
+  expert_extent(w, lo, hi);
+  cudaPointerAttributes attr{};
+  if (cudaPointerGetAttributes(&attr, lo) != cudaSuccess || attr.type != cudaMemoryTypeHost) {
+    cudaGetLastError();
+    host_fit_ = 0;
+    return;
+  }
+  note_formats(layer, expert, w);
+  h = HostExpert{lo, uint64_t(hi - lo), entry_at(w, lo, lo)};
+  if (++host_known_[size_t(layer)] == n_experts_) ++mapped_layers_;
+  if (where_[size_t(layer)][size_t(expert)] < 0) {
+    table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.dev;
+    row_dirty_[size_t(layer)] = 1;
+  }
+}
+
+// The call's chosen experts, copied to the log by the compute stream (read by digest_log).
+void ExpertTier::log_routing(const Call& c) {
+  if (log_used_ + size_t(c.pairs) > log_cap_) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    MS_CUDA_CHECK(cudaStreamIsCapturing(compute_, &capture));
+    if (capture != cudaStreamCaptureStatusNone || size_t(c.pairs) > log_cap_) return;  // uncounted
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    digest_log();
+  }
+  MS_CUDA_CHECK(cudaMemcpyAsync(log_host_ + log_used_, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost,
+                                compute_));
+  log_.push_back({c.layer, c.pairs, log_used_});
+  log_used_ += size_t(c.pairs);
+}
+
+// The logged calls (the compute stream has finished them): use counts, hits and misses as the
+// host path counts them (each distinct expert of a call once), and the misses as candidates for
+// promotion.
+void ExpertTier::digest_log() {
+  seen_.assign(size_t(n_experts_), 0);
+  for (const Logged& l : log_) {
+    ++call_;
+    const int* ids = log_host_ + l.offset;
+    for (int64_t i = 0; i < l.pairs; ++i) {
+      const int e = ids[i];
+      if (e < 0 || e >= n_experts_ || seen_[size_t(e)]) continue;
+      seen_[size_t(e)] = 1;
+      ExpertUse& u = use_of(l.layer, e);
+      ++u.uses;
+      u.last_use = call_;
+      const int slot = where_[size_t(l.layer)][size_t(e)];
+      if (slot >= 0) {
+        ++stats_.hits;
+        touch(slot);
+      } else {
+        ++stats_.misses;
+        stats_.bytes_in_place += host_[size_t(l.layer)][size_t(e)].bytes;
+        candidates_.emplace_back(l.layer, e);
+      }
+    }
+    for (int64_t i = 0; i < l.pairs; ++i)
+      if (ids[i] >= 0 && ids[i] < n_experts_) seen_[size_t(ids[i])] = 0;
+  }
+  log_.clear();
+  log_used_ = 0;
+}
+
+void ExpertTier::step_begins() {
+  if (!log_.empty()) {
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    digest_log();
+  }
+  finish_promotions(false);
+  start_promotions();
+  upload_dirty_rows();
+}
+
+// Promotions whose copies are done (all of them, waiting, with `wait`) take their slots.
+void ExpertTier::finish_promotions(bool wait) {
+  size_t done = 0;
+  for (auto& [ev, batch] : promoting_) {
+    if (wait) {
+      MS_CUDA_CHECK(cudaEventSynchronize(ev));
+    } else {
+      const cudaError_t q = cudaEventQuery(ev);
+      if (q == cudaErrorNotReady) break;
+      MS_CUDA_CHECK(q);
+    }
+    for (const Promotion& p : batch) {
+      slot_busy_[size_t(p.slot)] = 0;
+      if (slot_owner_[size_t(p.slot)] != std::make_pair(p.layer, p.expert)) continue;
+      const HostExpert& h = host_[size_t(p.layer)][size_t(p.expert)];
+      where_[size_t(p.layer)][size_t(p.expert)] = p.slot;
+      if (++resident_[size_t(p.layer)] == n_experts_) ++full_layers_;
+      table_host_[size_t(p.layer) * n_experts_ + size_t(p.expert)] =
+          moved(h.dev, h.lo, slot_arena_ + uint64_t(p.slot) * slot_bytes_);
+      row_dirty_[size_t(p.layer)] = 1;
+    }
+    spare_events_.push_back(ev);
+    ++done;
+  }
+  promoting_.erase(promoting_.begin(), promoting_.begin() + long(done));
+}
+
+// The candidates the eviction policy ranks above the lowest-ranked VRAM slots, highest first and
+// at most promotions_per_step(), are copied into those slots on the copy stream. Each victim's
+// table entry points at its host copy from the next upload on, and the copy waits for that upload.
+void ExpertTier::start_promotions() {
+  if (candidates_.empty()) return;
+  const double ticks_per_token =
+      n_experts_ > 0 && opt_.total_experts > 0 ? std::max(1.0, double(opt_.total_experts) / n_experts_) : 1.0;
+  std::sort(candidates_.begin(), candidates_.end());
+  candidates_.erase(std::unique(candidates_.begin(), candidates_.end()), candidates_.end());
+  std::vector<std::pair<double, std::pair<int, int>>> ranked;
+  for (const auto& [layer, e] : candidates_)
+    if (where_[size_t(layer)][size_t(e)] < 0 && host_[size_t(layer)][size_t(e)].bytes <= slot_bytes_)
+      ranked.push_back({policy_->priority(use_of(layer, e), call_, ticks_per_token), {layer, e}});
+  candidates_.clear();
+  std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  const size_t n = std::min(ranked.size(), size_t(promotions_per_step()));
+  if (n == 0) return;
+  rank_victims(n, true);
+  std::vector<Promotion> batch;
+  for (size_t i = 0; i < n && i < victims_.size(); ++i) {
+    const auto [victim_priority, slot] = victims_[i];
+    if (!(ranked[i].first > victim_priority)) break;
+    const auto [layer, e] = ranked[i].second;
+    evict(slot);
+    slot_owner_[size_t(slot)] = {layer, e};
+    slot_busy_[size_t(slot)] = 1;
+    batch.push_back({layer, e, slot});
+  }
+  victims_ranked_ = false;
+  if (batch.empty()) return;
+  upload_dirty_rows();
+  cudaEvent_t ev;
+  if (spare_events_.empty()) {
+    MS_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming));
+  } else {
+    ev = spare_events_.back();
+    spare_events_.pop_back();
+  }
+  MS_CUDA_CHECK(cudaEventRecord(ev, compute_));  // the victims' entries are uploaded
+  MS_CUDA_CHECK(cudaStreamWaitEvent(copy_, ev, 0));
+  for (const Promotion& p : batch) {
+    const HostExpert& h = host_[size_t(p.layer)][size_t(p.expert)];
+    MS_CUDA_CHECK(cudaMemcpyAsync(slot_arena_ + uint64_t(p.slot) * slot_bytes_, h.lo, h.bytes, cudaMemcpyHostToDevice,
+                                  copy_));
+    stats_.bytes_h2d += h.bytes;
+  }
+  MS_CUDA_CHECK(cudaEventRecord(ev, copy_));
+  stats_.promotions += batch.size();
+  promoting_.emplace_back(ev, std::move(batch));
+}
+
+void ExpertTier::upload_dirty_rows() {
+  for (size_t l = 0; l < row_dirty_.size(); ++l)
+    if (row_dirty_[l]) {
+      upload_table_row(int(l));
+      row_dirty_[l] = 0;
+    }
 }
 
 }  // namespace moestream::cuda

@@ -8,7 +8,16 @@
 //    and the misses are requested from the ExpertProvider (its pinned slots are the host tier; it
 //    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
 //    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
-//    rest of layer L is fetched along so that later calls take the first path.
+//    rest of layer L is fetched along so that later calls take the first path;
+//  - decode (at most kGemvMaxTokens tokens) over a lasting provider (a host tier that keeps every
+//    expert it reads, in pinned memory): the first call of L preloads L's experts into the host
+//    tier, and from then on L runs as in the first path, its device table pointing at the VRAM
+//    slot of each expert held there and at the pinned host copy of every other one, which the
+//    expert kernels read in place over PCIe. Nothing waits for the host, and the step can be a
+//    CUDA graph. The routing of the step is logged to the host; between steps (step_begins) it
+//    updates the use counts, and misses that the eviction policy ranks above a VRAM slot's expert
+//    are copied into that slot on the copy stream, their table entries switched once the copy is
+//    done.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -97,16 +106,28 @@ class ExpertTier {
     return tier_ready_ && prefetch_layers_ && n_experts_ > 0 &&
            int64_t(full_layers_) * n_experts_ == opt_.total_experts;
   }
+  // A one-token step needs no host round trip: every expert in VRAM, or every MoE layer read in
+  // place (the step can be captured as a CUDA graph).
+  bool graph_ready() const {
+    return all_resident() ||
+           (in_place_on_ && n_experts_ > 0 && int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
+  }
+  // Between steps (the compute stream's work so far may still run): the logged routing of the
+  // steps read in place updates use counts and statistics, finished promotions take their slots,
+  // and new ones start.
+  void step_begins();
   // The statistics so far, with the slot arena's shape (graph steps and pinned bytes are the
-  // backend's to fill in).
-  GpuTierStats stats() const;
+  // backend's to fill in). Waits for the compute stream when steps read in place are not yet
+  // counted.
+  GpuTierStats stats();
 
  private:
   // One MoE call as it goes through its steps.
   struct Call {
     int64_t T = 0, dim = 0, pairs = 0;
     int K = 0, E = 0, layer = 0;
-    bool resident = false;  // every expert of the layer in VRAM: the device-only path
+    bool resident = false;  // the device-only path: every expert of the layer in VRAM, or in_place
+    bool in_place = false;  // the layer's experts not in VRAM are read from pinned host memory
     float* sel_w = nullptr;
     int* sel_ids = nullptr;
     MoeGroups g{};
@@ -126,7 +147,7 @@ class ExpertTier {
   };
 
   // --- the steps of moe() ---
-  Call route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out);
+  Call route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out, bool in_place);
   void run_resident(Call& c);
   void read_selection(const Call& c);
   HostGroups host_groups(const Call& c);
@@ -134,7 +155,7 @@ class ExpertTier {
   void launch_hits(Call& c, HostGroups& h);
   void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
-  void rank_victims(size_t needed);
+  void rank_victims(size_t needed, bool this_call_too = false);
   ExpertUse& use_of(int layer, int expert);
   void combine_through_host(Call& c, HostGroups& h);
   void bind_layer(Call& c);
@@ -142,11 +163,24 @@ class ExpertTier {
   void append(HostGroups& h, int e);
   void launch(Call& c, HostGroups& h);
 
+  // --- reading in place ---
+  bool reads_in_place(int layer, int64_t T, int n_experts, ExpertProvider& experts);
+  bool host_fits();
+  void preload_layer(int layer, ExpertProvider& experts);
+  void note_host(int layer, int expert, const MlpWeights& w);
+  void log_routing(const Call& c);
+  void digest_log();
+  void finish_promotions(bool wait);
+  void start_promotions();
+  void upload_dirty_rows();
+
   // --- slots and the device table ---
   void init(const MoeParams& p, uint64_t first_expert_bytes);
   void ensure_table(int layer);
   void upload_table_row(int layer);
   void load_expert(int layer, int expert, const MlpWeights& w, int slot);
+  void note_formats(int layer, int expert, const MlpWeights& w);
+  void evict(int slot);
   void touch(int slot);
   void settle_copies();
   void op_done() {
@@ -203,6 +237,39 @@ class ExpertTier {
   std::vector<std::vector<int>> pairs_of_;  // expert -> its (token, slot) pair indices
   std::vector<int64_t> inter_;              // intermediate size of each layer's experts
   std::vector<int> hits_, request_, deferred_;
+
+  // Reading in place. host_[layer][expert]: the expert's lasting host copy (lo == nullptr until
+  // seen), with its table entry pointing there; a layer is mapped once every expert is known.
+  struct HostExpert {
+    const char* lo = nullptr;
+    uint64_t bytes = 0;
+    DevExpert dev{};
+  };
+  bool in_place_on_ = true;               // MOESTREAM_CUDA_IN_PLACE=0 turns it off
+  int host_fit_ = -1;                     // the host tier can hold every expert: 1, 0, -1 unknown
+  ExpertProvider* lasting_ = nullptr;     // the provider whose addresses host_ holds
+  std::vector<std::vector<HostExpert>> host_;
+  std::vector<int> host_known_;           // per layer: experts in host_
+  int mapped_layers_ = 0;
+  // The routing of calls read in place, copied to pinned log_host_ by the compute stream.
+  struct Logged {
+    int layer;
+    int64_t pairs;
+    size_t offset;
+  };
+  int* log_host_ = nullptr;
+  size_t log_cap_ = 0, log_used_ = 0;
+  std::vector<Logged> log_;
+  std::vector<std::pair<int, int>> candidates_;  // (layer, expert) read in place since the last promotions
+  std::vector<char> seen_;
+  // Promotions: copies into VRAM slots on the copy stream, a batch per step with its event.
+  struct Promotion {
+    int layer, expert, slot;
+  };
+  std::vector<std::pair<cudaEvent_t, std::vector<Promotion>>> promoting_;
+  std::vector<cudaEvent_t> spare_events_;
+  std::vector<char> slot_busy_;           // a promotion's copy into the slot is in flight
+  std::vector<char> row_dirty_;           // table rows changed on the host since their upload
 };
 
 }  // namespace moestream::cuda
