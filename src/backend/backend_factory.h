@@ -38,6 +38,7 @@ struct GpuTierStats {
   // Decode read in place: MoE calls so run, the experts they read from pinned host memory (each
   // distinct expert of a call counted once), and misses copied into VRAM slots after their call.
   uint64_t in_place_calls = 0, bytes_in_place = 0, promotions = 0;
+  uint64_t bytes_promoted = 0;  // copied by those promotions (not in bytes_h2d, whose time is measured)
   double h2d_seconds = 0;     // GPU time of those copies
   uint64_t slot_bytes = 0, slots = 0;
   uint64_t pinned_bytes = 0;  // pinned host memory handed to the ExpertStore

@@ -324,7 +324,9 @@ void add_bench(CLI::App& app) {
         const double tps = generated / secs;
         // Copies and reads in place both cross PCIe.
         const double pcie_per_token =
-            double(t1.bytes_h2d - t0s.bytes_h2d + t1.bytes_in_place - t0s.bytes_in_place) / double(generated);
+            double(t1.bytes_h2d - t0s.bytes_h2d + t1.bytes_promoted - t0s.bytes_promoted + t1.bytes_in_place -
+                   t0s.bytes_in_place) /
+            double(generated);
         const double disk_per_token = double(bytes) / double(generated);
         const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
         const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;

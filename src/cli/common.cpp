@@ -247,11 +247,12 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
       j["vram_expert_bytes"] = g->slots * g->slot_bytes;
       j["host_tier_hit_rate"] = s.hit_rate();
       j["pinned_host_bytes"] = g->pinned_bytes;
-      j["pcie_bytes"] = g->bytes_h2d;
+      j["pcie_bytes"] = g->bytes_h2d + g->bytes_promoted;
       j["pcie_gb_per_s"] = g->h2d_seconds > 0 ? double(g->bytes_h2d) / g->h2d_seconds / 1e9 : 0.0;
       j["vram_in_place_layer_calls"] = g->in_place_calls;
       j["pcie_bytes_read_in_place"] = g->bytes_in_place;
       j["vram_promotions"] = g->promotions;
+      j["pcie_bytes_promoted"] = g->bytes_promoted;
     }
     std::fprintf(stderr, "%s\n", j.dump().c_str());
   }

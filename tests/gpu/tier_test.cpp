@@ -53,7 +53,7 @@ TEST(CudaTier, FailedExpertReadLeavesTheTierUsable) {
   const auto ids = ref["logit_tokens"].get<std::vector<int32_t>>();
   // (VRAM, host) budgets: the host round trip; everything in VRAM; a few slots and the rest read
   // in place from an unbounded host tier (whose preload of the layer meets the damaged expert).
-  for (const auto [vram_mb, host_mb] :
+  for (const auto& [vram_mb, host_mb] :
        {std::pair{0.0, 0.05}, std::pair{0.05, 0.05}, std::pair{-1.0, -1.0}, std::pair{0.05, -1.0}}) {
     SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb) + ", host " + std::to_string(host_mb));
     ModelOptions o;

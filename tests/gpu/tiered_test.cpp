@@ -58,7 +58,7 @@ TEST(TieredGpu, MixedFormatsMatchTheCpu) {
   const std::vector<float> want_prefill = test::prefill_logits(*cpu, kTokens), want_decode = decode_logits(*cpu);
   // Every expert in VRAM; one slot fed by the host round trip (a bounded host tier); one slot and
   // the rest read in place (an unbounded host tier).
-  for (const auto [vram_mb, host_mb] : {std::pair{-1.0, -1.0}, std::pair{0.0, 0.0}, std::pair{0.0, -1.0}}) {
+  for (const auto& [vram_mb, host_mb] : {std::pair{-1.0, -1.0}, std::pair{0.0, 0.0}, std::pair{0.0, -1.0}}) {
     SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb) + ", host " + std::to_string(host_mb));
     auto gpu = load(dir + "/pack", "cuda", vram_mb, host_mb);
     const double prefill_err = test::relative_error(test::prefill_logits(*gpu, kTokens), want_prefill);
@@ -67,7 +67,9 @@ TEST(TieredGpu, MixedFormatsMatchTheCpu) {
                 prefill_err, decode_err);
     EXPECT_LT(prefill_err, 1e-5);
     EXPECT_LT(decode_err, 1e-5);
-    if (vram_mb == 0 && host_mb < 0) EXPECT_GT(gpu_tier_stats(gpu->backend())->in_place_calls, 0u);
+    if (vram_mb == 0 && host_mb < 0) {
+      EXPECT_GT(gpu_tier_stats(gpu->backend())->in_place_calls, 0u);
+    }
   }
 }
 

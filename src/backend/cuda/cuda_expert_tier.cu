@@ -10,6 +10,7 @@
 
 #include "backend/cuda/cuda_expert_tier.cuh"
 #include "backend/expert_provider.h"
+#include "core/error.h"
 #include "core/quant.h"
 
 namespace moestream::cuda {
@@ -222,6 +223,7 @@ void ExpertTier::ensure_table(int layer) {
   formats_.resize(size_t(cap));
   host_.resize(size_t(cap));
   host_known_.resize(size_t(cap), 0);
+  preload_failed_.resize(size_t(cap), 0);
   row_dirty_.resize(size_t(cap), 0);
 }
 
@@ -322,7 +324,7 @@ void ExpertTier::settle_copies() {
 void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
   if (x.rows == 0) return;
   const bool in_place = reads_in_place(p.layer, x.rows, p.n_experts, experts);
-  if (in_place) upload_dirty_rows();
+  upload_dirty_rows();  // rows an earlier call or a promotion changed
   prof_.begin(compute_);
   Call c = route(x, router, p, out, in_place);
   if (prof_.on()) prof_.end(compute_, weight_label("moe router + top-k", router, x.rows), stored_bytes(router));
@@ -609,6 +611,10 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   if (h.copies) {  // settled by the next miss call (settle_copies), not waited for here
     MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
     unsettled_timing_ = true;
+    // Later kernels may read every slot filled here (a layer filled whole is then resident, and
+    // the copies of its unselected experts follow the last launch): the compute stream waits for
+    // them, the host does not.
+    if (fill_layer) MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
   }
   unsettled_provider_ = &experts;
   unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
@@ -655,8 +661,15 @@ bool ExpertTier::reads_in_place(int layer, int64_t T, int n_experts, ExpertProvi
   }
   ensure_table(layer);
   if (host_known_[size_t(layer)] < n_experts_) {
-    if (!host_fits()) return false;
-    preload_layer(layer, experts);
+    if (!host_fits() || preload_failed_[size_t(layer)]) return false;
+    try {
+      preload_layer(layer, experts);
+    } catch (const Error&) {
+      // A damaged expert: the layer keeps to the host path, where only a call choosing that
+      // expert fails (naming it), as without reading in place.
+      preload_failed_[size_t(layer)] = 1;
+      return false;
+    }
   }
   return T <= kGemvMaxTokens && host_known_[size_t(layer)] == n_experts_;
 }
@@ -688,7 +701,8 @@ void ExpertTier::preload_layer(int layer, ExpertProvider& experts) {
 }
 
 // The lasting host copy of an expert, and its table entry there while it is not in VRAM. Memory
-// that is not pinned (not from the backend's pool) turns reading in place off.
+// that is not pinned (not from the backend's pool) stops any further preload: a layer not yet
+// mapped then keeps to the host path.
 void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
   auto& known = host_[size_t(layer)];
   if (known.empty()) known.assign(size_t(n_experts_), HostExpert{});
@@ -782,8 +796,9 @@ void ExpertTier::finish_promotions(bool wait) {
     }
     for (const Promotion& p : batch) {
       slot_busy_[size_t(p.slot)] = 0;
+      HostExpert& h = host_[size_t(p.layer)][size_t(p.expert)];
+      h.promoting = false;
       if (slot_owner_[size_t(p.slot)] != std::make_pair(p.layer, p.expert)) continue;
-      const HostExpert& h = host_[size_t(p.layer)][size_t(p.expert)];
       where_[size_t(p.layer)][size_t(p.expert)] = p.slot;
       if (++resident_[size_t(p.layer)] == n_experts_) ++full_layers_;
       table_host_[size_t(p.layer) * n_experts_ + size_t(p.expert)] =
@@ -806,9 +821,11 @@ void ExpertTier::start_promotions() {
   std::sort(candidates_.begin(), candidates_.end());
   candidates_.erase(std::unique(candidates_.begin(), candidates_.end()), candidates_.end());
   std::vector<std::pair<double, std::pair<int, int>>> ranked;
-  for (const auto& [layer, e] : candidates_)
-    if (where_[size_t(layer)][size_t(e)] < 0 && host_[size_t(layer)][size_t(e)].bytes <= slot_bytes_)
+  for (const auto& [layer, e] : candidates_) {
+    const HostExpert& h = host_[size_t(layer)][size_t(e)];
+    if (where_[size_t(layer)][size_t(e)] < 0 && !h.promoting && h.bytes <= slot_bytes_)
       ranked.push_back({policy_->priority(use_of(layer, e), call_, ticks_per_token), {layer, e}});
+  }
   candidates_.clear();
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
   const size_t n = std::min(ranked.size(), size_t(promotions_per_step()));
@@ -822,6 +839,7 @@ void ExpertTier::start_promotions() {
     evict(slot);
     slot_owner_[size_t(slot)] = {layer, e};
     slot_busy_[size_t(slot)] = 1;
+    host_[size_t(layer)][size_t(e)].promoting = true;
     batch.push_back({layer, e, slot});
   }
   victims_ranked_ = false;
@@ -840,7 +858,7 @@ void ExpertTier::start_promotions() {
     const HostExpert& h = host_[size_t(p.layer)][size_t(p.expert)];
     MS_CUDA_CHECK(cudaMemcpyAsync(slot_arena_ + uint64_t(p.slot) * slot_bytes_, h.lo, h.bytes, cudaMemcpyHostToDevice,
                                   copy_));
-    stats_.bytes_h2d += h.bytes;
+    stats_.bytes_promoted += h.bytes;
   }
   MS_CUDA_CHECK(cudaEventRecord(ev, copy_));
   stats_.promotions += batch.size();

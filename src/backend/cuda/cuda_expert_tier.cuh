@@ -109,8 +109,8 @@ class ExpertTier {
   // A one-token step needs no host round trip: every expert in VRAM, or every MoE layer read in
   // place (the step can be captured as a CUDA graph).
   bool graph_ready() const {
-    return all_resident() ||
-           (in_place_on_ && n_experts_ > 0 && int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
+    return all_resident() || (in_place_on_ && lasting_ && host_fit_ == 1 && n_experts_ > 0 && opt_.total_experts > 0 &&
+                              int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
   }
   // Between steps (the compute stream's work so far may still run): the logged routing of the
   // steps read in place updates use counts and statistics, finished promotions take their slots,
@@ -215,8 +215,9 @@ class ExpertTier {
   std::vector<std::pair<int, int>> slot_owner_;
   std::vector<uint64_t> slot_call_;       // the call that last used the slot
   // Which slot a miss takes: the policy's priority of each slot's expert (use_: [layer][expert],
-  // counted over tiered calls, also across evictions), ranked once per miss call, lowest first;
-  // empty slots before all.
+  // counted over the calls of the host path and the logged calls read in place, also across
+  // evictions), ranked once per host-path miss call or per step's promotions, lowest first; empty
+  // slots before all.
   std::unique_ptr<EvictionPolicy> policy_;
   std::vector<std::vector<ExpertUse>> use_;
   std::vector<std::pair<double, int>> victims_;
@@ -244,12 +245,16 @@ class ExpertTier {
     const char* lo = nullptr;
     uint64_t bytes = 0;
     DevExpert dev{};
+    bool promoting = false;  // a copy into a VRAM slot is in flight
   };
   bool in_place_on_ = true;               // MOESTREAM_CUDA_IN_PLACE=0 turns it off
   int host_fit_ = -1;                     // the host tier can hold every expert: 1, 0, -1 unknown
-  ExpertProvider* lasting_ = nullptr;     // the provider whose addresses host_ holds
+  // The provider whose addresses host_ holds (a model owns its backend, so it outlives the tier's
+  // use of them); calls with another provider keep to the host path.
+  ExpertProvider* lasting_ = nullptr;
   std::vector<std::vector<HostExpert>> host_;
   std::vector<int> host_known_;           // per layer: experts in host_
+  std::vector<char> preload_failed_;      // per layer: a read failed (the layer keeps to the host path)
   int mapped_layers_ = 0;
   // The routing of calls read in place, copied to pinned log_host_ by the compute stream.
   struct Logged {
