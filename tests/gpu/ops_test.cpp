@@ -170,6 +170,35 @@ TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
       }
 }
 
+// One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads; its rows
+// must equal, bit for bit, the GEMV of several tokens (gemv_kernel, whose token sums do not depend
+// on how many it takes), alone and as one of several matrices sharing x. Rows past a whole block
+// (100, 33) and widths of one and several passes of 32 packs.
+TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
+  for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "mxfp4"})
+    for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 2048}, {200, 4096}}) {
+      SCOPED_TRACE(fmt + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
+      HostMatrix hm = make_matrix(rows, cols, fmt, 7), hm2 = make_matrix(rows / 2 + 1, cols, fmt, 8);
+      Matrix w = load(*gpu, hm, fmt), w2 = load(*gpu, hm2, fmt);
+      const std::vector<float> xv = random(size_t(3 * cols), 11);
+      Buf x3 = buf(3, cols, xv), x1 = buf(1, cols, std::vector<float>(xv.begin(), xv.begin() + cols));
+      Buf many = poisoned(3, rows), one = poisoned(1, rows), one2 = poisoned(1, w2.rows), many2 = poisoned(3, w2.rows);
+      gpu->linear(x3.g, w, nullptr, many.g);
+      gpu->linear(x1.g, w, nullptr, one.g);
+      const std::vector<float> m = host(*gpu, many.g), o = host(*gpu, one.g);
+      EXPECT_EQ(o, std::vector<float>(m.begin(), m.begin() + rows));
+      const Matrix* ws[2] = {&w, &w2};
+      const Vector* bs[2] = {nullptr, nullptr};
+      Buffer* outs1[2] = {&one.g, &one2.g};
+      Buffer* outs3[2] = {&many.g, &many2.g};
+      gpu->linear_shared_input(x1.g, ws, bs, outs1);
+      gpu->linear_shared_input(x3.g, ws, bs, outs3);
+      EXPECT_EQ(host(*gpu, one.g), o);
+      const std::vector<float> m2 = host(*gpu, many2.g);
+      EXPECT_EQ(host(*gpu, one2.g), std::vector<float>(m2.begin(), m2.begin() + w2.rows));
+    }
+}
+
 // Rows that are not a multiple of 32 (FP8: nor of its group, the last group partial).
 TEST_F(Pair, LinearOddWidthWithBias) {
   for (std::string fmt : {"f32", "bf16", "fp8g32", "fp8g128"}) {

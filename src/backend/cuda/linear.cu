@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "backend/cuda/gemv_one.cuh"
 #include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
 #include "core/quant.h"
@@ -140,6 +141,30 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   int i = 0;
   while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
   gemv_rows<KIND, SF16, NT>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
+}
+
+// One token through the single-token tile (gemv_one.cuh), for up to kMaxShared matrices of one
+// format and width: the blocks of matrix i are [first_block[i], first_block[i + 1]), kOneWarps * R
+// rows each. Each row's value is gemv_kernel's, bit for bit; the weights' first loads are issued
+// before x is staged and the next ones while the current are computed.
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kOneWarps * 32, 3) gemv_one_kernel(SharedInput m, const float* __restrict__ x) {
+  constexpr int R = one_rows<KIND, 1>();
+  extern __shared__ float smem[];
+  int i = 0;
+  while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
+  const WeightRef* const w[1] = {&m.w[i]};
+  const int64_t row0 = int64_t(blockIdx.x - m.first_block[i]) * (kOneWarps * R) + (threadIdx.x / 32) * R;
+  const int lane = threadIdx.x & 31;
+  RawPack<KIND> cur[1][R];
+  load_first<KIND, 1, R>(w, row0, cur);
+  stage_row(x, m.w[i].cols, smem);
+  float acc[1][R];
+  dot_rows<KIND, SF16, 1, R, false>(w, row0, cur, smem, acc);
+  const float* bias = m.bias[i];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (lane == r && row0 + r < m.w[i].rows) m.out[i][row0 + r] = acc[0][r] + (bias ? bias[row0 + r] : 0.0f);
 }
 
 // Rows [r0, r0 + n) of w as float32 into tile [n, cols].
@@ -367,6 +392,43 @@ bool bf16_few_tokens(const FormatTag& tag, int64_t T, int64_t cols, GemmMath mat
          exact_mma_enabled();
 }
 
+// MOESTREAM_CUDA_ONE_TOKEN_GEMV=0: one-token linears through gemv_kernel, for comparison.
+bool one_token_off() {
+  static const bool off = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_ONE_TOKEN_GEMV");
+    return v && std::string(v) == "0";
+  }();
+  return off;
+}
+
+// One token of a format the single-token tile reads (gemv_one.cuh), whole packs, x 16-byte
+// aligned: every matrix of m through gemv_one_kernel in one launch (m.first_block filled here).
+// False (nothing launched) otherwise.
+bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, int64_t T, cudaStream_t stream) {
+  const int64_t cols = m.w[0].cols;
+  if (T != 1 || cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0) return false;
+  const size_t smem = size_t(padded_cols(cols)) * sizeof(float), limit = max_gemv_smem();
+  if (smem > limit) return false;
+  bool launched = false;
+  dispatch_format(tag, [&]<int KIND, bool SF16>() {
+    if constexpr (one_token_kind(KIND)) {
+      constexpr int rows_per_block = kOneWarps * one_rows<KIND, 1>();
+      m.first_block[0] = 0;
+      for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(m.w[i].rows, rows_per_block);
+      static bool configured = false;
+      if (!configured) {
+        MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(limit)));
+        configured = true;
+      }
+      gemv_one_kernel<KIND, SF16><<<m.first_block[m.n], kOneWarps * 32, smem, stream>>>(m, x);
+      MS_CUDA_CHECK_LAUNCH();
+      launched = true;
+    }
+  });
+  return launched;
+}
+
 }  // namespace
 
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
@@ -379,6 +441,15 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
   if (bf16_few_tokens(tag, T, w.cols, math)) {
     gemm_few(m, split_few(x, ldx, T, w.cols, scratch, stream), T, bias, out, ldo, scratch, stream);
     return;
+  }
+  if (T == 1 && !one_token_off()) {
+    SharedInput one{};
+    one.n = 1;
+    one.w[0] = w;
+    one.bias[0] = bias;
+    one.out[0] = out;
+    one.ldo[0] = ldo;
+    if (gemv_one(tag, one, x, T, stream)) return;
   }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
@@ -463,14 +534,15 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
   if (nt_max == 0) return false;
   SharedInput m{};
   m.n = int(w.size());
-  m.first_block[0] = 0;
   for (int i = 0; i < m.n; ++i) {
     m.w[i] = weight_ref(*w[size_t(i)]);
     m.bias[i] = bias[size_t(i)];
     m.out[i] = out[size_t(i)];
     m.ldo[i] = w[size_t(i)]->rows;
-    m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   }
+  if (T == 1 && !one_token_off() && gemv_one(tag, m, x, T, stream)) return true;
+  m.first_block[0] = 0;
+  for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
     auto launch = [&]<int NT>() {
       static bool configured = false;

@@ -1,0 +1,193 @@
+// The single-token GEMV tile shared by the expert kernels (moe.cu) and the linear layers
+// (linear.cu): weight loads issued before x is staged and double-buffered, decoded only once x is
+// in shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/weights.cuh"
+
+namespace moestream::cuda {
+
+// The single-token GEMV tile (moe.cu's one-token expert kernels, linear.cu's one-token GEMV):
+// a warp owns R rows of M matrices that share x (gate and up, or down), a block 8 warps;
+// a lane walks packs p = lane, lane + 32, ... of its rows. The warp's first weight loads are
+// issued before the block stages x, the next pack's while the current one is computed, and
+// registers stay low enough for 3 blocks per SM (4 for a one-pass down: 48 registers in q4), so
+// the whole batch runs in one wave with every row's loads in flight.
+// Each row sums exactly as gemv_warp does (per-lane packs in order, then the warp butterfly):
+// its value is bit-identical to the batched kernels' and to linear's GEMV.
+constexpr int kOneWarps = 8;
+constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded packs (two are in flight)
+
+// The kinds these kernels decode (through weights.cuh's load_codes / load_fp8 / load_plain and
+// scale helpers): those the GPU parity tests have run through them (bf16, q4 and MXFP4 experts of
+// the fixtures, bit-identical to the batched kernels). RawPack / load_raw also read f16, q2, q3,
+// q6, q8 and FP8; list a kind here once a fixture exercises it. Any other kind, or a width that is
+// not whole packs, goes through the batched kernels.
+constexpr bool one_token_kind(int kind) { return kind == kBF16 || kind == kQ4 || kind == kMxfp4; }
+
+// One pack (32 values) of one row as loaded: raw words and the raw bits of its group's scale (and
+// affine bias), decoded only once x is staged, so that no use of a loaded value comes before the
+// block's barrier.
+template <int KIND>
+struct RawPack {
+  static constexpr int kWords = KIND == kFp8 ? 8 : is_quant(KIND) ? bits_of(KIND) : KIND == kF32 ? 32 : 16;
+  alignas(16) uint32_t w[kWords];
+  uint32_t scale, bias;
+};
+
+// Rows per warp for M matrices of a kind: as many as one buffer of kOneRawRegs holds (2 of gate
+// and up in q4, 4 of down); the next packs are loaded while the current ones are computed when
+// that fits too.
+template <int KIND, int M>
+constexpr int one_rows() {
+  constexpr int per_row = M * (RawPack<KIND>::kWords + 2);
+  return per_row >= kOneRawRegs ? 1 : kOneRawRegs / per_row;
+}
+template <int KIND, int M, int R>
+constexpr bool one_double_buffered() {
+  return M * R * (RawPack<KIND>::kWords + 2) <= kOneRawRegs;
+}
+
+// Pack p of `row` of m, with the load widths of load_codes / load_fp8 / load_plain (cols % 32 == 0).
+template <int KIND>
+__device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_t p, RawPack<KIND>& r) {
+  constexpr int W = RawPack<KIND>::kWords;
+  const uint32_t* words;
+  if constexpr (KIND == kFp8) words = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.data) + row * m.cols + p * 32);
+  else if constexpr (is_quant(KIND)) words = static_cast<const uint32_t*>(m.data) + row * (m.cols * W / 32) + p * W;
+  else words = reinterpret_cast<const uint32_t*>(static_cast<const char*>(m.data) + (row * m.cols + p * 32) * (W / 8));
+  if constexpr (W % 4 == 0) {
+#pragma unroll
+    for (int j = 0; j < W / 4; ++j) reinterpret_cast<uint4*>(r.w)[j] = __ldg(reinterpret_cast<const uint4*>(words) + j);
+  } else if constexpr (W % 2 == 0) {  // 2- and 6-bit rows are 8-byte aligned
+#pragma unroll
+    for (int j = 0; j < W / 2; ++j) reinterpret_cast<uint2*>(r.w)[j] = __ldg(reinterpret_cast<const uint2*>(words) + j);
+  } else {
+#pragma unroll
+    for (int j = 0; j < W; ++j) r.w[j] = __ldg(words + j);
+  }
+  if constexpr (is_quant(KIND)) {
+    const int64_t g = group_index(m, row, p * 32);
+    if constexpr (KIND == kMxfp4) r.scale = __ldg(static_cast<const uint8_t*>(m.scales) + g);
+    else if constexpr (KIND == kFp8) r.scale = __float_as_uint(__ldg(static_cast<const float*>(m.scales) + g));
+    else r.scale = __ldg(static_cast<const uint16_t*>(m.scales) + g);
+    if constexpr (is_affine(KIND)) r.bias = __ldg(m.biases + g);
+  }
+}
+
+// acc[m][r] gains pack . x for M x R loaded packs: the arithmetic of gemv_warp's inner loop.
+template <int KIND, bool SF16, int M, int R>
+__device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], const float* xv, float (&acc)[M][R]) {
+  float q[M][R][32];
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      if constexpr (KIND == kFp8) load_fp8(reinterpret_cast<const uint8_t*>(raw[m][r].w), true, 32, q[m][r]);
+      else if constexpr (is_quant(KIND)) load_codes<KIND>(raw[m][r].w, q[m][r]);
+      else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
+    }
+  float d[M][R];
+  float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) d[m][r] = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const float4 x4 = reinterpret_cast<const float4*>(xv)[j];
+    if constexpr (is_affine(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        d[m][r] = fmaf(q[m][r][4 * j], x4.x, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 1], x4.y, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 2], x4.z, d[m][r]);
+        d[m][r] = fmaf(q[m][r][4 * j + 3], x4.w, d[m][r]);
+      }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const RawPack<KIND>& p = raw[m][r];
+      if constexpr (is_affine(KIND))
+        acc[m][r] += fmaf(scale_value<SF16>(uint16_t(p.scale)), d[m][r], scale_value<SF16>(uint16_t(p.bias)) * sx);
+      else if constexpr (KIND == kMxfp4) acc[m][r] = fmaf(mxfp4_scale(p.scale), d[m][r], acc[m][r]);
+      else if constexpr (KIND == kFp8) acc[m][r] = fmaf(__uint_as_float(p.scale), d[m][r], acc[m][r]);
+      else acc[m][r] += d[m][r];
+    }
+}
+
+// acc[m][r] = row row0 + r of w[m] . x for one staged x row (xs, padded as stage_x lays it out);
+// `cur` holds the packs at p = lane, loaded by load_first before staging. ONE_PASS: a row has at
+// most 32 packs (no second pass, no buffer for it). All lanes get the sums.
+template <int KIND, bool SF16, int M, int R, bool ONE_PASS>
+__device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
+                                         const float* xs, float (&acc)[M][R]) {
+  const int lane = threadIdx.x & 31;
+  const int64_t packs = w[0]->cols >> 5;
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+  if constexpr (ONE_PASS) {
+    if (lane < packs) dot_packs<KIND, SF16, M, R>(cur, xs + lane * 36, acc);
+  } else {
+  for (int64_t p = lane; p < packs; p += 32) {
+    if constexpr (one_double_buffered<KIND, M, R>()) {
+      const bool more = p + 32 < packs;
+      RawPack<KIND> next[M][R];
+      if (more) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 32, next[m][r]);
+      }
+      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+      if (more) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) cur[m][r] = next[m][r];
+      }
+    } else {
+      if (p > lane) {
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p, cur[m][r]);
+      }
+      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+    }
+  }
+  }
+#pragma unroll
+  for (int m = 0; m < M; ++m)
+#pragma unroll
+    for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+}
+
+template <int KIND, int M, int R>
+__device__ __forceinline__ void load_first(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R]) {
+  const int lane = threadIdx.x & 31;
+  if (lane < (w[0]->cols >> 5)) {
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), lane, cur[m][r]);
+  }
+}
+
+// xs [padded_cols(cols)] = x [cols] (cols % 32 == 0); ends with the block synchronized.
+__device__ __forceinline__ void stage_row(const float* __restrict__ x, int64_t cols, float* xs) {
+  const float4* x4 = reinterpret_cast<const float4*>(x);
+  for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x)
+    *reinterpret_cast<float4*>(xs + padded(4 * i)) = x4[i];
+  __syncthreads();
+}
+
+}  // namespace moestream::cuda
