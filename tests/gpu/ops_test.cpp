@@ -170,12 +170,13 @@ TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
       }
 }
 
-// One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads; its rows
+// One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads (bf16 too,
+// whose several-token GEMV is the tensor cores'); its rows
 // must equal, bit for bit, the GEMV of several tokens (gemv_kernel, whose token sums do not depend
 // on how many it takes), alone and as one of several matrices sharing x. Rows past a whole block
 // (100, 33) and widths of one and several passes of 32 packs.
 TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
-  for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "mxfp4"})
+  for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "mxfp4", "q8g64", "q8g128"})
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 2048}, {200, 4096}}) {
       SCOPED_TRACE(fmt + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
       HostMatrix hm = make_matrix(rows, cols, fmt, 7), hm2 = make_matrix(rows / 2 + 1, cols, fmt, 8);
@@ -560,6 +561,40 @@ TEST_F(Pair, MoeEveryExpertFormat) {
       EXPECT_LT(worst, 2e-5) << "T=" << T;
     }
   }
+}
+
+// One token's router logits and routing in one launch (moe.cu's route_one) for routers the
+// single-token tile reads: 160 experts make 10-20 blocks, of which the last to finish routes;
+// five calls in a row (its counter of finished blocks must start at 0 each time), two router
+// kinds, against the CPU. A wrong expert would move a token's output by far more than 2e-5.
+TEST_F(Pair, OneTokenRouterOfManyExpertsMatchesTheCpu) {
+  const int E = 160;
+  const int64_t dim = 256, inter = 64;
+  HostExperts experts(E, dim, inter, "q4g64", 41);
+  for (const std::string fmt : {"bf16", "q8g64", "q4g64"})
+    for (RouterKind kind : {RouterKind::SoftmaxTopK, RouterKind::TopKSoftmax}) {
+      SCOPED_TRACE(fmt + (kind == RouterKind::SoftmaxTopK ? " softmax-top-k" : " top-k-softmax"));
+      CudaOptions o;
+      o.gpu_expert_mb = 64;
+      o.total_experts = E;
+      std::unique_ptr<Backend> g = make_cuda_backend(o);
+      HostMatrix r = make_matrix(E, dim, fmt, 9);
+      const Matrix rc = load(*cpu, r, fmt), rg = load(*g, r, fmt);
+      MoeParams p;
+      p.n_experts = E;
+      p.top_k = 8;
+      p.router = kind;
+      p.norm_topk_prob = true;
+      for (int call = 0; call < 5; ++call) {
+        const std::vector<float> xv = random(size_t(dim), 50 + uint32_t(call));
+        Buffer xc = cpu->alloc(1, dim), xg = g->alloc(1, dim), oc = cpu->alloc(1, dim), og = g->alloc(1, dim);
+        std::memcpy(xc.data, xv.data(), xv.size() * sizeof(float));
+        ASSERT_EQ(cudaMemcpy(xg.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+        cpu->moe(xc, rc, experts, p, oc);
+        g->moe(xg, rg, experts, p, og);
+        EXPECT_LT(test::relative_error(host(*g, og), host(*cpu, oc)), 2e-5) << "call " << call;
+      }
+    }
 }
 
 // The fused steps of backend.h against the ops they replace, on the GPU (bit for bit: the model

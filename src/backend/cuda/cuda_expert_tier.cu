@@ -149,6 +149,8 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
   const char* in_place = std::getenv("MOESTREAM_CUDA_IN_PLACE");
   in_place_on_ = !(in_place && std::string(in_place) == "0");
+  MS_CUDA_CHECK(cudaMalloc(&route_done_, sizeof(unsigned)));
+  MS_CUDA_CHECK(cudaMemset(route_done_, 0, sizeof(unsigned)));
 }
 
 ExpertTier::~ExpertTier() {
@@ -156,6 +158,7 @@ ExpertTier::~ExpertTier() {
   for (auto& [ev, batch] : promoting_) cudaEventDestroy(ev);
   for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
   if (log_host_) cudaFreeHost(log_host_);
+  if (route_done_) cudaFree(route_done_);
   if (slot_arena_) cudaFree(slot_arena_);
   if (table_dev_) cudaFree(table_dev_);
   if (table_host_) cudaFreeHost(table_host_);
@@ -370,14 +373,18 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   g.offset = scratch_.get<int>(kOffset, size_t(std::min<int64_t>(E, pairs) + 1));
   g.row_token = scratch_.get<int>(kRowToken, size_t(pairs));
   g.row_of = scratch_.get<int>(kRowOf, size_t(pairs));
-  // Routing compares logits: float32 activations, like the CPU.
-  cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
   if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
   const bool in_vram = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E && formats_known(formats_, layer);
   c.in_place = in_place && !in_vram;
   c.resident = in_vram || c.in_place;
-  cuda::route(logits, T, p, p.router_bias ? p.router_bias->data : nullptr, c.sel_ids, c.sel_w,
-              c.resident && T == 1 ? &g : nullptr, compute_);
+  // Routing compares logits: float32 activations, like the CPU. One token: logits and routing in
+  // one launch where the router's format allows.
+  const float* bias = p.router_bias ? p.router_bias->data : nullptr;
+  MoeGroups* direct = c.resident && T == 1 ? &g : nullptr;
+  if (T != 1 || !cuda::route_one(router, x.data, p, bias, logits, c.sel_ids, c.sel_w, direct, route_done_, compute_)) {
+    cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
+    cuda::route(logits, T, p, bias, c.sel_ids, c.sel_w, direct, compute_);
+  }
 
   ExpertBatch& b = c.b;
   b.dim = dim;

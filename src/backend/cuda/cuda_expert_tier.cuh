@@ -198,6 +198,7 @@ class ExpertTier {
   OpProfile& prof_;
   Scratch scratch_;
   Scratch exact_scratch_;  // the exact tensor-core expert kernels' (run_experts_exact_mma)
+  unsigned* route_done_ = nullptr;  // route_one's counter of finished blocks
   HostStaging staging_;
   cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr;
   // A miss call's copies end at copies_end_. The host does not wait for it: the call's host slots

@@ -26,6 +26,13 @@ constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded 
 // q6, q8 and FP8; list a kind here once a fixture exercises it. Any other kind, or a width that is
 // not whole packs, goes through the batched kernels.
 constexpr bool one_token_kind(int kind) { return kind == kBF16 || kind == kQ4 || kind == kMxfp4; }
+// The kinds the one-token linears and router take through the tile (linear.cu, moe.cu's
+// route_one): the above and q8 (--quant-all's routers), each checked bit for bit against the GEMV
+// (Pair.OneTokenGemvEqualsTheGemvBitForBit).
+constexpr bool one_token_linear_kind(int kind) { return one_token_kind(kind) || kind == kQ8; }
+// MOESTREAM_CUDA_ONE_TOKEN_GEMV=0: one-token linears and routers through the GEMV of several
+// tokens instead, for comparison (linear.cu).
+bool one_token_gemv_off();
 
 // One pack (32 values) of one row as loaded: raw words and the raw bits of its group's scale (and
 // affine bias), decoded only once x is staged, so that no use of a loaded value comes before the

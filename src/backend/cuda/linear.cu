@@ -392,15 +392,6 @@ bool bf16_few_tokens(const FormatTag& tag, int64_t T, int64_t cols, GemmMath mat
          exact_mma_enabled();
 }
 
-// MOESTREAM_CUDA_ONE_TOKEN_GEMV=0: one-token linears through gemv_kernel, for comparison.
-bool one_token_off() {
-  static const bool off = [] {
-    const char* v = std::getenv("MOESTREAM_CUDA_ONE_TOKEN_GEMV");
-    return v && std::string(v) == "0";
-  }();
-  return off;
-}
-
 // One token of a format the single-token tile reads (gemv_one.cuh), whole packs, x 16-byte
 // aligned: every matrix of m through gemv_one_kernel in one launch (m.first_block filled here).
 // False (nothing launched) otherwise.
@@ -411,7 +402,7 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, int64_t T, c
   if (smem > limit) return false;
   bool launched = false;
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
-    if constexpr (one_token_kind(KIND)) {
+    if constexpr (one_token_linear_kind(KIND)) {
       constexpr int rows_per_block = kOneWarps * one_rows<KIND, 1>();
       m.first_block[0] = 0;
       for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(m.w[i].rows, rows_per_block);
@@ -431,6 +422,14 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, int64_t T, c
 
 }  // namespace
 
+bool one_token_gemv_off() {
+  static const bool off = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_ONE_TOKEN_GEMV");
+    return v && std::string(v) == "0";
+  }();
+  return off;
+}
+
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
             int64_t ldo, GemmScratch& scratch, cudaStream_t stream, GemmMath math) {
   if (T == 0) return;
@@ -442,7 +441,7 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     gemm_few(m, split_few(x, ldx, T, w.cols, scratch, stream), T, bias, out, ldo, scratch, stream);
     return;
   }
-  if (T == 1 && !one_token_off()) {
+  if (T == 1 && !one_token_gemv_off()) {
     SharedInput one{};
     one.n = 1;
     one.w[0] = w;
@@ -540,7 +539,7 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
     m.out[i] = out[size_t(i)];
     m.ldo[i] = w[size_t(i)]->rows;
   }
-  if (T == 1 && !one_token_off() && gemv_one(tag, m, x, T, stream)) return true;
+  if (T == 1 && !one_token_gemv_off() && gemv_one(tag, m, x, T, stream)) return true;
   m.first_block[0] = 0;
   for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   dispatch_format(tag, [&]<int KIND, bool SF16>() {

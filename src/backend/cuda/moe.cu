@@ -48,29 +48,28 @@ struct RouteArgs {
   bool direct;
 };
 
-// One block per token, a thread per expert (blockDim.x = n rounded up to a warp, at most 1024).
-// Shared: probs [n], choice [n], scratch [32], by_rank [k].
-__global__ void route_kernel(RouteArgs a) {
-  extern __shared__ float sm[];
+// Token t's routing by one block (blockDim.x a multiple of 32, at least k). The logits are read
+// past L1 (another block of the same launch may have written them: route_one_kernel).
+// Shared `sm`: probs [n], choice [n], scratch [32], by_rank [k].
+__device__ __forceinline__ void route_token(const RouteArgs& a, int64_t t, float* sm) {
   float* probs = sm;
   float* choice = sm + a.n;
   float* scratch = sm + 2 * a.n;
   int* by_rank = reinterpret_cast<int*>(sm + 2 * a.n + 32);
   const int tid = threadIdx.x, nth = blockDim.x;
-  const int64_t t = blockIdx.x;
   const float* l = a.logits + t * a.n;
   if (tid < a.k) by_rank[tid] = 0;  // NaN scores may leave a rank unfilled: never an id out of range
   if (a.kind == RouterKind::SoftmaxTopK) {
     float mx = -INFINITY;
-    for (int e = tid; e < a.n; e += nth) mx = fmaxf(mx, l[e]);
+    for (int e = tid; e < a.n; e += nth) mx = fmaxf(mx, __ldcg(l + e));
     mx = block_max(mx, scratch);
     float sum = 0;
-    for (int e = tid; e < a.n; e += nth) sum += (probs[e] = expf(l[e] - mx));
+    for (int e = tid; e < a.n; e += nth) sum += (probs[e] = expf(__ldcg(l + e) - mx));
     sum = block_sum(sum, scratch);
     for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = probs[e] / sum;
   } else if (a.kind == RouterKind::SigmoidGroupTopK) {
     for (int e = tid; e < a.n; e += nth) {
-      probs[e] = 1.0f / (1.0f + expf(-l[e]));
+      probs[e] = 1.0f / (1.0f + expf(-__ldcg(l + e)));
       choice[e] = probs[e] + (a.bias ? a.bias[e] : 0.0f);
     }
     __syncthreads();
@@ -100,7 +99,7 @@ __global__ void route_kernel(RouteArgs a) {
         if (!kept[e / per]) choice[e] = 0.0f;
     }
   } else {  // TopKSoftmax
-    for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = l[e] + (a.bias ? a.bias[e] : 0.0f);
+    for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = __ldcg(l + e) + (a.bias ? a.bias[e] : 0.0f);
   }
   __syncthreads();
   // Each thread ranks its experts against all (rank = how many come first: a larger value, or an
@@ -149,6 +148,43 @@ __global__ void route_kernel(RouteArgs a) {
       *a.groups.n_active = a.k;
     }
   }
+}
+
+// One block per token, a thread per expert (blockDim.x = n rounded up to a warp, at most 1024).
+__global__ void route_kernel(RouteArgs a) {
+  extern __shared__ float sm[];
+  route_token(a, blockIdx.x, sm);
+}
+
+// One token: the router's logits on the single-token tile (gemv_one.cuh: each bit-identical to the
+// GEMV's), then the block that finishes last routes the token, in one launch. *blocks_done is 0
+// between launches (the last block resets it).
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kOneWarps * 32, 3)
+    route_one_kernel(WeightRef w, const float* __restrict__ x, unsigned* blocks_done, RouteArgs a) {
+  constexpr int R = one_rows<KIND, 1>();
+  extern __shared__ float smem[];
+  __shared__ bool last;
+  const WeightRef* const ws[1] = {&w};
+  const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
+  const int lane = threadIdx.x & 31;
+  RawPack<KIND> cur[1][R];
+  load_first<KIND, 1, R>(ws, row0, cur);
+  stage_row(x, w.cols, smem);
+  float acc[1][R];
+  dot_rows<KIND, SF16, 1, R, false>(ws, row0, cur, smem, acc);
+  float* logits = const_cast<float*>(a.logits);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+    if (lane == r && row0 + r < w.rows) logits[row0 + r] = acc[0][r];
+  __threadfence();
+  __syncthreads();  // every warp's logits written, and its reads of smem done
+  if (threadIdx.x == 0) last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  if (threadIdx.x == 0) *blocks_done = 0;
+  __threadfence();
+  route_token(a, 0, smem);
 }
 
 // One block; thread e counts and places expert e's rows (in (token, slot) order).
@@ -356,6 +392,38 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
   const size_t smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
   route_kernel<<<unsigned(T), unsigned(threads), smem, s>>>(a);
   MS_CUDA_CHECK_LAUNCH();
+}
+
+bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
+               int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done, cudaStream_t s) {
+  const WeightRef w = weight_ref(router);
+  if (one_token_gemv_off() || w.cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0 || p.top_k > kMaxTopK ||
+      p.top_k > p.n_experts || p.top_k > kOneWarps * 32 || w.rows != p.n_experts)
+    return false;
+  if (p.router == RouterKind::SigmoidGroupTopK && (p.n_group > 64 || p.n_group < 1 || p.n_experts % p.n_group))
+    return false;  // route() names the error
+  const size_t route_smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
+  const size_t smem = std::max(size_t(padded_cols(w.cols)) * sizeof(float), route_smem);
+  if (smem + 1024 > max_gemv_smem()) return false;
+  RouteArgs a{logits, p.n_experts, p.top_k, p.router, p.norm_topk_prob, router_bias, p.n_group, p.topk_group,
+              p.routed_scaling_factor, sel_ids, sel_w, direct_groups ? *direct_groups : MoeGroups{},
+              direct_groups != nullptr};
+  bool launched = false;
+  dispatch_format(format_of(router), [&]<int KIND, bool SF16>() {
+    if constexpr (one_token_linear_kind(KIND)) {
+      static size_t configured = 48 << 10;  // above the default, the kernel's bytes (it has static shared memory too)
+      if (smem > configured) {
+        MS_CUDA_CHECK(cudaFuncSetAttribute(route_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           int(smem)));
+        configured = smem;
+      }
+      route_one_kernel<KIND, SF16><<<blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), kOneWarps * 32, smem, s>>>(
+          w, x, blocks_done, a);
+      MS_CUDA_CHECK_LAUNCH();
+      launched = true;
+    }
+  });
+  return launched;
 }
 
 void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s) {
