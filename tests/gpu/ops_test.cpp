@@ -170,8 +170,9 @@ TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
       }
 }
 
-// One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads (bf16 too,
-// whose several-token GEMV is the tensor cores'); its rows
+// One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads (bf16 also
+// does, but its several-token path is the tensor cores', so it is checked against the CPU only, by
+// Pair.LinearEveryFormatGemvAndGemm); its rows
 // must equal, bit for bit, the GEMV of several tokens (gemv_kernel, whose token sums do not depend
 // on how many it takes), alone and as one of several matrices sharing x. Rows past a whole block
 // (100, 33) and widths of one and several passes of 32 packs.
@@ -565,32 +566,47 @@ TEST_F(Pair, MoeEveryExpertFormat) {
 
 // One token's router logits and routing in one launch (moe.cu's route_one) for routers the
 // single-token tile reads: 160 experts make 10-20 blocks, of which the last to finish routes;
-// five calls in a row (its counter of finished blocks must start at 0 each time), two router
-// kinds, against the CPU. A wrong expert would move a token's output by far more than 2e-5.
+// five calls in a row (its counter of finished blocks must start at 0 each time), the three
+// router kinds (grouped sigmoid with its bias), against the CPU. A wrong expert would move a
+// token's output by far more than 2e-5.
 TEST_F(Pair, OneTokenRouterOfManyExpertsMatchesTheCpu) {
   const int E = 160;
   const int64_t dim = 256, inter = 64;
   HostExperts experts(E, dim, inter, "q4g64", 41);
+  const std::vector<float> bias_values = random(E, 42);
+  const TensorView bias_view{"e_score_correction_bias", DType::F32, {E}, bias_values.data(), bias_values.size() * 4};
+  const Vector bias_c = cpu->load_vector(bias_view);
   for (const std::string fmt : {"bf16", "q8g64", "q4g64"})
-    for (RouterKind kind : {RouterKind::SoftmaxTopK, RouterKind::TopKSoftmax}) {
-      SCOPED_TRACE(fmt + (kind == RouterKind::SoftmaxTopK ? " softmax-top-k" : " top-k-softmax"));
+    for (RouterKind kind : {RouterKind::SoftmaxTopK, RouterKind::TopKSoftmax, RouterKind::SigmoidGroupTopK}) {
+      SCOPED_TRACE(fmt + " router kind " + std::to_string(int(kind)));
       CudaOptions o;
       o.gpu_expert_mb = 64;
       o.total_experts = E;
       std::unique_ptr<Backend> g = make_cuda_backend(o);
       HostMatrix r = make_matrix(E, dim, fmt, 9);
       const Matrix rc = load(*cpu, r, fmt), rg = load(*g, r, fmt);
+      const Vector bias_g = g->load_vector(bias_view);
       MoeParams p;
       p.n_experts = E;
       p.top_k = 8;
       p.router = kind;
       p.norm_topk_prob = true;
+      if (kind == RouterKind::SigmoidGroupTopK) {
+        p.n_group = 8;
+        p.topk_group = 4;
+        p.routed_scaling_factor = 2.5f;
+      }
+      MoeParams pc = p;
+      if (kind == RouterKind::SigmoidGroupTopK) {
+        p.router_bias = &bias_g;
+        pc.router_bias = &bias_c;
+      }
       for (int call = 0; call < 5; ++call) {
         const std::vector<float> xv = random(size_t(dim), 50 + uint32_t(call));
         Buffer xc = cpu->alloc(1, dim), xg = g->alloc(1, dim), oc = cpu->alloc(1, dim), og = g->alloc(1, dim);
         std::memcpy(xc.data, xv.data(), xv.size() * sizeof(float));
         ASSERT_EQ(cudaMemcpy(xg.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-        cpu->moe(xc, rc, experts, p, oc);
+        cpu->moe(xc, rc, experts, pc, oc);
         g->moe(xg, rg, experts, p, og);
         EXPECT_LT(test::relative_error(host(*g, og), host(*cpu, oc)), 2e-5) << "call " << call;
       }

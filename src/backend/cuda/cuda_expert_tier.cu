@@ -150,7 +150,8 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   const char* in_place = std::getenv("MOESTREAM_CUDA_IN_PLACE");
   in_place_on_ = !(in_place && std::string(in_place) == "0");
   MS_CUDA_CHECK(cudaMalloc(&route_done_, sizeof(unsigned)));
-  MS_CUDA_CHECK(cudaMemset(route_done_, 0, sizeof(unsigned)));
+  MS_CUDA_CHECK(cudaMemsetAsync(route_done_, 0, sizeof(unsigned), compute_));
+  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
 }
 
 ExpertTier::~ExpertTier() {

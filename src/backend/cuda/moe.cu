@@ -397,8 +397,10 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
 bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
                int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done, cudaStream_t s) {
   const WeightRef w = weight_ref(router);
+  // At most a block's threads of experts: route_kernel then sums and compares in the same order
+  // (its threads past n add exact zeros), so the selection and weights are route()'s bit for bit.
   if (one_token_gemv_off() || w.cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0 || p.top_k > kMaxTopK ||
-      p.top_k > p.n_experts || p.top_k > kOneWarps * 32 || w.rows != p.n_experts)
+      p.top_k > p.n_experts || p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
     return false;
   if (p.router == RouterKind::SigmoidGroupTopK && (p.n_group > 64 || p.n_group < 1 || p.n_experts % p.n_group))
     return false;  // route() names the error
@@ -411,7 +413,7 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
   bool launched = false;
   dispatch_format(format_of(router), [&]<int KIND, bool SF16>() {
     if constexpr (one_token_linear_kind(KIND)) {
-      static size_t configured = 48 << 10;  // above the default, the kernel's bytes (it has static shared memory too)
+      static size_t configured = 0;  // the dynamic bytes allowed so far (the kernel has static shared memory too)
       if (smem > configured) {
         MS_CUDA_CHECK(cudaFuncSetAttribute(route_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(smem)));

@@ -45,8 +45,9 @@ struct MoeGroups {
 void route(const float* logits, int64_t T, const MoeParams& p, const float* router_bias, int* sel_ids,
            float* sel_w, const MoeGroups* direct_groups, cudaStream_t s);
 // One token's router logits (x . router^T into logits [n_experts], as linear computes them) and
-// its route() in one launch, when the router's format and shape allow (else false, nothing
-// launched). blocks_done: a device counter that is 0 (and is 0 again after the launch).
+// its route() in one launch, bit for bit, when the router's format and shape allow (at most 256
+// experts; else false, nothing launched). blocks_done: a device counter that is 0 (and is 0 again
+// after the launch).
 bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
                int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done, cudaStream_t s);
 // Groups built on the device (every expert resident): active experts in ascending order.
