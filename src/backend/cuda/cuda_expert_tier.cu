@@ -45,23 +45,15 @@ void expert_extent(const MlpWeights& w, const char*& lo, const char*& hi) {
   for (const Vector* v : {&w.gate_bias, &w.up_bias, &w.down_bias}) span(v->data, size_t(v->size) * sizeof(float));
 }
 
-// w's table entry for its bytes [lo, ...) copied to `base` (base == lo: read where they are).
-DevExpert entry_at(const MlpWeights& w, const char* lo, const char* base) {
-  auto rebase = [&](const void* p) -> const void* { return p ? base + (static_cast<const char*>(p) - lo) : nullptr; };
-  auto ref = [&](const Matrix& m) {
-    WeightRef r = weight_ref(m);
-    r.data = rebase(m.data);
-    r.scales = rebase(m.scales);
-    r.biases = static_cast<const uint16_t*>(rebase(m.biases));
-    return r;
-  };
+// w's table entry for its bytes where they are (in the host tier: read in place).
+DevExpert entry_of(const MlpWeights& w) {
   DevExpert d;
-  d.gate = ref(w.gate);
-  d.up = ref(w.up);
-  d.down = ref(w.down);
-  d.gate_bias = static_cast<const float*>(rebase(w.gate_bias.data));
-  d.up_bias = static_cast<const float*>(rebase(w.up_bias.data));
-  d.down_bias = static_cast<const float*>(rebase(w.down_bias.data));
+  d.gate = weight_ref(w.gate);
+  d.up = weight_ref(w.up);
+  d.down = weight_ref(w.down);
+  d.gate_bias = w.gate_bias.data;
+  d.up_bias = w.up_bias.data;
+  d.down_bias = w.down_bias.data;
   d.formats = format_pair(format_of(w.gate), format_of(w.down));
   return d;
 }
@@ -96,8 +88,11 @@ double memory_available() {
 // the 48-layer Qwen3-30B-A3B shape at 25% in VRAM (docs/PERFORMANCE.md): 0, 4, 16 a step hold
 // the hit rate at 26%, 39%, 58%; from 32 on the policy, not the cap, decides (70-71%).
 int promotions_per_step() {
-  const char* v = std::getenv("MOESTREAM_CUDA_PROMOTIONS");
-  return v && *v ? std::max(0, std::atoi(v)) : 64;
+  static const int n = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_PROMOTIONS");
+    return v && *v ? std::max(0, std::atoi(v)) : 64;
+  }();
+  return n;
 }
 
 }  // namespace
@@ -169,10 +164,7 @@ ExpertTier::~ExpertTier() {
 }
 
 GpuTierStats ExpertTier::stats() {
-  if (!log_.empty()) {
-    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
-    digest_log();
-  }
+  digest_log();
   GpuTierStats s = stats_;
   s.slot_bytes = slot_bytes_;
   s.slots = n_slots_;
@@ -280,7 +272,7 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
   char* dst = slot_arena_ + uint64_t(slot) * slot_bytes_;
   evict(slot);
   MS_CUDA_CHECK(cudaMemcpyAsync(dst, lo, bytes, cudaMemcpyHostToDevice, copy_));
-  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = entry_at(w, lo, dst);
+  table_host_[size_t(layer) * n_experts_ + size_t(expert)] = moved(entry_of(w), lo, dst);
   slot_owner_[size_t(slot)] = {layer, expert};
   where_[size_t(layer)][size_t(expert)] = slot;
   if (++resident_[size_t(layer)] == n_experts_) ++full_layers_;
@@ -307,7 +299,7 @@ void ExpertTier::evict(int slot) {
   if (resident_[size_t(layer)]-- == n_experts_) --full_layers_;
   const HostExpert& h = host_[size_t(layer)].empty() ? HostExpert{} : host_[size_t(layer)][size_t(expert)];
   table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.lo ? h.dev : DevExpert{};
-  row_dirty_[size_t(layer)] = 1;
+  mark_dirty(layer);
 }
 
 void ExpertTier::settle_copies() {
@@ -726,11 +718,11 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
     return;
   }
   note_formats(layer, expert, w);
-  h = HostExpert{lo, uint64_t(hi - lo), entry_at(w, lo, lo)};
+  h = HostExpert{lo, uint64_t(hi - lo), entry_of(w)};
   if (++host_known_[size_t(layer)] == n_experts_) ++mapped_layers_;
   if (where_[size_t(layer)][size_t(expert)] < 0) {
     table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.dev;
-    row_dirty_[size_t(layer)] = 1;
+    mark_dirty(layer);
   }
 }
 
@@ -740,7 +732,6 @@ void ExpertTier::log_routing(const Call& c) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     MS_CUDA_CHECK(cudaStreamIsCapturing(compute_, &capture));
     if (capture != cudaStreamCaptureStatusNone || size_t(c.pairs) > log_cap_) return;  // uncounted
-    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
     digest_log();
   }
   MS_CUDA_CHECK(cudaMemcpyAsync(log_host_ + log_used_, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost,
@@ -753,6 +744,8 @@ void ExpertTier::log_routing(const Call& c) {
 // host path counts them (each distinct expert of a call once), and the misses as candidates for
 // promotion.
 void ExpertTier::digest_log() {
+  if (log_.empty()) return;
+  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the log's copies are done
   seen_.assign(size_t(n_experts_), 0);
   for (const Logged& l : log_) {
     ++call_;
@@ -782,10 +775,7 @@ void ExpertTier::digest_log() {
 }
 
 void ExpertTier::step_begins() {
-  if (!log_.empty()) {
-    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
-    digest_log();
-  }
+  digest_log();
   finish_promotions(false);
   start_promotions();
   upload_dirty_rows();
@@ -811,7 +801,7 @@ void ExpertTier::finish_promotions(bool wait) {
       if (++resident_[size_t(p.layer)] == n_experts_) ++full_layers_;
       table_host_[size_t(p.layer) * n_experts_ + size_t(p.expert)] =
           moved(h.dev, h.lo, slot_arena_ + uint64_t(p.slot) * slot_bytes_);
-      row_dirty_[size_t(p.layer)] = 1;
+      mark_dirty(p.layer);
     }
     spare_events_.push_back(ev);
     ++done;
@@ -873,12 +863,17 @@ void ExpertTier::start_promotions() {
   promoting_.emplace_back(ev, std::move(batch));
 }
 
+void ExpertTier::mark_dirty(int layer) {
+  if (!row_dirty_[size_t(layer)]) dirty_rows_.push_back(layer);
+  row_dirty_[size_t(layer)] = 1;
+}
+
 void ExpertTier::upload_dirty_rows() {
-  for (size_t l = 0; l < row_dirty_.size(); ++l)
-    if (row_dirty_[l]) {
-      upload_table_row(int(l));
-      row_dirty_[l] = 0;
-    }
+  for (int l : dirty_rows_) {
+    upload_table_row(l);
+    row_dirty_[size_t(l)] = 0;
+  }
+  dirty_rows_.clear();
 }
 
 }  // namespace moestream::cuda

@@ -172,6 +172,7 @@ class ExpertTier {
   void digest_log();
   void finish_promotions(bool wait);
   void start_promotions();
+  void mark_dirty(int layer);
   void upload_dirty_rows();
 
   // --- slots and the device table ---
@@ -276,6 +277,7 @@ class ExpertTier {
   std::vector<cudaEvent_t> spare_events_;
   std::vector<char> slot_busy_;           // a promotion's copy into the slot is in flight
   std::vector<char> row_dirty_;           // table rows changed on the host since their upload
+  std::vector<int> dirty_rows_;           // those rows' layers, for the upload
 };
 
 }  // namespace moestream::cuda

@@ -379,11 +379,20 @@ int tokens_per_pass(int64_t cols) {
 
 }  // namespace
 
-void route(const float* logits, int64_t T, const MoeParams& p, const float* router_bias, int* sel_ids,
-           float* sel_w, const MoeGroups* direct_groups, cudaStream_t s) {
+namespace {
+
+// The routings the kernels compute (route_token), else the error.
+void check_routing(const MoeParams& p) {
   if (p.top_k > kMaxTopK || p.top_k > p.n_experts) fail("cuda moe: top_k ", p.top_k, " (at most ", kMaxTopK, ")");
   if (p.router == RouterKind::SigmoidGroupTopK && (p.n_group > 64 || p.n_group < 1 || p.n_experts % p.n_group))
     fail("cuda moe: ", p.n_group, " expert groups are not supported");
+}
+
+}  // namespace
+
+void route(const float* logits, int64_t T, const MoeParams& p, const float* router_bias, int* sel_ids,
+           float* sel_w, const MoeGroups* direct_groups, cudaStream_t s) {
+  check_routing(p);
   if (T == 0) return;
   RouteArgs a{logits, p.n_experts, p.top_k, p.router, p.norm_topk_prob, router_bias, p.n_group, p.topk_group,
               p.routed_scaling_factor, sel_ids, sel_w, direct_groups ? *direct_groups : MoeGroups{},
@@ -399,11 +408,10 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
   const WeightRef w = weight_ref(router);
   // At most a block's threads of experts: route_kernel then sums and compares in the same order
   // (its threads past n add exact zeros), so the selection and weights are route()'s bit for bit.
-  if (one_token_gemv_off() || w.cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0 || p.top_k > kMaxTopK ||
-      p.top_k > p.n_experts || p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
+  check_routing(p);
+  if (one_token_gemv_off() || w.cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0 ||
+      p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
     return false;
-  if (p.router == RouterKind::SigmoidGroupTopK && (p.n_group > 64 || p.n_group < 1 || p.n_experts % p.n_group))
-    return false;  // route() names the error
   const size_t route_smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
   const size_t smem = std::max(size_t(padded_cols(w.cols)) * sizeof(float), route_smem);
   if (smem + 1024 > max_gemv_smem()) return false;
