@@ -392,12 +392,12 @@ bool bf16_few_tokens(const FormatTag& tag, int64_t T, int64_t cols, GemmMath mat
          exact_mma_enabled();
 }
 
-// One token of a format the single-token tile reads (gemv_one.cuh), whole packs, x 16-byte
-// aligned: every matrix of m through gemv_one_kernel in one launch (m.first_block filled here).
-// False (nothing launched) otherwise.
-bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, int64_t T, cudaStream_t stream) {
+// One token (x one row) of a format the single-token tile reads (gemv_one.cuh), whole packs, x
+// 16-byte aligned: every matrix of m through gemv_one_kernel in one launch (m.first_block filled
+// here). False (nothing launched) otherwise, or with MOESTREAM_CUDA_ONE_TOKEN_GEMV=0.
+bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, cudaStream_t stream) {
   const int64_t cols = m.w[0].cols;
-  if (T != 1 || cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0) return false;
+  if (one_token_gemv_off() || cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0) return false;
   const size_t smem = size_t(padded_cols(cols)) * sizeof(float), limit = max_gemv_smem();
   if (smem > limit) return false;
   bool launched = false;
@@ -441,14 +441,14 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     gemm_few(m, split_few(x, ldx, T, w.cols, scratch, stream), T, bias, out, ldo, scratch, stream);
     return;
   }
-  if (T == 1 && !one_token_gemv_off()) {
+  if (T == 1) {
     SharedInput one{};
     one.n = 1;
     one.w[0] = w;
     one.bias[0] = bias;
     one.out[0] = out;
     one.ldo[0] = ldo;
-    if (gemv_one(tag, one, x, T, stream)) return;
+    if (gemv_one(tag, one, x, stream)) return;
   }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
@@ -539,7 +539,7 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
     m.out[i] = out[size_t(i)];
     m.ldo[i] = w[size_t(i)]->rows;
   }
-  if (T == 1 && !one_token_gemv_off() && gemv_one(tag, m, x, T, stream)) return true;
+  if (T == 1 && gemv_one(tag, m, x, stream)) return true;
   m.first_block[0] = 0;
   for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
