@@ -10,6 +10,8 @@
 // new rows are staged first so that a batch longer than the ring still reads every key it needs.
 #include "backend/cuda/attention.h"
 
+#include <cstdlib>
+#include <string>
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
@@ -83,18 +85,6 @@ __global__ void qk_norm_rope_rows_kernel(NormRope a, DecodeRows rows) {
   norm_rope_head(a, rows.row[blockIdx.x], blockIdx.y, rows.pos[blockIdx.x]);
 }
 
-// Decode row i's key and value (kv_dim and v_dim floats) into its caches at position pos[i].
-__global__ void kv_append_rows_kernel(const float* k, int64_t ldk, const float* v, int64_t ldv, int64_t kv_dim,
-                                      int64_t v_dim, DecodeRows rows) {
-  const int i = blockIdx.x;
-  const float* ks = k + rows.row[i] * ldk;
-  const float* vs = v + rows.row[i] * ldv;
-  float* kd = rows.k_cache[i] + rows.pos[i] * kv_dim;
-  float* vd = rows.v_cache[i] + rows.pos[i] * v_dim;
-  for (int64_t c = threadIdx.x; c < kv_dim; c += blockDim.x) kd[c] = ks[c];
-  for (int64_t c = threadIdx.x; c < v_dim; c += blockDim.x) vd[c] = vs[c];
-}
-
 constexpr int kAttnWarps = 4;         // warps per block for several query tokens
 constexpr int kAttnDecodeWarps = 16;  // for one
 constexpr int kMaxValueChunks = 16;  // value dims per lane: v_head_dim <= 512
@@ -137,10 +127,26 @@ struct AttnArgs {
   int64_t n_past, window;
   int64_t kv_window, kv_sinks;  // KV window: keys [0, sinks) and the latest kv_window
   const float* sinks;
+  // One query row whose new key and value are read from k.staged / v.staged: the blocks of each
+  // KV head's first query head store that head's key and value into these cache rows (F32).
+  float* k_append = nullptr;
+  float* v_append = nullptr;
 };
 
-// Block (head blockIdx.x, query row t) of attention.
-template <KvType T>
+// The new key and value of KV head h / group into the cache rows a.k_append / a.v_append (the
+// block of the group's first query head), as the cache append copies them.
+__device__ __forceinline__ void append_head(const AttnArgs& a) {
+  if (!a.k_append || blockIdx.x % a.group) return;
+  const int kvh = blockIdx.x / a.group;
+  const int64_t k0 = int64_t(kvh) * a.head_dim, v0 = int64_t(kvh) * a.v_head;
+  for (int i = threadIdx.x; i < a.head_dim; i += blockDim.x) a.k_append[k0 + i] = a.k.staged[k0 + i];
+  for (int i = threadIdx.x; i < a.v_dim; i += blockDim.x) a.v_append[v0 + i] = a.v.staged[v0 + i];
+}
+
+// Block (head blockIdx.x, query row t) of attention. CH > 0 (key and value heads of at most
+// 32 x CH dims): each warp loads its next key's and value's row while it computes with the
+// current ones, the same sums in the same order as CH = 0, which loads each row when it uses it.
+template <KvType T, int CH>
 __device__ __forceinline__ void attend_row(const AttnArgs& a, int64_t t) {
   extern __shared__ float smem[];
   float* qs = smem;                             // [head_dim]
@@ -163,26 +169,68 @@ __device__ __forceinline__ void attend_row(const AttnArgs& a, int64_t t) {
   float o[kMaxValueChunks];
 #pragma unroll
   for (int c = 0; c < kMaxValueChunks; ++c) o[c] = 0.0f;
-  for (int64_t n = warp; n < count; n += n_warps) {
-    const int64_t j = n < n_sink ? first + n : recent + (n - n_sink);
-    const float* kr = a.k.row(j);
-    const float ks = T == KvType::Fp8 || T == KvType::Q8 ? kr[kvh] : 1.0f;
-    const int64_t k0 = int64_t(kvh) * a.head_dim;
-    float d = 0;
-    for (int i = lane; i < a.head_dim; i += 32) d = fmaf(qs[i], kv_value<T>(kr, a.k.heads, k0 + i, ks), d);
-    const float score = warp_sum(d) * a.scale;
-    const float m_new = fmaxf(m, score);
-    const float correction = expf(m - m_new), p = expf(score - m_new);
-    l = l * correction + p;
-    const float* vr = a.v.row(j);
-    const float vs = T == KvType::Fp8 || T == KvType::Q8 ? vr[kvh] : 1.0f;
-    const int64_t v0 = int64_t(kvh) * a.v_head;
+  const int64_t k0 = int64_t(kvh) * a.head_dim, v0 = int64_t(kvh) * a.v_head;
+  if constexpr (CH > 0) {
+    // Key n's row values (lane + 32c) of this warp's KV head.
+    auto fetch = [&](int64_t n, float (&kx)[CH], float (&vx)[CH]) {
+      const int64_t j = n < n_sink ? first + n : recent + (n - n_sink);
+      const float* kr = a.k.row(j);
+      const float* vr = a.v.row(j);
+      const float ks = T == KvType::Fp8 || T == KvType::Q8 ? kr[kvh] : 1.0f;
+      const float vs = T == KvType::Fp8 || T == KvType::Q8 ? vr[kvh] : 1.0f;
 #pragma unroll
-    for (int c = 0; c < kMaxValueChunks; ++c) {
-      const int i = lane + 32 * c;
-      if (i < a.v_dim) o[c] = o[c] * correction + p * kv_value<T>(vr, a.v.heads, v0 + i, vs);
+      for (int c = 0; c < CH; ++c) {
+        const int i = lane + 32 * c;
+        kx[c] = i < a.head_dim ? kv_value<T>(kr, a.k.heads, k0 + i, ks) : 0.0f;
+        vx[c] = i < a.v_dim ? kv_value<T>(vr, a.v.heads, v0 + i, vs) : 0.0f;
+      }
+    };
+    float kc[CH], vc[CH];
+    if (warp < count) fetch(warp, kc, vc);
+    for (int64_t n = warp; n < count; n += n_warps) {
+      float kn[CH], vn[CH];
+      const bool more = n + n_warps < count;
+      if (more) fetch(n + n_warps, kn, vn);
+      float d = 0;
+#pragma unroll
+      for (int c = 0; c < CH; ++c)
+        if (lane + 32 * c < a.head_dim) d = fmaf(qs[lane + 32 * c], kc[c], d);
+      const float score = warp_sum(d) * a.scale;
+      const float m_new = fmaxf(m, score);
+      const float correction = expf(m - m_new), p = expf(score - m_new);
+      l = l * correction + p;
+#pragma unroll
+      for (int c = 0; c < CH; ++c)
+        if (lane + 32 * c < a.v_dim) o[c] = o[c] * correction + p * vc[c];
+      m = m_new;
+      if (more) {
+#pragma unroll
+        for (int c = 0; c < CH; ++c) {
+          kc[c] = kn[c];
+          vc[c] = vn[c];
+        }
+      }
     }
-    m = m_new;
+  } else {
+    for (int64_t n = warp; n < count; n += n_warps) {
+      const int64_t j = n < n_sink ? first + n : recent + (n - n_sink);
+      const float* kr = a.k.row(j);
+      const float ks = T == KvType::Fp8 || T == KvType::Q8 ? kr[kvh] : 1.0f;
+      float d = 0;
+      for (int i = lane; i < a.head_dim; i += 32) d = fmaf(qs[i], kv_value<T>(kr, a.k.heads, k0 + i, ks), d);
+      const float score = warp_sum(d) * a.scale;
+      const float m_new = fmaxf(m, score);
+      const float correction = expf(m - m_new), p = expf(score - m_new);
+      l = l * correction + p;
+      const float* vr = a.v.row(j);
+      const float vs = T == KvType::Fp8 || T == KvType::Q8 ? vr[kvh] : 1.0f;
+#pragma unroll
+      for (int c = 0; c < kMaxValueChunks; ++c) {
+        const int i = lane + 32 * c;
+        if (i < a.v_dim) o[c] = o[c] * correction + p * kv_value<T>(vr, a.v.heads, v0 + i, vs);
+      }
+      m = m_new;
+    }
   }
   float* mine = part + warp * (2 + a.v_dim);
   if (lane == 0) {
@@ -214,22 +262,41 @@ __device__ __forceinline__ void attend_row(const AttnArgs& a, int64_t t) {
   }
 }
 
-template <KvType T>
+template <KvType T, int CH>
 __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
-  attend_row<T>(a, blockIdx.y);
+  append_head(a);
+  attend_row<T, CH>(a, blockIdx.y);
+}
+
+// Heads of at most 32 x kPipelinedChunks dims take the pipelined key loop (attend_row).
+constexpr int kPipelinedChunks = 4;
+// MOESTREAM_CUDA_ATTN_PIPELINE=0: every head through the loop that loads each row when it uses it.
+bool pipelined(int head_dim, int v_dim) {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_ATTN_PIPELINE");
+    return !(v && std::string(v) == "0");
+  }();
+  return on && head_dim <= 32 * kPipelinedChunks && v_dim <= 32 * kPipelinedChunks;
 }
 
 // One block per (head, decode row): row rows.row[i] at position rows.pos[i], over its own caches
-// (each row one query, as attention_kernel computes a lone decode step).
-template <KvType T>
-__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_rows_kernel(AttnArgs a, DecodeRows rows) {
+// (each row one query, as attention_kernel computes a lone decode step). The row's new key and
+// value are read from k and v, and stored into its caches by append_head.
+template <KvType T, int CH>
+__global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_rows_kernel(AttnArgs a, DecodeRows rows, const float* k,
+                                                                               int64_t ldk, const float* v, int64_t ldv) {
   const int i = blockIdx.y;
   a.q += rows.row[i] * a.q_ld;
   a.out += rows.row[i] * a.out_ld;
   a.k.cache = rows.k_cache[i];
   a.v.cache = rows.v_cache[i];
+  a.k.staged = k + rows.row[i] * ldk;
+  a.v.staged = v + rows.row[i] * ldv;
   a.n_past = a.k.n_past = a.v.n_past = rows.pos[i];
-  attend_row<T>(a, 0);
+  a.k_append = rows.k_cache[i] + rows.pos[i] * a.k.words;
+  a.v_append = rows.v_cache[i] + rows.pos[i] * a.v.words;
+  append_head(a);
+  attend_row<T, CH>(a, 0);
 }
 
 // Prefill attention in tiles: a block takes kPrefillRows (query token, head) rows that share one
@@ -545,27 +612,38 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
       norm_rope_args(q, k, q_norm, k_norm, eps, p.n_heads, hd, r, inv_freq), rows);
   MS_CUDA_CHECK_LAUNCH();
   const int64_t kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
-  kv_append_rows_kernel<<<n, 256, 0, s>>>(k.data, k.cols, v.data, v.cols, kv_dim, v_dim, rows);
-  MS_CUDA_CHECK_LAUNCH();
-  // Each row's caches and position come from `rows` (attention_rows_kernel).
+  // Each row's caches and position come from `rows`, its new key and value from k and v, which
+  // the kernel also appends to the caches (attention_rows_kernel).
   const AttnArgs a = attn_args(q, KvRows{nullptr, nullptr, kv_dim, 0, 0, 0, false, p.n_kv_heads},
                                KvRows{nullptr, nullptr, v_dim, 0, 0, 0, false, p.n_kv_heads}, vd, p, sinks, out);
   const size_t smem = size_t(hd + kAttnDecodeWarps * (2 + vd)) * sizeof(float);
-  attention_rows_kernel<KvType::F32><<<dim3(unsigned(p.n_heads), n), kAttnDecodeWarps * 32, smem, s>>>(a, rows);
+  const dim3 grid(unsigned(p.n_heads), n);
+  if (pipelined(hd, vd))
+    attention_rows_kernel<KvType::F32, kPipelinedChunks><<<grid, kAttnDecodeWarps * 32, smem, s>>>(a, rows, k.data, k.cols,
+                                                                                                   v.data, v.cols);
+  else
+    attention_rows_kernel<KvType::F32, 0><<<grid, kAttnDecodeWarps * 32, smem, s>>>(a, rows, k.data, k.cols, v.data, v.cols);
   MS_CUDA_CHECK_LAUNCH();
 }
 
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
-               const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged, const float* v_staged) {
+               const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged, const float* v_staged,
+               float* k_append, float* v_append) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
   const KvCacheSpec& kv = p.kv;
   const bool ring = kv.window > 0 && kv.ring && k_cache.rows == kv.sinks + kv.window;
   const KvRows k{k_cache.data, k_staged, k_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads};
-  const AttnArgs a = attn_args(
+  AttnArgs a = attn_args(
       q, k, p.values_in_keys ? k : KvRows{v_cache.data, v_staged, v_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads},
       p.values_in_keys ? hd : vd, p, sinks, out);
   if (q.rows == 0) return;
+  if (k_append) {
+    if (q.rows != 1 || !k_staged || !v_staged || !v_append || p.values_in_keys || kv.type != KvType::F32 || kv.window > 0)
+      fail("cuda attention: appending keys takes one query row, its staged key and value, F32 caches without a window");
+    a.k_append = k_append;
+    a.v_append = v_append;
+  }
   // Prefill through the tiled kernel where it applies: value heads as wide as the keys (not MLA's
   // latent), 64, 128 or 256 dims, and a head group that divides its rows.
   const bool tiled = q.rows > 1 && !p.values_in_keys && vd == hd && kPrefillRows % a.group == 0 &&
@@ -593,9 +671,11 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   }
   const int warps = q.rows == 1 ? kAttnDecodeWarps : kAttnWarps;
   const size_t smem = size_t(hd + warps * (2 + vd)) * sizeof(float);
+  const dim3 grid(unsigned(p.n_heads), unsigned(q.rows));
+  const bool pipe = pipelined(hd, p.values_in_keys ? hd : vd);
   dispatch_kv(kv.type, [&](auto type) {
-    attention_kernel<decltype(type)::value>
-        <<<dim3(unsigned(p.n_heads), unsigned(q.rows)), unsigned(warps) * 32, smem, s>>>(a);
+    if (pipe) attention_kernel<decltype(type)::value, kPipelinedChunks><<<grid, unsigned(warps) * 32, smem, s>>>(a);
+    else attention_kernel<decltype(type)::value, 0><<<grid, unsigned(warps) * 32, smem, s>>>(a);
   });
   MS_CUDA_CHECK_LAUNCH();
 }

@@ -39,9 +39,12 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
 // Causal attention of q (T, n_heads * head_dim) over positions [0, n_past + t] (those p.kv's
 // window keeps; the caches already hold this call's keys and values, or with a ring k_staged and
 // v_staged do, as kv_pack wrote them): out (T, n_heads * v_head_dim). sinks: device pointer or null.
+// With k_append and v_append (one query row, F32 caches without a window, keys and values apart):
+// its new key and value are read from k_staged and v_staged and stored by the kernel into those
+// cache rows (row n_past), so the step needs no copies of its own.
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
                const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged = nullptr,
-               const float* v_staged = nullptr);
+               const float* v_staged = nullptr, float* k_append = nullptr, float* v_append = nullptr);
 
 // Packs each row of x (x.cols values in `heads` heads) into dst rows of `words` words, as
 // kv_store_row does on the host.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <unordered_map>
 #include <unordered_set>
@@ -35,6 +36,12 @@ float to_f32(const TensorView& t, int64_t i) {
   }
 }
 
+// An integer setting from the environment, clamped to [lo, hi]; `fallback` when unset.
+int env_int(const char* name, int fallback, int lo, int hi) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::clamp(std::atoi(v), lo, hi) : fallback;
+}
+
 class CudaBackend final : public Backend {
  public:
   explicit CudaBackend(const CudaOptions& o) : opt_(o) {
@@ -53,6 +60,9 @@ class CudaBackend final : public Backend {
     sync_ops_ = sync && *sync && std::string(sync) != "0";
     const char* graphs = std::getenv("MOESTREAM_CUDA_GRAPHS");
     graphs_ = !(graphs && std::string(graphs) == "0") && !prof_.on();
+    graph_rows_ = env_int("MOESTREAM_CUDA_GRAPH_ROWS", kMaxGraphRows, 1, kMaxGraphRows);
+    first_segment_ = env_int("MOESTREAM_CUDA_GRAPH_SEGMENT", 8, 0, 1 << 20);
+    append_in_attention_ = env_int("MOESTREAM_CUDA_ATTN_APPEND", 1, 0, 1) == 1;
     tier_ = std::make_unique<ExpertTier>(opt_, compute_, copy_, gemm_, times_, sync_ops_, prof_);
   }
 
@@ -66,7 +76,9 @@ class CudaBackend final : public Backend {
       cudaStreamEndCapture(compute_, &g);
       if (g) cudaGraphDestroy(g);
     }
-    if (exec_) cudaGraphExecDestroy(exec_);
+    for (auto& [rows, execs] : execs_)
+      for (cudaGraphExec_t e : execs)
+        if (e) cudaGraphExecDestroy(e);
     cudaDeviceSynchronize();
     for (void* p : device_allocs_) cudaFree(p);
     tier_.reset();
@@ -165,18 +177,21 @@ class CudaBackend final : public Backend {
     MS_CUDA_CHECK(cudaEventSynchronize(staging_free_));
     std::memcpy(host, tokens.data(), size_t(T) * sizeof(int32_t));
     int32_t* dev = scratch_.get<int32_t>(kTokens, size_t(T));
-    // From the third single-token step in a row on, with every expert resident or read in place
-    // (ExpertTier::graph_ready), the whole step (this embed up to the logits' to_host) is
-    // captured as a CUDA graph and replayed: one launch instead of ~20 per layer. The graph reads
-    // the token from the pinned staging area.
-    // Not for batched steps: the GPU idles while a step is captured, and a batch of 8 decode rows
-    // keeps it busier than the launches cost (8 sequences: 1,035 tok/s without, 870 with the
-    // graph; docs/PERFORMANCE.md).
-    decode_streak_ = T == 1 ? decode_streak_ + 1 : 0;
+    // From the third step in a row of the same few tokens (decode: one sequence, or up to 8 in a
+    // batch) on, with every expert resident or read in place (ExpertTier::graph_ready), the step
+    // (this embed up to the logits' to_host or the greedy ids) is captured as CUDA graphs and
+    // replayed: one launch a segment instead of ~20 per layer. The graph reads the tokens from
+    // the pinned staging area. A step is captured in segments (the first of first_segment_
+    // operations, each next one twice as long), each launched as soon as it is captured, so the
+    // GPU runs one segment while the host captures the next instead of idling for the whole
+    // capture.
+    decode_streak_ = T <= graph_rows_ && T == streak_rows_ ? decode_streak_ + 1 : 1;
+    streak_rows_ = T;
     tier_->step_begins();
-    if (T == 1 && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->graph_ready()) {
-      MS_CUDA_CHECK(cudaStreamBeginCapture(compute_, cudaStreamCaptureModeRelaxed));
-      capturing_ = true;
+    if (T <= graph_rows_ && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->graph_ready()) {
+      segment_ = 0;
+      segment_limit_ = first_segment_;
+      begin_segment();
     }
     prof_.begin(compute_);
     MS_CUDA_CHECK(cudaMemcpyAsync(dev, host, size_t(T) * sizeof(int32_t), cudaMemcpyHostToDevice, compute_));
@@ -305,12 +320,19 @@ class CudaBackend final : public Backend {
       attention_kv(q, k, v, k_cache, v_cache, p, out);
       return;
     }
+    const float* sinks = p.sinks ? p.sinks->data : nullptr;
+    if (T == 1 && !p.values_in_keys && append_in_attention_) {  // a decode step: the kernel appends its key and value
+      cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_, k.data, v.data, k_cache.data + p.n_past * kv_dim,
+                      v_cache.data + p.n_past * v_dim);
+      op_done([&] { return op_label("attention (cache append in the kernel)", q.rows); });
+      return;
+    }
     MS_CUDA_CHECK(cudaMemcpyAsync(k_cache.data + p.n_past * kv_dim, k.data, size_t(T * kv_dim) * sizeof(float),
                                   cudaMemcpyDeviceToDevice, compute_));
     if (!p.values_in_keys)
       MS_CUDA_CHECK(cudaMemcpyAsync(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float),
                                     cudaMemcpyDeviceToDevice, compute_));
-    cuda::attention(q, k_cache, v_cache, p, p.sinks ? p.sinks->data : nullptr, out, compute_);
+    cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_);
     op_done([&] { return op_label("attention (cache append + attention)", q.rows); });
   }
 
@@ -433,21 +455,37 @@ class CudaBackend final : public Backend {
     return it->second.dev;
   }
 
-  void finish_capture() {
+  void begin_segment() {
+    MS_CUDA_CHECK(cudaStreamBeginCapture(compute_, cudaStreamCaptureModeRelaxed));
+    capturing_ = true;
+    segment_ops_ = 0;
+  }
+
+  // The segment captured so far, as the graph of its place in a step of this many rows (updated
+  // in place when the step's operations are those of the last such step), launched.
+  void end_segment() {
     capturing_ = false;
     cudaGraph_t g = nullptr;
     MS_CUDA_CHECK(cudaStreamEndCapture(compute_, &g));
-    if (exec_) {
+    std::vector<cudaGraphExec_t>& execs = execs_[streak_rows_];
+    if (execs.size() <= size_t(segment_)) execs.resize(size_t(segment_) + 1, nullptr);
+    cudaGraphExec_t& exec = execs[size_t(segment_)];
+    if (exec) {
       cudaGraphExecUpdateResultInfo info{};
-      if (cudaGraphExecUpdate(exec_, g, &info) != cudaSuccess) {
+      if (cudaGraphExecUpdate(exec, g, &info) != cudaSuccess) {
         cudaGetLastError();
-        cudaGraphExecDestroy(exec_);
-        exec_ = nullptr;
+        cudaGraphExecDestroy(exec);
+        exec = nullptr;
       }
     }
-    if (!exec_) MS_CUDA_CHECK(cudaGraphInstantiate(&exec_, g, 0));
+    if (!exec) MS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
     MS_CUDA_CHECK(cudaGraphDestroy(g));
-    MS_CUDA_CHECK(cudaGraphLaunch(exec_, compute_));
+    MS_CUDA_CHECK(cudaGraphLaunch(exec, compute_));
+    ++segment_;
+  }
+
+  void finish_capture() {
+    end_segment();
     ++graph_steps_;
   }
 
@@ -457,6 +495,11 @@ class CudaBackend final : public Backend {
   void op_done(Label&& label, double bytes = 0) {
     if (prof_.on()) prof_.end(compute_, label(), bytes);
     if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    if (capturing_ && segment_limit_ > 0 && ++segment_ops_ >= segment_limit_) {
+      end_segment();
+      segment_limit_ *= 2;
+      begin_segment();
+    }
   }
 
   CudaOptions opt_;
@@ -464,8 +507,14 @@ class CudaBackend final : public Backend {
   bool sync_ops_ = false;
   bool graphs_ = true;          // MOESTREAM_CUDA_GRAPHS=0 turns decode-step graphs off
   bool capturing_ = false;
-  int decode_streak_ = 0;
-  cudaGraphExec_t exec_ = nullptr;
+  static constexpr int kMaxGraphRows = 8;  // steps of up to this many tokens become graphs
+  int graph_rows_ = kMaxGraphRows;         // MOESTREAM_CUDA_GRAPH_ROWS: 1 = single-token steps only
+  int first_segment_ = 8;  // MOESTREAM_CUDA_GRAPH_SEGMENT: operations in a step's first graph; 0 = one graph a step
+  int segment_limit_ = 0, segment_ops_ = 0, segment_ = 0;
+  bool append_in_attention_ = true;  // MOESTREAM_CUDA_ATTN_APPEND=0: a decode step's cache append as copies
+  int decode_streak_ = 0;   // steps in a row of streak_rows_ tokens
+  int64_t streak_rows_ = 0;
+  std::map<int64_t, std::vector<cudaGraphExec_t>> execs_;  // by a step's tokens, a graph per segment
   std::string device_name_;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
   cudaEvent_t staging_free_ = nullptr;  // embed's staging area may be overwritten
