@@ -154,6 +154,7 @@ ExpertTier::~ExpertTier() {
   for (auto& [ev, batch] : promoting_) cudaEventDestroy(ev);
   for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
   if (log_host_) cudaFreeHost(log_host_);
+  if (log_dev_) cudaFree(log_dev_);
   if (route_done_) cudaFree(route_done_);
   if (slot_arena_) cudaFree(slot_arena_);
   if (table_dev_) cudaFree(table_dev_);
@@ -358,7 +359,6 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   auto t_start = std::chrono::steady_clock::now();
   const int64_t pairs = c.pairs = T * c.K;
   float* logits = scratch_.get(kLogits, size_t(T * E));
-  c.sel_ids = scratch_.get<int>(kSelIds, size_t(pairs));
   c.sel_w = scratch_.get(kSelW, size_t(pairs));
   MoeGroups& g = c.g;
   g.n_active = scratch_.get<int>(kNActive, 1);
@@ -370,6 +370,9 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   const bool in_vram = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E && formats_known(formats_, layer);
   c.in_place = in_place && !in_vram;
   c.resident = in_vram || c.in_place;
+  // A call read in place routes straight into the routing log (no copy in the step).
+  int* logged = c.in_place ? log_slot(layer, pairs) : nullptr;
+  c.sel_ids = logged ? logged : scratch_.get<int>(kSelIds, size_t(pairs));
   // Routing compares logits: float32 activations, like the CPU. One token: logits and routing in
   // one launch where the router's format allows.
   const float* bias = p.router_bias ? p.router_bias->data : nullptr;
@@ -424,7 +427,6 @@ void ExpertTier::run_resident(Call& c) {
   ExpertBatch& b = c.b;
   if (c.in_place) {
     ++stats_.in_place_calls;
-    log_routing(c);
   } else {
     ++stats_.resident_calls;
   }
@@ -689,6 +691,7 @@ void ExpertTier::preload_layer(int layer, ExpertProvider& experts) {
   if (!log_host_) {  // the routing log, here: never while a step is captured
     log_cap_ = size_t(1) << 18;
     MS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&log_host_), log_cap_ * sizeof(int), cudaHostAllocDefault));
+    MS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&log_dev_), log_cap_ * sizeof(int)));
   }
   auto& known = host_[size_t(layer)];
   if (known.empty()) known.assign(size_t(n_experts_), HostExpert{});
@@ -726,18 +729,20 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
   }
 }
 
-// The call's chosen experts, copied to the log by the compute stream (read by digest_log).
-void ExpertTier::log_routing(const Call& c) {
-  if (log_used_ + size_t(c.pairs) > log_cap_) {
+// Where a call read in place writes its chosen experts: the next pairs of the device log, noted
+// for digest_log; null (the call goes uncounted) when the log is full while a step is captured.
+int* ExpertTier::log_slot(int layer, int64_t pairs) {
+  if (!log_dev_ || size_t(pairs) > log_cap_) return nullptr;
+  if (log_used_ + size_t(pairs) > log_cap_) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     MS_CUDA_CHECK(cudaStreamIsCapturing(compute_, &capture));
-    if (capture != cudaStreamCaptureStatusNone || size_t(c.pairs) > log_cap_) return;  // uncounted
+    if (capture != cudaStreamCaptureStatusNone) return nullptr;
     digest_log();
   }
-  MS_CUDA_CHECK(cudaMemcpyAsync(log_host_ + log_used_, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost,
-                                compute_));
-  log_.push_back({c.layer, c.pairs, log_used_});
-  log_used_ += size_t(c.pairs);
+  int* slot = log_dev_ + log_used_;
+  log_.push_back({layer, pairs, log_used_});
+  log_used_ += size_t(pairs);
+  return slot;
 }
 
 // The logged calls (the compute stream has finished them): use counts, hits and misses as the
@@ -745,7 +750,8 @@ void ExpertTier::log_routing(const Call& c) {
 // promotion.
 void ExpertTier::digest_log() {
   if (log_.empty()) return;
-  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the log's copies are done
+  MS_CUDA_CHECK(cudaMemcpyAsync(log_host_, log_dev_, log_used_ * sizeof(int), cudaMemcpyDeviceToHost, compute_));
+  MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // the logged calls and the log's copy are done
   seen_.assign(size_t(n_experts_), 0);
   for (const Logged& l : log_) {
     ++call_;
@@ -868,11 +874,22 @@ void ExpertTier::mark_dirty(int layer) {
   row_dirty_[size_t(layer)] = 1;
 }
 
+// Runs of dirty rows go up as one copy each, the clean rows between two dirty ones too when
+// fewer than kUploadGap apart: a copy's fixed cost (a few us on the stream before the step) is
+// worth more than a few rows' bytes (a row of 128 experts: ~23 KB).
 void ExpertTier::upload_dirty_rows() {
-  for (int l : dirty_rows_) {
-    upload_table_row(l);
-    row_dirty_[size_t(l)] = 0;
+  if (dirty_rows_.empty()) return;
+  constexpr int kUploadGap = 8;
+  std::sort(dirty_rows_.begin(), dirty_rows_.end());
+  for (size_t i = 0; i < dirty_rows_.size();) {
+    const int first = dirty_rows_[i];
+    int last = first;
+    while (++i < dirty_rows_.size() && dirty_rows_[i] - last <= kUploadGap) last = dirty_rows_[i];
+    const size_t off = size_t(first) * size_t(n_experts_), n = size_t(last - first + 1) * size_t(n_experts_);
+    MS_CUDA_CHECK(cudaMemcpyAsync(table_dev_ + off, table_host_ + off, n * sizeof(DevExpert), cudaMemcpyHostToDevice,
+                                  compute_));
   }
+  for (int l : dirty_rows_) row_dirty_[size_t(l)] = 0;
   dirty_rows_.clear();
 }
 

@@ -168,7 +168,7 @@ class ExpertTier {
   bool host_fits();
   void preload_layer(int layer, ExpertProvider& experts);
   void note_host(int layer, int expert, const MlpWeights& w);
-  void log_routing(const Call& c);
+  int* log_slot(int layer, int64_t pairs);
   void digest_log();
   void finish_promotions(bool wait);
   void start_promotions();
@@ -258,12 +258,14 @@ class ExpertTier {
   std::vector<int> host_known_;           // per layer: experts in host_
   std::vector<char> preload_failed_;      // per layer: a read failed (the layer keeps to the host path)
   int mapped_layers_ = 0;
-  // The routing of calls read in place, copied to pinned log_host_ by the compute stream.
+  // The routing of calls read in place: their routers write the chosen ids into log_dev_, copied
+  // to pinned log_host_ once a step, when the log is digested.
   struct Logged {
     int layer;
     int64_t pairs;
     size_t offset;
   };
+  int* log_dev_ = nullptr;
   int* log_host_ = nullptr;
   size_t log_cap_ = 0, log_used_ = 0;
   std::vector<Logged> log_;
