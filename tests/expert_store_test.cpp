@@ -72,6 +72,7 @@ TEST_P(StreamingFixture, BitIdenticalUnderEveryBudgetPolicyAndIoMode) {
           opt.experts.policy = policy;
           opt.experts.io = io;
           opt.experts.direct_io = direct;
+          opt.experts.read_piece_bytes = direct ? 4096 : 0;  // many pieces an expert, or one read
           ExpertStats s;
           const std::vector<float> got = run_model(dir, opt, &s);
           ASSERT_EQ(got.size(), reference.size());
@@ -318,6 +319,7 @@ TEST(ExpertStore, FailedReadLeavesTheStoreUsable) {
     // the error to the request that needs it.
     opt.experts.cache_mb = budget == -2.0 ? 0.05 : budget;
     opt.experts.lookahead = budget == -2.0;
+    opt.experts.read_piece_bytes = budget == 0.01 || budget == -2.0 ? 4096 : 0;  // the damage in one of many pieces
     const std::vector<float> want = run_model(ref_dir, opt);
     auto model = load_model(dir, opt);
     flip();

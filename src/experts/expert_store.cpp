@@ -29,6 +29,16 @@ namespace {
 
 using clock_type = std::chrono::steady_clock;
 
+// The bytes of each piece an expert is read in (ExpertStoreOptions::read_piece_bytes, or
+// MOESTREAM_READ_CHUNK_KB when set), rounded up to 4 KiB as O_DIRECT needs; 0: whole. Pieces let a
+// layer's two or three missing experts keep every reader thread and more of the disk's queue busy,
+// and make the first expert complete sooner (docs/PERFORMANCE.md).
+uint64_t read_piece_bytes(const ExpertStoreOptions& o) {
+  const char* v = std::getenv("MOESTREAM_READ_CHUNK_KB");
+  const uint64_t bytes = v && *v ? uint64_t(std::max(0L, std::atol(v))) * 1024 : o.read_piece_bytes;
+  return (bytes + kPackAlignment - 1) / kPackAlignment * kPackAlignment;
+}
+
 // Slot memory comes from the backend (pinned host memory on CUDA) and goes back to it.
 struct HostFree {
   Backend* backend = nullptr;
@@ -47,6 +57,7 @@ class StreamingExpertStore final : public ExpertStore {
     }
     total_experts_ = total;
     lookahead_ = o.lookahead;
+    read_piece_ = read_piece_bytes(o);
     if (o.cache_mb < 0) {
       max_slots_ = size_t(total);
     } else {
@@ -259,6 +270,9 @@ class StreamingExpertStore final : public ExpertStore {
     bool wanted = false;      // Loading for the current request (else a read ahead)
     bool read_ahead = false;  // brought in by prefetch() and not asked for since
     bool hot = false;         // pinned by the profile: never evicted
+    int pieces_left = 0;      // reads of this load still in flight
+    uint64_t bytes_got = 0;   // bytes its pieces returned so far
+    int read_errno = 0;       // the first failed piece's errno
     MlpWeights weights;  // views into mem, valid while Ready
   };
 
@@ -381,8 +395,20 @@ class StreamingExpertStore final : public ExpertStore {
     slot.hot = hot_[size_t(layer)][size_t(e)] != 0;
     where_[size_t(layer)][size_t(e)] = s;
     const PackedExpert& pe = pack_.expert(layer, e);
-    if (outstanding_++ == 0) busy_since_ = clock_type::now();
-    reader_->submit(pe.file, pe.offset, pe.size, slot.mem.get(), uint64_t(s));
+    const uint64_t piece = read_piece_ > 0 ? read_piece_ : std::max<uint64_t>(pe.size, 1);
+    slot.pieces_left = int((pe.size + piece - 1) / piece);
+    slot.bytes_got = 0;
+    slot.read_errno = 0;
+    if (outstanding_ == 0) busy_since_ = clock_type::now();
+    outstanding_ += slot.pieces_left;
+    for (uint64_t at = 0; at < pe.size; at += piece)
+      reader_->submit(pe.file, pe.offset + at, std::min(piece, pe.size - at), slot.mem.get() + at, uint64_t(s));
+  }
+
+  // A read finished (mu_ held): the store's in-flight count and busy time.
+  void read_finished() {
+    if (--outstanding_ == 0)
+      stats_.io_busy_seconds += std::chrono::duration<double>(clock_type::now() - busy_since_).count();
   }
 
   // A free slot, a new one while under the bound, or the cached expert of lowest priority.
@@ -417,23 +443,35 @@ class StreamingExpertStore final : public ExpertStore {
     return victim;
   }
 
-  // Reader thread: check the bytes, then hand the expert to the compute side.
+  // Reader thread: a piece of a load is done; once all are, check the bytes, then hand the expert
+  // to the compute side.
   void on_read(const ReadDone& d) {
     Slot* slot_ptr;
     {
       std::lock_guard lock(mu_);  // the deque's index may be growing; element addresses are stable
       slot_ptr = &slots_[size_t(d.tag)];
+      Slot& s = *slot_ptr;
+      if (d.bytes < 0) {
+        if (s.read_errno == 0) s.read_errno = int(-d.bytes);
+      } else {
+        s.bytes_got += uint64_t(d.bytes);
+        stats_.bytes_read += uint64_t(d.bytes);
+      }
+      if (--s.pieces_left > 0) {  // the last piece's thread finishes the load
+        read_finished();
+        return;
+      }
     }
     Slot& slot = *slot_ptr;  // pinned and Loading: nothing else touches it until it is Ready
     const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
     const std::string& file = pack_.expert_files[size_t(pe.file)];
     std::optional<std::string> err;
-    if (d.bytes < 0) {
+    if (slot.read_errno != 0) {
       err = file + ": read failed for layer " + std::to_string(slot.layer) + " expert " +
-            std::to_string(slot.expert) + ": " + std::strerror(int(-d.bytes));
-    } else if (uint64_t(d.bytes) != pe.size) {
+            std::to_string(slot.expert) + ": " + std::strerror(slot.read_errno);
+    } else if (slot.bytes_got != pe.size) {
       err = file + ": short read for layer " + std::to_string(slot.layer) + " expert " +
-            std::to_string(slot.expert) + " (" + std::to_string(d.bytes) + " of " +
+            std::to_string(slot.expert) + " (" + std::to_string(slot.bytes_got) + " of " +
             std::to_string(pe.size) + " bytes; truncated file?)";
     } else if (XXH64(slot.mem.get(), pe.size, 0) != pe.checksum) {
       err = file + ": checksum mismatch for layer " + std::to_string(slot.layer) + " expert " +
@@ -444,9 +482,7 @@ class StreamingExpertStore final : public ExpertStore {
     {
       std::lock_guard lock(mu_);
       ++reads_done_;
-      if (--outstanding_ == 0)
-        stats_.io_busy_seconds += std::chrono::duration<double>(clock_type::now() - busy_since_).count();
-      if (d.bytes > 0) stats_.bytes_read += uint64_t(d.bytes);
+      read_finished();
       if (err) {
         // A read ahead that failed is forgotten: the request that asks for it reads it again
         // and reports the error then.
@@ -514,6 +550,7 @@ class StreamingExpertStore final : public ExpertStore {
   std::deque<std::pair<int, int>> background_;  // (layer, expert) the miss fallback skipped, not started yet
   std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
   std::vector<std::vector<char>> hot_;      // [layer][expert]: pinned by the profile
+  uint64_t read_piece_ = 0;                 // bytes an expert's reads take each; 0: whole
   int outstanding_ = 0;                     // reads in flight
   uint64_t reads_done_ = 0;
   clock_type::time_point busy_since_;

@@ -22,6 +22,9 @@ struct ExpertStoreOptions {
   std::string io = "pread";    // pread | uring
   bool direct_io = false;      // O_DIRECT reads into aligned buffers
   int io_threads = 4;          // reads in flight
+  // An expert is read in pieces of this many bytes (a 4 KiB multiple; 0: whole), all submitted at
+  // once. MOESTREAM_READ_CHUNK_KB overrides it, for measurements.
+  uint64_t read_piece_bytes = 512 * 1024;
   bool lookahead = false;      // accept prefetch() (the model's guesses of the next layer's experts)
   // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
   // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
