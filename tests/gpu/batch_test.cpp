@@ -59,9 +59,10 @@ TEST_F(GpuBatch, GreedyItemsMatchTheirLogits) {
 }
 
 // Decode steps of one sequence and of several, replayed as CUDA graphs captured in segments
-// (the default: the first of 8 operations; MOESTREAM_CUDA_GRAPH_SEGMENT=1: a graph from every
-// operation on, so every kind of operation ends a segment somewhere), give the logits of the
-// same steps launched one operation at a time (MOESTREAM_CUDA_GRAPHS=0), bit for bit.
+// (the default: the first of 8 operations, each next one twice as long; MOESTREAM_CUDA_GRAPH_SEGMENT=1:
+// segments end after operations 1, 3, 7, 15, ...; 0: one graph a step), with the cache append
+// inside the attention kernel and its pipelined key loop, give the logits of the same steps
+// launched one operation at a time with the append as copies and the plain key loop, bit for bit.
 TEST_F(GpuBatch, GraphSegmentsEqualLaunchesBitForBit) {
   for (const std::string& dir : {model_fixture("qwen3moe_gqa_tied"), family("gpt_oss_tiny"),
                                  family("qwen3_next_tiny"), family("deepseek_v3_tiny")}) {
@@ -70,26 +71,34 @@ TEST_F(GpuBatch, GraphSegmentsEqualLaunchesBitForBit) {
       std::vector<batch_test::Run> runs;
       uint64_t graph_steps = 0;
     };
-    auto run = [&](const char* graphs, const char* segment) {
-      if (graphs) setenv("MOESTREAM_CUDA_GRAPHS", graphs, 1);
+    auto run = [&](bool launched, const char* segment) {
+      if (launched) {
+        setenv("MOESTREAM_CUDA_GRAPHS", "0", 1);
+        setenv("MOESTREAM_CUDA_ATTN_APPEND", "0", 1);
+        setenv("MOESTREAM_CUDA_ATTN_PIPELINE", "0", 1);
+      }
       if (segment) setenv("MOESTREAM_CUDA_GRAPH_SEGMENT", segment, 1);
       auto model = load(dir, -1, {}, "cuda");
       unsetenv("MOESTREAM_CUDA_GRAPHS");
+      unsetenv("MOESTREAM_CUDA_ATTN_APPEND");
       unsetenv("MOESTREAM_CUDA_GRAPH_SEGMENT");
       const int64_t vocab = model->info().vocab_size;
-      std::vector<Plan> plans;  // 5 decoders, two of them stopping early: steps of 5, 4 and 3 rows
-      for (uint32_t i = 0; i < 5; ++i) plans.push_back({random_tokens(4 + i, vocab, 40 + i), 0, 16, i < 2 ? 6 : 10});
+      // 5 decoders stopping after 6, 10, 14, 14, 14 tokens: steps of 5, 4 and 3 rows, each
+      // count long enough to become graphs.
+      std::vector<Plan> plans;
+      for (uint32_t i = 0; i < 5; ++i) plans.push_back({random_tokens(4 + i, vocab, 40 + i), 0, 16, i == 0 ? 6 : i == 1 ? 10 : 14});
       Result r;
       r.runs = batched(*model, plans);
       r.runs.push_back(lone(*model, {random_tokens(7, vocab, 60), 0, 7, 10}));
       r.graph_steps = gpu_tier_stats(model->backend())->graph_steps;
+      unsetenv("MOESTREAM_CUDA_ATTN_PIPELINE");  // read at each launch
       return r;
     };
-    const Result launched = run("0", nullptr);
+    const Result launched = run(true, nullptr);
     EXPECT_EQ(launched.graph_steps, 0u);
     for (const char* segment : {static_cast<const char*>(nullptr), "1", "0"}) {
       SCOPED_TRACE(segment ? std::string("segment ") + segment : std::string("default segments"));
-      const Result graphed = run(nullptr, segment);
+      const Result graphed = run(false, segment);
       EXPECT_GT(graphed.graph_steps, 10u);
       ASSERT_EQ(graphed.runs.size(), launched.runs.size());
       for (size_t i = 0; i < launched.runs.size(); ++i) {

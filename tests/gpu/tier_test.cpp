@@ -216,6 +216,17 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
       EXPECT_GT(in_place.stats.promotions, 0u);
       EXPECT_GT(in_place.stats.hits, 0u);
     }
+    // The routing log is written by the steps' routers, replayed as graphs or launched one
+    // operation at a time: the same counts and promotions either way.
+    setenv("MOESTREAM_CUDA_GRAPHS", "0", 1);
+    const Result launched = decode(slots * slot_mb);
+    unsetenv("MOESTREAM_CUDA_GRAPHS");
+    EXPECT_EQ(launched.logits, all.logits);
+    EXPECT_EQ(launched.stats.graph_steps, 0u);
+    EXPECT_EQ(launched.stats.hits, in_place.stats.hits);
+    EXPECT_EQ(launched.stats.misses, in_place.stats.misses);
+    EXPECT_EQ(launched.stats.bytes_in_place, in_place.stats.bytes_in_place);
+    EXPECT_EQ(launched.stats.promotions, in_place.stats.promotions);
     setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
     const Result host_path = decode(slots * slot_mb);
     unsetenv("MOESTREAM_CUDA_IN_PLACE");

@@ -271,11 +271,10 @@ __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnAr
 // Heads of at most 32 x kPipelinedChunks dims take the pipelined key loop (attend_row).
 constexpr int kPipelinedChunks = 4;
 // MOESTREAM_CUDA_ATTN_PIPELINE=0: every head through the loop that loads each row when it uses it.
+// Read at each launch, so that a test can compare the two loops in one process.
 bool pipelined(int head_dim, int v_dim) {
-  static const bool on = [] {
-    const char* v = std::getenv("MOESTREAM_CUDA_ATTN_PIPELINE");
-    return !(v && std::string(v) == "0");
-  }();
+  const char* v = std::getenv("MOESTREAM_CUDA_ATTN_PIPELINE");
+  const bool on = !(v && std::string(v) == "0");
   return on && head_dim <= 32 * kPipelinedChunks && v_dim <= 32 * kPipelinedChunks;
 }
 

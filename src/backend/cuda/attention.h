@@ -30,7 +30,7 @@ struct DecodeRows {
   float* v_cache[kMaxDecodeRows] = {};
 };
 
-// qk_norm_rope, the cache appends and attention of each of rows' decode rows in three launches,
+// qk_norm_rope, then the cache appends and attention of each of rows' decode rows, in two launches,
 // every row computed as the one-token calls compute it (the same sums in the same order).
 void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm, const float* k_norm, float eps,
                       const RopeTable& rope, const float* inv_freq, int threads, const DecodeRows& rows,

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <type_traits>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -36,10 +37,14 @@ float to_f32(const TensorView& t, int64_t i) {
   }
 }
 
-// An integer setting from the environment, clamped to [lo, hi]; `fallback` when unset.
+// An integer setting from the environment in [lo, hi]; `fallback` when unset.
 int env_int(const char* name, int fallback, int lo, int hi) {
   const char* v = std::getenv(name);
-  return v && *v ? std::clamp(std::atoi(v), lo, hi) : fallback;
+  if (!v || !*v) return fallback;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  if (*end || n < lo || n > hi) fail(name, ": '", v, "' is not an integer from ", lo, " to ", hi);
+  return int(n);
 }
 
 class CudaBackend final : public Backend {
@@ -76,8 +81,8 @@ class CudaBackend final : public Backend {
       cudaStreamEndCapture(compute_, &g);
       if (g) cudaGraphDestroy(g);
     }
-    for (auto& [rows, execs] : execs_)
-      for (cudaGraphExec_t e : execs)
+    for (auto& [rows, g] : step_graphs_)
+      for (cudaGraphExec_t e : g.execs)
         if (e) cudaGraphExecDestroy(e);
     cudaDeviceSynchronize();
     for (void* p : device_allocs_) cudaFree(p);
@@ -178,20 +183,31 @@ class CudaBackend final : public Backend {
     std::memcpy(host, tokens.data(), size_t(T) * sizeof(int32_t));
     int32_t* dev = scratch_.get<int32_t>(kTokens, size_t(T));
     // From the third step in a row of the same few tokens (decode: one sequence, or up to 8 in a
-    // batch) on, with every expert resident or read in place (ExpertTier::graph_ready), the step
+    // batch; a short prompt chunk too) on, with every expert resident or read in place (ExpertTier::graph_ready), the step
     // (this embed up to the logits' to_host or the greedy ids) is captured as CUDA graphs and
     // replayed: one launch a segment instead of ~20 per layer. The graph reads the tokens from
     // the pinned staging area. A step is captured in segments (the first of first_segment_
     // operations, each next one twice as long), each launched as soon as it is captured, so the
     // GPU runs one segment while the host captures the next instead of idling for the whole
     // capture.
+    // Steps of the same row count whose graphs could not be updated in place three times in a
+    // row (serve's steps mix decode rows and prompt chunks of that count) are launched op by op
+    // for the next kGraphBackoff steps of that count, instead of instantiated anew each step.
+    if (capturing_) abort_capture();  // the last step failed part way
     decode_streak_ = T <= graph_rows_ && T == streak_rows_ ? decode_streak_ + 1 : 1;
     streak_rows_ = T;
     tier_->step_begins();
-    if (T <= graph_rows_ && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->graph_ready()) {
-      segment_ = 0;
-      segment_limit_ = first_segment_;
-      begin_segment();
+    if (T <= graph_rows_ && decode_streak_ >= 3 && graphs_ && !sync_ops_ && tier_->graph_ready() &&
+        !cuda::tensor_cores_for(T)) {
+      StepGraphs& g = step_graphs_[T];
+      if (g.skip > 0) {
+        --g.skip;
+      } else {
+        segment_ = 0;
+        segment_limit_ = first_segment_;
+        g.updated_all = true;
+        begin_segment();
+      }
     }
     prof_.begin(compute_);
     MS_CUDA_CHECK(cudaMemcpyAsync(dev, host, size_t(T) * sizeof(int32_t), cudaMemcpyHostToDevice, compute_));
@@ -268,7 +284,7 @@ class CudaBackend final : public Backend {
   }
 
   // A batched decode step (every span one row, F32 caches without a window): rotary, cache
-  // appends and attention of all its sequences in three launches, each row as the one-token calls
+  // appends and attention of all its sequences in two launches, each row as the one-token calls
   // compute it. Anything else, span by span.
   void attention_batch(Buffer& q, Buffer& k, const Buffer& v, const Vector& q_norm, const Vector& k_norm, float eps,
                        const RopeTable& r, std::span<const AttentionSpan> spans, const AttentionParams& p,
@@ -462,24 +478,29 @@ class CudaBackend final : public Backend {
   }
 
   // The segment captured so far, as the graph of its place in a step of this many rows (updated
-  // in place when the step's operations are those of the last such step), launched.
+  // in place when the step's operations are those of the last such step), launched. A segment
+  // with no operations (one ended just before the step's end) is dropped.
   void end_segment() {
     capturing_ = false;
-    cudaGraph_t g = nullptr;
-    MS_CUDA_CHECK(cudaStreamEndCapture(compute_, &g));
-    std::vector<cudaGraphExec_t>& execs = execs_[streak_rows_];
-    if (execs.size() <= size_t(segment_)) execs.resize(size_t(segment_) + 1, nullptr);
-    cudaGraphExec_t& exec = execs[size_t(segment_)];
+    cudaGraph_t captured = nullptr;
+    MS_CUDA_CHECK(cudaStreamEndCapture(compute_, &captured));
+    std::unique_ptr<std::remove_pointer_t<cudaGraph_t>, decltype(&cudaGraphDestroy)> g(captured, cudaGraphDestroy);
+    size_t nodes = 0;
+    MS_CUDA_CHECK(cudaGraphGetNodes(g.get(), nullptr, &nodes));
+    if (nodes == 0) return;
+    StepGraphs& graphs = step_graphs_[streak_rows_];
+    if (graphs.execs.size() <= size_t(segment_)) graphs.execs.resize(size_t(segment_) + 1, nullptr);
+    cudaGraphExec_t& exec = graphs.execs[size_t(segment_)];
     if (exec) {
       cudaGraphExecUpdateResultInfo info{};
-      if (cudaGraphExecUpdate(exec, g, &info) != cudaSuccess) {
+      if (cudaGraphExecUpdate(exec, g.get(), &info) != cudaSuccess) {
         cudaGetLastError();
         cudaGraphExecDestroy(exec);
         exec = nullptr;
+        graphs.updated_all = false;
       }
     }
-    if (!exec) MS_CUDA_CHECK(cudaGraphInstantiate(&exec, g, 0));
-    MS_CUDA_CHECK(cudaGraphDestroy(g));
+    if (!exec) MS_CUDA_CHECK(cudaGraphInstantiate(&exec, g.get(), 0));
     MS_CUDA_CHECK(cudaGraphLaunch(exec, compute_));
     ++segment_;
   }
@@ -487,6 +508,22 @@ class CudaBackend final : public Backend {
   void finish_capture() {
     end_segment();
     ++graph_steps_;
+    StepGraphs& g = step_graphs_[streak_rows_];
+    g.failed_steps = g.updated_all ? 0 : g.failed_steps + 1;
+    if (g.failed_steps >= 3) {
+      g.failed_steps = 0;
+      g.skip = kGraphBackoff;
+    }
+  }
+
+  // A capture left open by a step that failed part way: ended and thrown away, so the next step
+  // starts on a stream that is not capturing.
+  void abort_capture() {
+    capturing_ = false;
+    cudaGraph_t g = nullptr;
+    cudaStreamEndCapture(compute_, &g);
+    if (g) cudaGraphDestroy(g);
+    cudaGetLastError();
   }
 
   // Ends an operation: its profile entry (label() is called only when profiling) and, with
@@ -508,13 +545,22 @@ class CudaBackend final : public Backend {
   bool graphs_ = true;          // MOESTREAM_CUDA_GRAPHS=0 turns decode-step graphs off
   bool capturing_ = false;
   static constexpr int kMaxGraphRows = 8;  // steps of up to this many tokens become graphs
+  static_assert(kMaxGraphRows <= cuda::kGemvMaxTokens, "graph steps must be decode calls (no host round trip)");
   int graph_rows_ = kMaxGraphRows;         // MOESTREAM_CUDA_GRAPH_ROWS: 1 = single-token steps only
   int first_segment_ = 8;  // MOESTREAM_CUDA_GRAPH_SEGMENT: operations in a step's first graph; 0 = one graph a step
   int segment_limit_ = 0, segment_ops_ = 0, segment_ = 0;
   bool append_in_attention_ = true;  // MOESTREAM_CUDA_ATTN_APPEND=0: a decode step's cache append as copies
   int decode_streak_ = 0;   // steps in a row of streak_rows_ tokens
   int64_t streak_rows_ = 0;
-  std::map<int64_t, std::vector<cudaGraphExec_t>> execs_;  // by a step's tokens, a graph per segment
+  // The graphs of steps of one row count: one per segment, and how their updates went.
+  struct StepGraphs {
+    std::vector<cudaGraphExec_t> execs;
+    bool updated_all = true;  // this step's segments all updated in place (or were new)
+    int failed_steps = 0;     // steps in a row with a segment instantiated anew
+    int skip = 0;             // steps still to launch op by op
+  };
+  static constexpr int kGraphBackoff = 32;
+  std::map<int64_t, StepGraphs> step_graphs_;  // by a step's row count
   std::string device_name_;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;
   cudaEvent_t staging_free_ = nullptr;  // embed's staging area may be overwritten
@@ -530,7 +576,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<const float*, RopeDevice> rope_tables_;
 
   std::unique_ptr<ExpertTier> tier_;  // routed experts and moe(); made once the streams exist
-  uint64_t graph_steps_ = 0;           // decode steps replayed as one CUDA graph
+  uint64_t graph_steps_ = 0;           // steps replayed as CUDA graphs
 };
 
 }  // namespace

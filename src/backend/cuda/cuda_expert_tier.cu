@@ -688,9 +688,10 @@ bool ExpertTier::host_fits() {
 
 // Every expert of `layer` the tier has no host address for, through the provider's preload.
 void ExpertTier::preload_layer(int layer, ExpertProvider& experts) {
-  if (!log_host_) {  // the routing log, here: never while a step is captured
+  if (!log_host_ || !log_dev_) {  // the routing log, here: never while a step is captured
     log_cap_ = size_t(1) << 18;
-    MS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&log_host_), log_cap_ * sizeof(int), cudaHostAllocDefault));
+    if (!log_host_)
+      MS_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&log_host_), log_cap_ * sizeof(int), cudaHostAllocDefault));
     MS_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&log_dev_), log_cap_ * sizeof(int)));
   }
   auto& known = host_[size_t(layer)];
@@ -874,8 +875,8 @@ void ExpertTier::mark_dirty(int layer) {
   row_dirty_[size_t(layer)] = 1;
 }
 
-// Runs of dirty rows go up as one copy each, the clean rows between two dirty ones too when
-// fewer than kUploadGap apart: a copy's fixed cost (a few us on the stream before the step) is
+// Runs of dirty rows go up as one copy each, the clean rows between two dirty ones too when at
+// most kUploadGap - 1 of them lie between: a copy's fixed cost (a few us on the stream before the step) is
 // worth more than a few rows' bytes (a row of 128 experts: ~23 KB).
 void ExpertTier::upload_dirty_rows() {
   if (dirty_rows_.empty()) return;

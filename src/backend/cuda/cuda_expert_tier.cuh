@@ -106,8 +106,8 @@ class ExpertTier {
     return tier_ready_ && prefetch_layers_ && n_experts_ > 0 &&
            int64_t(full_layers_) * n_experts_ == opt_.total_experts;
   }
-  // A one-token step needs no host round trip: every expert in VRAM, or every MoE layer read in
-  // place (the step can be captured as a CUDA graph).
+  // A decode step (at most kGemvMaxTokens tokens) needs no host round trip: every expert in VRAM,
+  // or every MoE layer read in place (the step can be captured as CUDA graphs).
   bool graph_ready() const {
     return all_resident() || (in_place_on_ && lasting_ && host_fit_ == 1 && n_experts_ > 0 && opt_.total_experts > 0 &&
                               int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
