@@ -76,11 +76,7 @@ class CudaBackend final : public Backend {
       prof_.report();
     } catch (...) {  // a failed CUDA call at exit loses the profile, not the run
     }
-    if (capturing_) {
-      cudaGraph_t g = nullptr;
-      cudaStreamEndCapture(compute_, &g);
-      if (g) cudaGraphDestroy(g);
-    }
+    if (capturing_) abort_capture();
     for (auto& [rows, g] : step_graphs_)
       for (cudaGraphExec_t e : g.execs)
         if (e) cudaGraphExecDestroy(e);

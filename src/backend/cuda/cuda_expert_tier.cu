@@ -221,13 +221,13 @@ void ExpertTier::ensure_table(int layer) {
   host_.resize(size_t(cap));
   host_known_.resize(size_t(cap), 0);
   preload_failed_.resize(size_t(cap), 0);
-  row_dirty_.resize(size_t(cap), 0);
 }
 
-void ExpertTier::upload_table_row(int layer) {
-  const size_t off = size_t(layer) * size_t(n_experts_);
-  MS_CUDA_CHECK(cudaMemcpyAsync(table_dev_ + off, table_host_ + off, size_t(n_experts_) * sizeof(DevExpert),
-                                cudaMemcpyHostToDevice, compute_));
+// Table rows [first, first + count) to the device, on the compute stream.
+void ExpertTier::upload_table_rows(int first, int count) {
+  const size_t off = size_t(first) * size_t(n_experts_);
+  const size_t bytes = size_t(count) * size_t(n_experts_) * sizeof(DevExpert);
+  MS_CUDA_CHECK(cudaMemcpyAsync(table_dev_ + off, table_host_ + off, bytes, cudaMemcpyHostToDevice, compute_));
 }
 
 void ExpertTier::touch(int slot) { slot_call_[size_t(slot)] = call_; }
@@ -496,7 +496,7 @@ void ExpertTier::launch(Call& c, HostGroups& h) {
   MS_CUDA_CHECK(cudaMemcpyAsync(g.offset + a0, h.offset + a0, size_t(a1 - a0 + 1) * sizeof(int), cudaMemcpyHostToDevice, compute_));
   MS_CUDA_CHECK(cudaMemcpyAsync(g.row_token + h.offset[a0], h.row_token + h.offset[a0],
                                 size_t(h.offset[a1] - h.offset[a0]) * sizeof(int), cudaMemcpyHostToDevice, compute_));
-  upload_table_row(c.layer);
+  upload_table_rows(c.layer, 1);
   bind_layer(c);
   b.count_on_device = false;
   b.a_begin = a0;
@@ -643,7 +643,7 @@ int ExpertTier::free_slot(Call& c, HostGroups& h) {
 
 // out = the weighted sum of each token's expert rows, through the host-built row_of.
 void ExpertTier::combine_through_host(Call& c, HostGroups& h) {
-  upload_table_row(c.layer);
+  upload_table_rows(c.layer, 1);
   MS_CUDA_CHECK(cudaMemcpyAsync(c.g.row_of, h.row_of, size_t(c.pairs) * sizeof(int), cudaMemcpyHostToDevice, compute_));
   cuda::combine(c.b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
   op_done();
@@ -870,27 +870,21 @@ void ExpertTier::start_promotions() {
   promoting_.emplace_back(ev, std::move(batch));
 }
 
-void ExpertTier::mark_dirty(int layer) {
-  if (!row_dirty_[size_t(layer)]) dirty_rows_.push_back(layer);
-  row_dirty_[size_t(layer)] = 1;
-}
+void ExpertTier::mark_dirty(int layer) { dirty_rows_.push_back(layer); }
 
-// Runs of dirty rows go up as one copy each, the clean rows between two dirty ones too when at
-// most kUploadGap - 1 of them lie between: a copy's fixed cost (a few us on the stream before the step) is
-// worth more than a few rows' bytes (a row of 128 experts: ~23 KB).
+// Runs of dirty rows (a row noted twice counts once) go up as one copy each, the clean rows
+// between two dirty ones too when at most kUploadGap - 1 of them lie between: a copy's fixed cost
+// (a few us on the stream before the step) is worth more than a few rows' bytes (a row of 128
+// experts: ~23 KB).
 void ExpertTier::upload_dirty_rows() {
-  if (dirty_rows_.empty()) return;
   constexpr int kUploadGap = 8;
   std::sort(dirty_rows_.begin(), dirty_rows_.end());
   for (size_t i = 0; i < dirty_rows_.size();) {
     const int first = dirty_rows_[i];
     int last = first;
     while (++i < dirty_rows_.size() && dirty_rows_[i] - last <= kUploadGap) last = dirty_rows_[i];
-    const size_t off = size_t(first) * size_t(n_experts_), n = size_t(last - first + 1) * size_t(n_experts_);
-    MS_CUDA_CHECK(cudaMemcpyAsync(table_dev_ + off, table_host_ + off, n * sizeof(DevExpert), cudaMemcpyHostToDevice,
-                                  compute_));
+    upload_table_rows(first, last - first + 1);
   }
-  for (int l : dirty_rows_) row_dirty_[size_t(l)] = 0;
   dirty_rows_.clear();
 }
 

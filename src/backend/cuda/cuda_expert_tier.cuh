@@ -178,7 +178,7 @@ class ExpertTier {
   // --- slots and the device table ---
   void init(const MoeParams& p, uint64_t first_expert_bytes);
   void ensure_table(int layer);
-  void upload_table_row(int layer);
+  void upload_table_rows(int first, int count);
   void load_expert(int layer, int expert, const MlpWeights& w, int slot);
   void note_formats(int layer, int expert, const MlpWeights& w);
   void evict(int slot);
@@ -278,8 +278,7 @@ class ExpertTier {
   std::vector<std::pair<cudaEvent_t, std::vector<Promotion>>> promoting_;
   std::vector<cudaEvent_t> spare_events_;
   std::vector<char> slot_busy_;           // a promotion's copy into the slot is in flight
-  std::vector<char> row_dirty_;           // table rows changed on the host since their upload
-  std::vector<int> dirty_rows_;           // those rows' layers, for the upload
+  std::vector<int> dirty_rows_;           // layers whose table rows changed on the host since their upload
 };
 
 }  // namespace moestream::cuda
