@@ -69,6 +69,15 @@ class Pair : public ::testing::Test {
     return v;
   }
   double err(const Buf& b) { return test::relative_error(host(*gpu, b.g), host(*cpu, b.c)); }
+  // p's attention on both backends, with the sinks sc and sg (CPU, GPU) when `sinks`.
+  void attend(Buf& q, Buf& k, Buf& v, Buf& kc, Buf& vc, const AttentionParams& p, bool sinks, const Vector& sc,
+              const Vector& sg, Buf& out) {
+    AttentionParams pc = p, pg = p;
+    pc.sinks = sinks ? &sc : nullptr;
+    pg.sinks = sinks ? &sg : nullptr;
+    cpu->attention(q.c, k.c, v.c, kc.c, vc.c, pc, out.c);
+    gpu->attention(q.g, k.g, v.g, kc.g, vc.g, pg, out.g);
+  }
 
   std::unique_ptr<Backend> cpu, gpu;
 };
@@ -346,15 +355,63 @@ TEST_F(Pair, AttentionDecodePrefillWindowSinksMla) {
       Buf q = buf(T, int64_t(c.heads) * c.hd, 100 + uint32_t(n_past)), k = buf(T, kv_dim, 200 + uint32_t(n_past));
       Buf v = buf(T, c.values_in_keys ? 1 : v_dim, 300 + uint32_t(n_past)), out = poisoned(T, int64_t(c.heads) * c.vd);
       p.n_past = n_past;
-      AttentionParams pc = p, pg = p;
-      pc.sinks = c.sinks ? &sc : nullptr;
-      pg.sinks = c.sinks ? &sg : nullptr;
-      cpu->attention(q.c, k.c, v.c, kc.c, vc.c, pc, out.c);
-      gpu->attention(q.g, k.g, v.g, kc.g, vc.g, pg, out.g);
+      attend(q, k, v, kc, vc, p, c.sinks, sc, sg, out);
       EXPECT_LT(err(out), 1e-5) << "heads " << c.heads << " hd " << c.hd << " T " << T << " n_past " << n_past;
       n_past += T;
     }
   }
+}
+
+// The tensor-core prefill kernel over many key tiles: a 300-token prompt, a decode step, then 77
+// more tokens, with key and value magnitudes that change from tile to tile (each tile's values
+// are split under their own power of two, and the value sums are carried across tile scales) and
+// query rows of different magnitudes. Qwen3's 32 / 4 heads of 128 dims, and 64 dims with a
+// sliding window and sinks.
+TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
+  for (const char* split : {"1", "0"}) {  // keys and values split once per call, or by each block
+    setenv("MOESTREAM_CUDA_ATTN_SPLIT", split, 1);
+    struct Case {
+      int heads, kv_heads, hd;
+      int64_t window;
+      bool sinks;
+    };
+    for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false}}) {
+      AttentionParams p;
+      p.n_heads = c.heads;
+      p.n_kv_heads = c.kv_heads;
+      p.head_dim = c.hd;
+      p.scale = 1.0f / std::sqrt(float(c.hd));
+      p.sliding_window = c.window;
+      std::vector<float> sink = random(size_t(c.heads), 3);
+      const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
+      const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
+      const int64_t kv_dim = int64_t(c.kv_heads) * c.hd, q_dim = int64_t(c.heads) * c.hd, cap = 400;
+      Buf kc = zeros(cap, kv_dim), vc = zeros(cap, kv_dim);
+      int64_t n_past = 0;
+      for (int64_t T : {int64_t(300), int64_t(1), int64_t(77)}) {
+        const uint32_t seed = uint32_t(n_past);
+        std::vector<float> qv = random(size_t(T * q_dim), 100 + seed), kv = random(size_t(T * kv_dim), 200 + seed),
+                           vv = random(size_t(T * kv_dim), 300 + seed);
+        for (int64_t t = 0; t < T; ++t) {
+          const int64_t pos = n_past + t;
+          const float qs = std::ldexp(1.0f, -int(t % 7)), ks = std::ldexp(1.0f, int(pos / 32 % 5) - 2),
+                      vs = std::ldexp(1.0f, 3 * int(pos / 32 % 9) - 12);
+          for (int64_t i = 0; i < q_dim; ++i) qv[size_t(t * q_dim + i)] *= qs;
+          for (int64_t i = 0; i < kv_dim; ++i) {
+            kv[size_t(t * kv_dim + i)] *= ks;
+            vv[size_t(t * kv_dim + i)] *= vs;
+          }
+        }
+        Buf q = buf(T, q_dim, qv), k = buf(T, kv_dim, kv), v = buf(T, kv_dim, vv), out = poisoned(T, q_dim);
+        p.n_past = n_past;
+        attend(q, k, v, kc, vc, p, c.sinks, sc, sg, out);
+        EXPECT_LT(err(out), 1e-5) << "split " << split << " heads " << c.heads << " hd " << c.hd << " T " << T
+                                  << " n_past " << n_past;
+        n_past += T;
+      }
+    }
+  }
+  unsetenv("MOESTREAM_CUDA_ATTN_SPLIT");
 }
 
 TEST_F(Pair, ElementwiseOps) {

@@ -5,6 +5,9 @@
 // blocks). Each warp takes every W-th key, keeps its own running max, denominator and weighted
 // value sum (lane owns value dims lane + 32c), and the warps merge at the end.
 //
+// Prefill takes the tensor cores where it applies (attention_mma_kernel, float32 accuracy through
+// FP16 halves), the float32 tiled kernel otherwise.
+//
 // KV caches of other types (backend/kv_cache.h) are read through the same kernel, instantiated per
 // type, each value unpacked as it is read; a KV window maps positions to ring rows, and a ring's
 // new rows are staged first so that a batch longer than the ring still reads every key it needs.
@@ -15,6 +18,7 @@
 #include <type_traits>
 
 #include "backend/cuda/common.cuh"
+#include "backend/cuda/mma.cuh"
 #include "core/quant.h"
 
 namespace moestream::cuda {
@@ -278,6 +282,13 @@ bool pipelined(int head_dim, int v_dim) {
   return on && head_dim <= 32 * kPipelinedChunks && v_dim <= 32 * kPipelinedChunks;
 }
 
+// MOESTREAM_CUDA_ATTN_MMA=0: prefill through the float32 tiled kernel instead of the tensor
+// cores. Read at each launch, like the switch above.
+bool attention_mma_enabled() {
+  const char* v = std::getenv("MOESTREAM_CUDA_ATTN_MMA");
+  return !(v && std::string(v) == "0");
+}
+
 // One block per (head, decode row): row rows.row[i] at position rows.pos[i], over its own caches
 // (each row one query, as attention_kernel computes a lone decode step). The row's new key and
 // value are read from k and v, and stored into its caches by append_head.
@@ -473,6 +484,465 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(Attn
   }
 }
 
+// Prefill attention on the tensor cores, to float32 accuracy (attention_mma_kernel). A block of
+// 4 warps takes kMmaRows (query token, head) rows that share one KV head, 16 a warp, and walks
+// the keys kMmaKeys at a time. Every operand is split into FP16 halves, hi = fp16(x) and
+// lo = fp16(x - hi), after a power of two has put its largest magnitude in [2^14, 2^15): queries
+// per row, a tile's keys and its values per tile. hi x hi + hi x lo + lo x hi (three MMAs, float32
+// sums) keeps 22 bits of every value above 2^-17 of its scale's largest and an absolute error
+// below 2^-39 of it for smaller ones, as the exact expert kernels do (expert_exact_mma.cu). Scores
+// are scaled back in float32, and the online softmax runs in float32 as in the kernels above but
+// in base 2 (scores times log2 e, exp2f); its probabilities (times 2^kMmaProbExp, so that small
+// ones stay normal FP16) are split the same way for the products with the values. The value sums
+// are kept in units of the latest tile's value scale (a power of two: rescaling them is exact).
+// Keys and values of F32 caches without a KV window are split once per call (SplitKv); otherwise
+// each block splits the tiles it reads.
+constexpr int kMmaRows = 64;
+constexpr int kMmaKeys = 32;
+constexpr int kMmaThreads = 128;
+constexpr int kMmaProbExp = 12;
+constexpr float kLog2e = 1.4426950408889634f;
+
+// Offset (halves) of column col of row `row` in a shared [rows][HD] FP16 array whose 16-byte
+// chunks are permuted by the row's low 3 bits, so that ldmatrix's 8 rows at one chunk hit
+// distinct banks.
+template <int HD>
+__device__ __forceinline__ int mma_swz(int row, int col) {
+  return row * HD + ((((col >> 3) ^ (row & 7))) << 3) + (col & 7);
+}
+
+// The power of two that puts a largest magnitude m in [2^14, 2^15); 0 for zero, inf or NaN.
+__device__ __forceinline__ int split_exp(float m) {
+  if (!(m > 0.0f) || isinf(m)) return 0;
+  int e;
+  frexpf(m, &e);
+  return min(max(15 - e, -120), 120);
+}
+
+__device__ __forceinline__ uint32_t half2_bits(__half2 h) {
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
+
+// x and y split into hi and lo FP16 pairs (x in the low half, as the MMA fragments order them).
+__device__ __forceinline__ void split2(float x, float y, uint32_t& hi, uint32_t& lo) {
+  const __half2 h = __floats2half2_rn(x, y);
+  const float2 back = __half22float2(h);
+  hi = half2_bits(h);
+  lo = half2_bits(__floats2half2_rn(x - back.x, y - back.y));
+}
+
+// Four values (already scaled) split into columns col..col + 3 of `row` of hi and lo.
+template <int HD>
+__device__ __forceinline__ void store_split4(__half* hi, __half* lo, int row, int col, float4 v) {
+  uint2 h, l;
+  split2(v.x, v.y, h.x, l.x);
+  split2(v.z, v.w, h.y, l.y);
+  const int off = mma_swz<HD>(row, col);
+  *reinterpret_cast<uint2*>(hi + off) = h;
+  *reinterpret_cast<uint2*>(lo + off) = l;
+}
+
+__device__ __forceinline__ float abs_max4(float4 v) {
+  return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
+}
+__device__ __forceinline__ float4 scale4(float4 v, float f) {
+  return make_float4(v.x * f, v.y * f, v.z * f, v.w * f);
+}
+
+// Values col..col + 3 of KV head kvh's part (at head_off) of position j's row.
+template <KvType T>
+__device__ __forceinline__ float4 kv_load4(const KvRows& rows, int64_t j, int kvh, int64_t head_off, int col) {
+  const float* r = rows.row(j);
+  if constexpr (T == KvType::F32) {
+    return *reinterpret_cast<const float4*>(r + head_off + col);
+  } else {
+    const float sc = T == KvType::Fp8 || T == KvType::Q8 ? r[kvh] : 1.0f;
+    const int64_t c = head_off + col;
+    return make_float4(kv_value<T>(r, rows.heads, c, sc), kv_value<T>(r, rows.heads, c + 1, sc),
+                       kv_value<T>(r, rows.heads, c + 2, sc), kv_value<T>(r, rows.heads, c + 3, sc));
+  }
+}
+
+// Keys (or values) j0 .. j0 + kMmaKeys - 1 of KV head kvh (zeros from j_end on) scaled by one
+// power of two and split into hi and lo; returns the exponent. The rows are read twice (their
+// largest magnitude, then the split), so no thread holds its share of the tile in registers.
+// red: 4 floats of shared memory.
+template <KvType T, int HD>
+__device__ __forceinline__ int load_split_tile(const KvRows& rows, int j0, int j_end, int kvh, int64_t head_off,
+                                               __half* hi, __half* lo, float* red) {
+  constexpr int per = kMmaKeys * HD / 4 / kMmaThreads;
+  const int tid = threadIdx.x;
+  float mx = 0.0f;
+#pragma unroll
+  for (int i = 0; i < per; ++i) {
+    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    if (j0 + key < j_end) mx = fmaxf(mx, abs_max4(kv_load4<T>(rows, j0 + key, kvh, head_off, col)));
+  }
+  mx = warp_max(mx);
+  if (tid % 32 == 0) red[tid / 32] = mx;
+  __syncthreads();
+  const int e = split_exp(fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])));
+  const float f = ldexpf(1.0f, e);
+#pragma unroll
+  for (int i = 0; i < per; ++i) {
+    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    const float4 v =
+        j0 + key < j_end ? kv_load4<T>(rows, j0 + key, kvh, head_off, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    store_split4<HD>(hi, lo, key, col, scale4(v, f));
+  }
+  return e;
+}
+
+// F32 caches without a KV window: each key and value tile split once per call (split_kv_kernel)
+// instead of once per block that reads it. For each KV head, positions [0, rows) (rows a multiple
+// of kMmaKeys, zeros past the call's last key) as hi and lo halves in the kernel's swizzled
+// shared-memory order, and each tile's exponent.
+struct SplitKv {
+  __half *k_hi, *k_lo, *v_hi, *v_lo;  // [head][rows][HD]
+  int *k_exp, *v_exp;                 // [head][rows / kMmaKeys]
+  int64_t rows;
+};
+
+// Bytes of a SplitKv of `keys` positions.
+size_t split_kv_bytes(int64_t keys, int kv_heads, int hd) {
+  const size_t rows = size_t((keys + kMmaKeys - 1) / kMmaKeys * kMmaKeys);
+  return rows * kv_heads * hd * 4 * sizeof(__half) + 2 * (rows / kMmaKeys) * kv_heads * sizeof(int);
+}
+
+SplitKv split_kv_layout(void* area, int64_t keys, int kv_heads, int hd) {
+  SplitKv sk;
+  sk.rows = (keys + kMmaKeys - 1) / kMmaKeys * kMmaKeys;
+  const size_t n = size_t(sk.rows) * kv_heads * hd;
+  sk.k_hi = static_cast<__half*>(area);
+  sk.k_lo = sk.k_hi + n;
+  sk.v_hi = sk.k_lo + n;
+  sk.v_lo = sk.v_hi + n;
+  sk.k_exp = reinterpret_cast<int*>(sk.v_lo + n);
+  sk.v_exp = sk.k_exp + sk.rows / kMmaKeys * kv_heads;
+  return sk;
+}
+
+// Block (tile, KV head, keys or values): that tile split into sk as load_split_tile splits it,
+// each thread's share held in registers between the tile's largest magnitude and the split.
+template <int HD>
+__global__ void __launch_bounds__(kMmaThreads) split_kv_kernel(KvRows k, KvRows v, int64_t v_head, int keys, SplitKv sk) {
+  constexpr int per = kMmaKeys * HD / 4 / kMmaThreads;
+  __shared__ float red[4];
+  const int tile = blockIdx.x, kvh = blockIdx.y, tid = threadIdx.x, j0 = tile * kMmaKeys;
+  const bool values = blockIdx.z == 1;
+  const KvRows& rows = values ? v : k;
+  const int64_t head_off = values ? int64_t(kvh) * v_head : int64_t(kvh) * HD;
+  float4 x[per];
+  float mx = 0.0f;
+#pragma unroll
+  for (int i = 0; i < per; ++i) {
+    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    x[i] = j0 + key < keys ? *reinterpret_cast<const float4*>(rows.row(j0 + key) + head_off + col)
+                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    mx = fmaxf(mx, abs_max4(x[i]));
+  }
+  mx = warp_max(mx);
+  if (tid % 32 == 0) red[tid / 32] = mx;
+  __syncthreads();
+  const int e = split_exp(fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])));
+  const float f = ldexpf(1.0f, e);
+  const size_t at = (size_t(kvh) * sk.rows + j0) * HD;
+  __half* hi = (values ? sk.v_hi : sk.k_hi) + at;
+  __half* lo = (values ? sk.v_lo : sk.k_lo) + at;
+#pragma unroll
+  for (int i = 0; i < per; ++i) {
+    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    store_split4<HD>(hi, lo, key, col, scale4(x[i], f));
+  }
+  if (tid == 0) (values ? sk.v_exp : sk.k_exp)[int64_t(kvh) * (sk.rows / kMmaKeys) + tile] = e;
+}
+
+// Tile j0 of KV head kvh from sk into shared memory (hi and lo of keys, then of values), by
+// cp.async.
+template <int HD>
+__device__ __forceinline__ void copy_split_tile(const SplitKv& sk, int kvh, int j0, __half* dst) {
+  constexpr int chunks = kMmaKeys * HD / 8;  // 16-byte chunks of one array's tile
+  const size_t at = (size_t(kvh) * sk.rows + j0) * HD;
+  const __half* src[4] = {sk.k_hi + at, sk.k_lo + at, sk.v_hi + at, sk.v_lo + at};
+#pragma unroll
+  for (int m = 0; m < 4; ++m)
+#pragma unroll
+    for (int i = threadIdx.x; i < chunks; i += kMmaThreads)
+      cp_async16(dst + m * kMmaKeys * HD + 8 * i, src[m] + 8 * i, 16);
+}
+
+// What a thread of attention_mma_kernel carries from tile to tile for its rows g and g + 8 of its
+// warp: their visible keys [first, sink_end) and [recent, n_keys), the scores' scale over each
+// row's power of two (times log2 e: the softmax runs in base 2, in float32), the online softmax, and
+// the value sums in units of 2^-(kMmaProbExp + v_exp).
+template <int HD>
+struct MmaRows {
+  int first[2], sink_end[2], recent[2], n_keys[2];  // positions below 2^31 (the launcher checks)
+  float qf[2], m[2], l[2];
+  float o[HD / 8][4];
+  int v_exp;
+};
+
+// One tile of keys j0 .. j0 + kMmaKeys - 1 (hi and lo of keys and values in shared memory, split
+// under 2^k_exp and 2^v_exp) for the warp's 16 rows.
+template <int HD>
+__device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* qh, const __half* ql, const __half* kh,
+                                         const __half* kl, const __half* vh, const __half* vl, int k_exp, int v_exp) {
+  constexpr int kt = kMmaKeys / 8;  // key tiles of 8 (score fragments)
+  constexpr int dt = HD / 8;        // value dims in tiles of 8 (output fragments)
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, tq = lane % 4;
+  float s[kt][4];
+#pragma unroll
+  for (int n = 0; n < kt; ++n)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[n][e] = 0.0f;
+      // The three products of each key tile in turn, so that consecutive MMAs of a warp do not wait
+      // for each other's sums.
+#pragma unroll 2
+  for (int kk = 0; kk < HD / 16; ++kk) {
+    uint32_t qa_hi[4], qa_lo[4], b_hi[kt / 2][4], b_lo[kt / 2][4];
+    const int q_off = mma_swz<HD>(warp * 16 + lane % 8 + 8 * (lane / 8 % 2), 16 * kk + 8 * (lane / 16));
+    ldsm4(qa_hi, qh + q_off);
+    ldsm4(qa_lo, ql + q_off);
+#pragma unroll
+    for (int np = 0; np < kt / 2; ++np) {
+      const int k_off = mma_swz<HD>(16 * np + lane % 8 + 8 * (lane / 16), 16 * kk + 8 * (lane / 8 % 2));
+      ldsm4(b_hi[np], kh + k_off);
+      ldsm4(b_lo[np], kl + k_off);
+    }
+#pragma unroll
+    for (int n = 0; n < kt; ++n) mma16816(s[n], qa_lo, b_hi[n / 2][2 * (n % 2)], b_hi[n / 2][2 * (n % 2) + 1]);
+#pragma unroll
+    for (int n = 0; n < kt; ++n) mma16816(s[n], qa_hi, b_lo[n / 2][2 * (n % 2)], b_lo[n / 2][2 * (n % 2) + 1]);
+#pragma unroll
+    for (int n = 0; n < kt; ++n) mma16816(s[n], qa_hi, b_hi[n / 2][2 * (n % 2)], b_hi[n / 2][2 * (n % 2) + 1]);
+  }
+  // Online softmax of rows g (fragment elements 0, 1) and g + 8 (2, 3).
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const float f = st.qf[i] * pow2(-k_exp);
+    float mx = -INFINITY;
+    const bool full =
+        (j0 >= st.first[i] && j0 + kMmaKeys <= st.sink_end[i]) || (j0 >= st.recent[i] && j0 + kMmaKeys <= st.n_keys[i]);
+    if (full) {
+#pragma unroll
+      for (int n = 0; n < kt; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          s[n][2 * i + e] *= f;
+          mx = fmaxf(mx, s[n][2 * i + e]);
+        }
+    } else {
+#pragma unroll
+      for (int n = 0; n < kt; ++n)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int j = j0 + 8 * n + 2 * tq + e;
+          const bool seen = (j >= st.first[i] && j < st.sink_end[i]) || (j >= st.recent[i] && j < st.n_keys[i]);
+          const float sc = seen ? s[n][2 * i + e] * f : -INFINITY;
+          s[n][2 * i + e] = sc;
+          mx = fmaxf(mx, sc);
+        }
+    }
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(st.m[i], mx);
+    const float correction = m_new == -INFINITY ? 1.0f : exp2f(st.m[i] - m_new);
+    float sum = 0.0f;
+#pragma unroll
+    for (int n = 0; n < kt; ++n)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float sc = s[n][2 * i + e];
+        const float p = sc == -INFINITY ? 0.0f : exp2f(sc - m_new);
+        s[n][2 * i + e] = p;
+        sum += p;
+      }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    st.l[i] = st.l[i] * correction + sum;
+    st.m[i] = m_new;
+    const float rescale = ldexpf(correction, v_exp - st.v_exp);
+#pragma unroll
+    for (int d = 0; d < dt; ++d) {
+      st.o[d][2 * i] *= rescale;
+      st.o[d][2 * i + 1] *= rescale;
+    }
+  }
+  st.v_exp = v_exp;
+  // Value sums: the probabilities of 16 keys at a time as the A operand.
+  constexpr float pf = float(1 << kMmaProbExp);
+#pragma unroll
+  for (int kk = 0; kk < kMmaKeys / 16; ++kk) {
+    uint32_t pa_hi[4], pa_lo[4];
+    split2(s[2 * kk][0] * pf, s[2 * kk][1] * pf, pa_hi[0], pa_lo[0]);
+    split2(s[2 * kk][2] * pf, s[2 * kk][3] * pf, pa_hi[1], pa_lo[1]);
+    split2(s[2 * kk + 1][0] * pf, s[2 * kk + 1][1] * pf, pa_hi[2], pa_lo[2]);
+    split2(s[2 * kk + 1][2] * pf, s[2 * kk + 1][3] * pf, pa_hi[3], pa_lo[3]);
+    // Four value tiles of 8 dims at a time, their products interleaved as above.
+#pragma unroll
+    for (int dq = 0; dq < dt / 4; ++dq) {
+      uint32_t b_hi[2][4], b_lo[2][4];
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int v_off = mma_swz<HD>(16 * kk + lane % 8 + 8 * (lane / 8 % 2), 32 * dq + 16 * u + 8 * (lane / 16));
+        ldsm4_trans(b_hi[u], vh + v_off);
+        ldsm4_trans(b_lo[u], vl + v_off);
+      }
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        mma16816(st.o[4 * dq + n], pa_lo, b_hi[n / 2][2 * (n % 2)], b_hi[n / 2][2 * (n % 2) + 1]);
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        mma16816(st.o[4 * dq + n], pa_hi, b_lo[n / 2][2 * (n % 2)], b_lo[n / 2][2 * (n % 2) + 1]);
+#pragma unroll
+      for (int n = 0; n < 4; ++n)
+        mma16816(st.o[4 * dq + n], pa_hi, b_hi[n / 2][2 * (n % 2)], b_hi[n / 2][2 * (n % 2) + 1]);
+    }
+  }
+}
+
+// Shared memory of attention_mma_kernel: the queries' hi and lo, one tile's four arrays (two with
+// SPLIT: the next tile's copy lands while the current one is multiplied), the queries' exponents
+// and the tiles' maxima.
+template <int HD, bool SPLIT>
+constexpr size_t mma_smem_bytes() {
+  return size_t(2 * kMmaRows + (SPLIT ? 8 : 4) * kMmaKeys) * HD * sizeof(__half) + kMmaRows * sizeof(int) +
+         8 * sizeof(float);
+}
+
+// SPLIT (F32 caches without a KV window): tiles from sk, aligned to kMmaKeys, double-buffered.
+// Otherwise each tile read from the caches and split by the block (any KV type and window).
+template <KvType T, int HD, bool SPLIT>
+__global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs a, SplitKv sk, int64_t n_tokens) {
+  constexpr int dt = HD / 8;
+  constexpr int tile = kMmaKeys * HD;  // halves of one array's tile
+  extern __shared__ __align__(16) unsigned char mma_smem[];
+  __half* qh = reinterpret_cast<__half*>(mma_smem);
+  __half* ql = qh + kMmaRows * HD;
+  __half* tiles = ql + kMmaRows * HD;  // [stage][k_hi, k_lo, v_hi, v_lo][tile]
+  int* q_exp = reinterpret_cast<int*>(tiles + (SPLIT ? 8 : 4) * tile);
+  float* red = reinterpret_cast<float*>(q_exp + kMmaRows);  // [2][4]: keys', values' maxima
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4;
+  const int kvh = blockIdx.x, per_block = kMmaRows / a.group;
+  // The last tokens (most keys) first.
+  const int64_t t0 = int64_t(gridDim.y - 1 - blockIdx.y) * per_block;
+  // Row r: token t0 + r / group, head kvh * group + r % group. Each warp splits its own 16 rows.
+  {
+    float4 qv[16];
+#pragma unroll
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = warp * 16 + rr;
+      const int64_t t = t0 + r / a.group;
+      const int h = kvh * a.group + r % a.group;
+      qv[rr] = t < n_tokens && lane < HD / 4
+                   ? *reinterpret_cast<const float4*>(a.q + t * a.q_ld + int64_t(h) * HD + 4 * lane)
+                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    }
+#pragma unroll
+    for (int rr = 0; rr < 16; ++rr) {
+      const int r = warp * 16 + rr;
+      const int e = split_exp(warp_max(abs_max4(qv[rr])));
+      if (lane < HD / 4) store_split4<HD>(qh, ql, r, 4 * lane, scale4(qv[rr], ldexpf(1.0f, e)));
+      if (lane == 0) q_exp[r] = e;
+    }
+  }
+  __syncwarp();
+  MmaRows<HD> st;
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = warp * 16 + g + 8 * i;
+    const int64_t t = t0 + r / a.group;
+    st.qf[i] = ldexpf(a.scale * kLog2e, -q_exp[r]);
+    st.n_keys[i] = t < n_tokens ? int(a.n_past + t + 1) : 0;
+    st.first[i] = a.window > 0 && st.n_keys[i] > a.window ? st.n_keys[i] - int(a.window) : 0;
+    st.sink_end[i] = st.n_keys[i];
+    st.recent[i] = st.n_keys[i];
+    if (a.kv_window > 0) {
+      st.recent[i] = max(st.first[i], st.n_keys[i] > a.kv_window ? st.n_keys[i] - int(a.kv_window) : 0);
+      st.sink_end[i] = max(st.first[i], min(min(int(a.kv_sinks), st.recent[i]), st.n_keys[i]));
+    }
+    st.m[i] = -INFINITY;
+    st.l[i] = 0.0f;
+  }
+#pragma unroll
+  for (int d = 0; d < dt; ++d)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) st.o[d][e] = 0.0f;
+  st.v_exp = 0;
+  const int64_t t_last = min(n_tokens, t0 + per_block) - 1;
+  const int j_end = int(a.n_past + t_last + 1);
+  const int nk0 = int(a.n_past + t0 + 1);
+  const int j_begin = a.window > 0 && nk0 > a.window ? nk0 - int(a.window) : 0;
+  if constexpr (SPLIT) {
+    // Without a KV window the block's rows see [j_begin, j_end) together: every tile counts.
+    const int n_tiles = int(sk.rows / kMmaKeys);
+    const int* k_exps = sk.k_exp + kvh * n_tiles;
+    const int* v_exps = sk.v_exp + kvh * n_tiles;
+    int j0 = j_begin / kMmaKeys * kMmaKeys;
+    copy_split_tile<HD>(sk, kvh, j0, tiles);
+    int ke = k_exps[j0 / kMmaKeys], ve = v_exps[j0 / kMmaKeys];
+    for (int buf = 0; j0 < j_end; j0 += kMmaKeys, buf ^= 1) {
+      cp_async_wait_all();
+      __syncthreads();  // the tile has landed, and every warp is done with the other buffer
+      const int k_exp = ke, v_exp = ve;
+      if (j0 + kMmaKeys < j_end) {
+        copy_split_tile<HD>(sk, kvh, j0 + kMmaKeys, tiles + (buf ^ 1) * 4 * tile);
+        ke = k_exps[j0 / kMmaKeys + 1];
+        ve = v_exps[j0 / kMmaKeys + 1];
+      }
+      const __half* cur = tiles + buf * 4 * tile;
+      mma_tile<HD>(st, j0, qh, ql, cur, cur + tile, cur + 2 * tile, cur + 3 * tile, k_exp, v_exp);
+    }
+  } else {
+    const int64_t k_off = int64_t(kvh) * HD, v_off = int64_t(kvh) * a.v_head;
+    for (int j0 = j_begin; j0 < j_end; j0 += kMmaKeys) {
+      bool any = false;  // skip tiles no row of the block sees (a KV window's gap)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        any |=
+            (j0 < st.sink_end[i] && j0 + kMmaKeys > st.first[i]) || (j0 < st.n_keys[i] && j0 + kMmaKeys > st.recent[i]);
+      if (!__syncthreads_or(any)) continue;
+      const int k_exp = load_split_tile<T, HD>(a.k, j0, j_end, kvh, k_off, tiles, tiles + tile, red);
+      const int v_exp = load_split_tile<T, HD>(a.v, j0, j_end, kvh, v_off, tiles + 2 * tile, tiles + 3 * tile, red + 4);
+      __syncthreads();
+      mma_tile<HD>(st, j0, qh, ql, tiles, tiles + tile, tiles + 2 * tile, tiles + 3 * tile, k_exp, v_exp);
+      __syncthreads();  // the tile is read
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const int r = warp * 16 + g + 8 * i;
+    const int64_t t = t0 + r / a.group;
+    if (t >= n_tokens) continue;
+    const int h = kvh * a.group + r % a.group;
+    // The sink (gpt-oss) joins the denominator only.
+    const float sink = a.sinks ? a.sinks[h] * kLog2e : -INFINITY;
+    const float mx = fmaxf(st.m[i], sink);
+    const float w = st.m[i] == -INFINITY ? 0.0f : exp2f(st.m[i] - mx);
+    const float denom = st.l[i] * w + (a.sinks ? exp2f(sink - mx) : 0.0f);
+    const float f = ldexpf(w / denom, -(kMmaProbExp + st.v_exp));
+    float* ov = a.out + t * a.out_ld + int64_t(h) * HD + 2 * (lane % 4);
+#pragma unroll
+    for (int d = 0; d < dt; ++d)
+      *reinterpret_cast<float2*>(ov + 8 * d) = make_float2(st.o[d][2 * i] * f, st.o[d][2 * i + 1] * f);
+  }
+}
+
+// The tensor-core prefill kernel takes value heads as wide as the keys (not MLA's latent) of 64 or
+// 128 dims, a head group that divides its rows, and positions below 2^31.
+bool mma_applies(const AttentionParams& p, int64_t T) {
+  const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
+  return attention_mma_enabled() && !p.values_in_keys && vd == hd && (hd == 64 || hd == 128) &&
+         p.n_heads % p.n_kv_heads == 0 && kMmaRows % (p.n_heads / p.n_kv_heads) == 0 &&
+         p.n_past + T < (int64_t(1) << 31);
+}
+
+// Its keys and values split once per call (SplitKv): F32 caches without a KV window.
+bool split_kv_applies(const AttentionParams& p) {
+  return p.kv.type == KvType::F32 && p.kv.window <= 0;
+}
+
 // The E4M3 code of x as kv_cache.cpp's f32_to_fp8_e4m3 computes it (nearest, ties to even).
 __device__ uint8_t fp8_code(float x) {
   const uint8_t sign = signbit(x) ? 0x80 : 0;
@@ -625,9 +1095,15 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
   MS_CUDA_CHECK_LAUNCH();
 }
 
+size_t attention_split_bytes(const AttentionParams& p, int64_t T) {
+  const char* env = std::getenv("MOESTREAM_CUDA_ATTN_SPLIT");  // 0: every block splits its tiles
+  if (T <= 1 || !mma_applies(p, T) || !split_kv_applies(p) || (env && std::string(env) == "0")) return 0;
+  return split_kv_bytes(p.n_past + T, p.n_kv_heads, p.head_dim);
+}
+
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
                const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged, const float* v_staged,
-               float* k_append, float* v_append) {
+               float* k_append, float* v_append, void* split) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
   const KvCacheSpec& kv = p.kv;
@@ -637,14 +1113,65 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
       q, k, p.values_in_keys ? k : KvRows{v_cache.data, v_staged, v_cache.cols, p.n_past, kv.sinks, kv.window, ring, p.n_kv_heads},
       p.values_in_keys ? hd : vd, p, sinks, out);
   if (q.rows == 0) return;
+  const auto aligned = [](const void* ptr, int64_t words) {
+    return ptr == nullptr || (reinterpret_cast<uintptr_t>(ptr) % 16 == 0 && words % 4 == 0);
+  };
   if (k_append) {
     if (q.rows != 1 || !k_staged || !v_staged || !v_append || p.values_in_keys || kv.type != KvType::F32 || kv.window > 0)
       fail("cuda attention: appending keys takes one query row, its staged key and value, F32 caches without a window");
     a.k_append = k_append;
     a.v_append = v_append;
   }
-  // Prefill through the tiled kernel where it applies: value heads as wide as the keys (not MLA's
-  // latent), 64, 128 or 256 dims, and a head group that divides its rows.
+  // Prefill on the tensor cores where it applies (attention_mma_kernel).
+  if (q.rows > 1 && mma_applies(p, q.rows) && aligned(q.data, q.cols) && aligned(out.data, out.cols) &&
+      (kv.type != KvType::F32 || (aligned(k_cache.data, k_cache.cols) && aligned(v_cache.data, v_cache.cols) &&
+                                  aligned(k_staged, k_cache.cols) && aligned(v_staged, v_cache.cols)))) {
+    const bool split_kv = split && split_kv_applies(p) && !k_staged && !ring;
+    const int64_t keys = p.n_past + q.rows;
+    const SplitKv sk = split_kv ? split_kv_layout(split, keys, p.n_kv_heads, hd) : SplitKv{};
+    if (split_kv) {
+      const dim3 grid(unsigned(sk.rows / kMmaKeys), unsigned(p.n_kv_heads), 2);
+      if (hd == 64)
+        split_kv_kernel<64><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+      else
+        split_kv_kernel<128><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+      MS_CUDA_CHECK_LAUNCH();
+    }
+    auto launch = [&]<int HD, bool SPLIT>() {
+      dispatch_kv(kv.type, [&](auto type) {
+        constexpr KvType T = decltype(type)::value;
+        if constexpr (SPLIT && T != KvType::F32) {
+          return;  // split_kv_applies: F32 only
+        } else {
+          auto kernel = attention_mma_kernel<T, HD, SPLIT>;
+          const size_t bytes = mma_smem_bytes<HD, SPLIT>();
+          static bool configured = false;
+          if (!configured) {
+            MS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+            configured = true;
+          }
+          const int64_t per_block = kMmaRows / a.group;
+          kernel<<<dim3(unsigned(p.n_kv_heads), unsigned((q.rows + per_block - 1) / per_block)), kMmaThreads, bytes,
+                   s>>>(a, sk, q.rows);
+        }
+      });
+    };
+    if (hd == 64) {
+      if (split_kv)
+        launch.template operator()<64, true>();
+      else
+        launch.template operator()<64, false>();
+    } else {
+      if (split_kv)
+        launch.template operator()<128, true>();
+      else
+        launch.template operator()<128, false>();
+    }
+    MS_CUDA_CHECK_LAUNCH();
+    return;
+  }
+  // Otherwise prefill through the tiled float32 kernel where it applies: value heads as wide as the
+  // keys, 64, 128 or 256 dims, and a head group that divides its rows.
   const bool tiled = q.rows > 1 && !p.values_in_keys && vd == hd && kPrefillRows % a.group == 0 &&
                      (hd == 64 || hd == 128 || hd == 256);
   if (tiled) {

@@ -42,9 +42,15 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
 // With k_append and v_append (one query row, F32 caches without a window, keys and values apart):
 // its new key and value are read from k_staged and v_staged and stored by the kernel into those
 // cache rows (row n_past), so the step needs no copies of its own.
+// With `split` (attention_split_bytes(p, q.rows) bytes of device memory, where that is not 0)
+// prefill splits the keys and values for the tensor cores once per call instead of once per block.
 void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, const AttentionParams& p,
                const float* sinks, Buffer& out, cudaStream_t s, const float* k_staged = nullptr,
-               const float* v_staged = nullptr, float* k_append = nullptr, float* v_append = nullptr);
+               const float* v_staged = nullptr, float* k_append = nullptr, float* v_append = nullptr,
+               void* split = nullptr);
+
+// The scratch bytes attention() can use as `split` for this call; 0 where it takes none.
+size_t attention_split_bytes(const AttentionParams& p, int64_t T);
 
 // Packs each row of x (x.cols values in `heads` heads) into dst rows of `words` words, as
 // kv_store_row does on the host.

@@ -344,7 +344,14 @@ class CudaBackend final : public Backend {
     if (!p.values_in_keys)
       MS_CUDA_CHECK(cudaMemcpyAsync(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float),
                                     cudaMemcpyDeviceToDevice, compute_));
-    cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_);
+    // Prefill's keys and values split for the tensor cores once per call. Not for steps that may
+    // become graphs (the scratch could not grow under a capture, and a step must compute the same
+    // with and without one), and bounded: otherwise each block splits the tiles it reads.
+    void* split = nullptr;
+    const size_t split_bytes = cuda::attention_split_bytes(p, T);
+    if (split_bytes > 0 && split_bytes <= kMaxAttentionSplitBytes && T > kMaxGraphRows && !capturing_)
+      split = scratch_.get<unsigned char>(kAttnSplit, split_bytes);
+    cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_, nullptr, nullptr, nullptr, nullptr, split);
     op_done([&] { return op_label("attention (cache append + attention)", q.rows); });
   }
 
@@ -424,7 +431,8 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  enum ScratchSlot { kTokens, kMlpGate, kMlpUp, kKvStaged, kGreedyIds };
+  enum ScratchSlot { kTokens, kMlpGate, kMlpUp, kKvStaged, kGreedyIds, kAttnSplit };
+  static constexpr size_t kMaxAttentionSplitBytes = size_t(64) << 20;
   enum StagingSlot { kTokensHost, kGreedyIdsHost };
 
   // attention() for a compact or windowed cache (backend/kv_cache.h): new rows packed on the GPU,

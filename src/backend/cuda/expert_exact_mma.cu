@@ -25,6 +25,7 @@
 // tokens as B, float32 accumulators per (row, token).
 #include <cuda_fp16.h>
 
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/weights.cuh"
 
@@ -44,9 +45,6 @@ constexpr int kSplitThreads = 128;
 // the chunks of each row are permuted by the row's low 3 bits, so the 8 rows an ldmatrix reads at
 // one chunk lie on distinct banks without padding (which would cost the fourth block per SM).
 __device__ __forceinline__ int swz(int row, int chunk) { return row * kK + ((chunk ^ (row & 7)) * 8); }
-
-// 2^e as a float, e in [-126, 127].
-__device__ __forceinline__ float pow2(int e) { return __int_as_float((127 + e) << 23); }
 
 // Shared memory for one step: M matrices' codes (FP16, kRows x kK) with each (row, pack)'s scale
 // and bias, and the activations of the work item's tokens (hi and lo halves, kTok x kK) with the
@@ -162,35 +160,6 @@ __global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
   if (lane == 0) *n_work = base;
-}
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-
-// 16 bytes global -> shared without registers; src_bytes 0 fills zeros (and reads nothing).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr(dst)), "l"(src), "r"(src_bytes)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async8(void* dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(smem_addr(dst)), "l"(src) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;\n" ::: "memory"); }
-
-// Four 8x8 FP16 matrices from shared memory; lane L gives the address of row L % 8 of matrix L / 8.
-__device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const __half* p) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p))
-               : "memory");
-}
-
-// d += a (16 x 16, row-major) * b (16 x 8, column-major), FP16 inputs, float32 sums.
-__device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // 1024 + code in FP16 (the code in the low mantissa bits of 0x6400), minus 1024: exact.
