@@ -431,7 +431,11 @@ void ExpertTier::run_resident(Call& c) {
     ++stats_.resident_calls;
   }
   bind_layer(c);
-  if (c.T > 1) cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, c.g, compute_);
+  if (c.T > 1) {
+    prof_.begin(compute_);
+    cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, c.g, compute_);
+    if (prof_.on()) prof_.end(compute_, op_label("moe group by expert", c.T));
+  }
   b.count_on_device = true;
   b.a_begin = 0;
   b.a_end = int(std::min<int64_t>(c.E, c.pairs));

@@ -187,39 +187,87 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3)
   route_token(a, 0, smem);
 }
 
-// One block; thread e counts and places expert e's rows (in (token, slot) order).
-__global__ void group_kernel(const int* sel, int total, int n_experts, MoeGroups g) {
-  extern __shared__ int counts[];  // [n_experts + 1]
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-    int c = 0;
-    for (int i = 0; i < total; ++i) c += sel[i] == e;
-    counts[e] = c;
+// One block: a stable counting sort of the (token, slot) pairs by expert, so that each expert's
+// rows keep the pairs' order. Warp w takes the w-th of kGroupWarps ranges of pairs: it counts its
+// range's pairs by expert (shared atomics), an exclusive scan over experts gives each expert its
+// first row and each warp its first row within the expert, and the warp places its pairs in
+// order, 32 at a time (lanes of one expert ranked by __match_any_sync).
+constexpr int kGroupWarps = 8;
+constexpr int kGroupThreads = 32 * kGroupWarps;
+
+__global__ void __launch_bounds__(kGroupThreads) group_kernel(const int* sel, int total, int n_experts, MoeGroups g) {
+  extern __shared__ int cursor[];  // [warp][expert]: the warp's pairs of the expert, then its next row
+  __shared__ int warp_rows[kGroupWarps], warp_active[kGroupWarps];
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
+  for (int i = tid; i < kGroupWarps * n_experts; i += kGroupThreads) cursor[i] = 0;
+  __syncthreads();
+  const int per = (total + kGroupWarps - 1) / kGroupWarps, lo = min(total, warp * per), hi = min(total, lo + per);
+  int* mine = cursor + warp * n_experts;
+  for (int i = lo + lane; i < hi; i += 32) atomicAdd(&mine[sel[i]], 1);
+  __syncthreads();
+  // Thread t owns experts [e0, e1): their rows and whether they are active, summed, then scanned
+  // over the block.
+  const int per_thread = (n_experts + kGroupThreads - 1) / kGroupThreads;
+  const int e0 = min(n_experts, tid * per_thread), e1 = min(n_experts, e0 + per_thread);
+  int rows = 0, active = 0;
+  for (int e = e0; e < e1; ++e) {
+    int n = 0;
+    for (int w = 0; w < kGroupWarps; ++w) n += cursor[w * n_experts + e];
+    rows += n;
+    active += n > 0;
+  }
+  int rows_incl = rows, active_incl = active;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int r = __shfl_up_sync(0xffffffffu, rows_incl, o), a = __shfl_up_sync(0xffffffffu, active_incl, o);
+    if (lane >= o) {
+      rows_incl += r;
+      active_incl += a;
+    }
+  }
+  if (lane == 31) {
+    warp_rows[warp] = rows_incl;
+    warp_active[warp] = active_incl;
   }
   __syncthreads();
-  if (threadIdx.x == 0) {  // counts -> first row of each expert; the active list
-    int row = 0, n = 0;
-    for (int e = 0; e < n_experts; ++e) {
-      const int c = counts[e];
-      counts[e] = row;
-      if (c) {
-        g.active[n] = e;
-        g.offset[n] = row;
-        ++n;
-      }
-      row += c;
+  int row = rows_incl - rows, n = active_incl - active;
+  for (int w = 0; w < warp; ++w) {
+    row += warp_rows[w];
+    n += warp_active[w];
+  }
+  for (int e = e0; e < e1; ++e) {
+    int count = 0;
+    for (int w = 0; w < kGroupWarps; ++w) {
+      const int c = cursor[w * n_experts + e];
+      cursor[w * n_experts + e] = row + count;
+      count += c;
     }
+    if (count > 0) {
+      g.active[n] = e;
+      g.offset[n] = row;
+      ++n;
+    }
+    row += count;
+  }
+  if (tid == kGroupThreads - 1) {  // its prefix ends at every expert
     g.offset[n] = row;
     *g.n_active = n;
   }
   __syncthreads();
-  for (int e = threadIdx.x; e < n_experts; e += blockDim.x) {
-    int row = counts[e];
-    for (int i = 0; i < total; ++i)
-      if (sel[i] == e) {
-        g.row_token[row] = i;  // the pair index; the kernels divide by k for the token
-        g.row_of[i] = row;
-        ++row;
-      }
+  for (int i0 = lo; i0 < hi; i0 += 32) {
+    const int i = i0 + lane;
+    const bool ok = i < hi;
+    const int e = ok ? sel[i] : -1 - lane;  // idle lanes match nobody
+    const unsigned same = __match_any_sync(0xffffffffu, e);
+    const int rank = __popc(same & ((1u << lane) - 1u));
+    const int pos = ok ? mine[e] + rank : 0;
+    __syncwarp();
+    if (ok && rank == 0) mine[e] += __popc(same);
+    __syncwarp();
+    if (ok) {
+      g.row_token[pos] = i;  // the pair index; the kernels divide by k for the token
+      g.row_of[i] = pos;
+    }
   }
 }
 
@@ -437,7 +485,9 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
 }
 
 void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s) {
-  group_kernel<<<1, 256, size_t(n_experts + 1) * sizeof(int), s>>>(sel_ids, int(T * k), n_experts, g);
+  const size_t smem = size_t(kGroupWarps) * n_experts * sizeof(int);
+  if (smem > 48 * 1024) fail("cuda moe: ", n_experts, " experts (at most ", 48 * 1024 / 4 / kGroupWarps, ")");
+  group_kernel<<<1, kGroupThreads, smem, s>>>(sel_ids, int(T * k), n_experts, g);
   MS_CUDA_CHECK_LAUNCH();
 }
 
