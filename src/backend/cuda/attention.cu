@@ -495,13 +495,15 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(Attn
 // in base 2 (scores times log2 e, exp2f); its probabilities (times 2^kMmaProbExp, so that small
 // ones stay normal FP16) are split the same way for the products with the values. The value sums
 // are kept in units of the latest tile's value scale (a power of two: rescaling them is exact).
-// Keys and values of F32 caches without a KV window are split once per call (SplitKv); otherwise
+// Keys and values of caches without a KV window are split once per call (SplitKv); otherwise
 // each block splits the tiles it reads.
 constexpr int kMmaRows = 64;
 constexpr int kMmaKeys = 32;
 constexpr int kMmaThreads = 128;
 constexpr int kMmaProbExp = 12;
 constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kMaxUnitStep = 64;    // value sums stay below 2^(27 + 64) x their denominator
+constexpr int kNoUnit = -(1 << 20);  // MmaRows::v_exp before the first tile
 
 // Offset (halves) of column col of row `row` in a shared [rows][HD] FP16 array whose 16-byte
 // chunks are permuted by the row's low 3 bits, so that ldmatrix's 8 rows at one chunk hit
@@ -593,7 +595,7 @@ __device__ __forceinline__ int load_split_tile(const KvRows& rows, int j0, int j
   return e;
 }
 
-// F32 caches without a KV window: each key and value tile split once per call (split_kv_kernel)
+// Caches without a KV window: each key and value tile split once per call (split_kv_kernel)
 // instead of once per block that reads it. For each KV head, positions [0, rows) (rows a multiple
 // of kMmaKeys, zeros past the call's last key) as hi and lo halves in the kernel's swizzled
 // shared-memory order, and each tile's exponent.
@@ -624,7 +626,7 @@ SplitKv split_kv_layout(void* area, int64_t keys, int kv_heads, int hd) {
 
 // Block (tile, KV head, keys or values): that tile split into sk as load_split_tile splits it,
 // each thread's share held in registers between the tile's largest magnitude and the split.
-template <int HD>
+template <KvType T, int HD>
 __global__ void __launch_bounds__(kMmaThreads) split_kv_kernel(KvRows k, KvRows v, int64_t v_head, int keys, SplitKv sk) {
   constexpr int per = kMmaKeys * HD / 4 / kMmaThreads;
   __shared__ float red[4];
@@ -637,8 +639,7 @@ __global__ void __launch_bounds__(kMmaThreads) split_kv_kernel(KvRows k, KvRows 
 #pragma unroll
   for (int i = 0; i < per; ++i) {
     const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
-    x[i] = j0 + key < keys ? *reinterpret_cast<const float4*>(rows.row(j0 + key) + head_off + col)
-                           : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x[i] = j0 + key < keys ? kv_load4<T>(rows, j0 + key, kvh, head_off, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     mx = fmaxf(mx, abs_max4(x[i]));
   }
   mx = warp_max(mx);
@@ -680,7 +681,7 @@ struct MmaRows {
   int first[2], sink_end[2], recent[2], n_keys[2];  // positions below 2^31 (the launcher checks)
   float qf[2], m[2], l[2];
   float o[HD / 8][4];
-  int v_exp;
+  int v_exp, min_exp;  // the sums' units; the exponent of the largest values so far
 };
 
 // One tile of keys j0 .. j0 + kMmaKeys - 1 (hi and lo of keys and values in shared memory, split
@@ -717,6 +718,13 @@ __device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* 
 #pragma unroll
     for (int n = 0; n < kt; ++n) mma16816(s[n], qa_hi, b_hi[n / 2][2 * (n % 2)], b_hi[n / 2][2 * (n % 2) + 1]);
   }
+  // The value sums' new units: this tile's values' power of two, but at most kMaxUnitStep above
+  // that of the largest values so far (a tile of values that much smaller), so that the sums stay
+  // finite; the rest of the difference then scales this tile's probabilities down.
+  const bool first = st.v_exp == kNoUnit;
+  const int min_exp = first ? v_exp : min(st.min_exp, v_exp);
+  const int unit = min(v_exp, min_exp + kMaxUnitStep);
+  const float pf = ldexpf(float(1 << kMmaProbExp), unit - v_exp);
   // Online softmax of rows g (fragment elements 0, 1) and g + 8 (2, 3).
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -762,16 +770,17 @@ __device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* 
     sum += __shfl_xor_sync(0xffffffffu, sum, 2);
     st.l[i] = st.l[i] * correction + sum;
     st.m[i] = m_new;
-    const float rescale = ldexpf(correction, v_exp - st.v_exp);
+    // Sums in the new units (zero before the first tile: nothing to rescale).
+    const float rescale = first ? correction : ldexpf(correction, unit - st.v_exp);
 #pragma unroll
     for (int d = 0; d < dt; ++d) {
       st.o[d][2 * i] *= rescale;
       st.o[d][2 * i + 1] *= rescale;
     }
   }
-  st.v_exp = v_exp;
+  st.v_exp = unit;
+  st.min_exp = min_exp;
   // Value sums: the probabilities of 16 keys at a time as the A operand.
-  constexpr float pf = float(1 << kMmaProbExp);
 #pragma unroll
   for (int kk = 0; kk < kMmaKeys / 16; ++kk) {
     uint32_t pa_hi[4], pa_lo[4];
@@ -811,7 +820,7 @@ constexpr size_t mma_smem_bytes() {
          8 * sizeof(float);
 }
 
-// SPLIT (F32 caches without a KV window): tiles from sk, aligned to kMmaKeys, double-buffered.
+// SPLIT (caches without a KV window): tiles from sk, aligned to kMmaKeys, double-buffered.
 // Otherwise each tile read from the caches and split by the block (any KV type and window).
 template <KvType T, int HD, bool SPLIT>
 __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs a, SplitKv sk, int64_t n_tokens) {
@@ -869,7 +878,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
   for (int d = 0; d < dt; ++d)
 #pragma unroll
     for (int e = 0; e < 4; ++e) st.o[d][e] = 0.0f;
-  st.v_exp = 0;
+  st.v_exp = kNoUnit;
   const int64_t t_last = min(n_tokens, t0 + per_block) - 1;
   const int j_end = int(a.n_past + t_last + 1);
   const int nk0 = int(a.n_past + t0 + 1);
@@ -921,11 +930,12 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
     const float mx = fmaxf(st.m[i], sink);
     const float w = st.m[i] == -INFINITY ? 0.0f : exp2f(st.m[i] - mx);
     const float denom = st.l[i] * w + (a.sinks ? exp2f(sink - mx) : 0.0f);
-    const float f = ldexpf(w / denom, -(kMmaProbExp + st.v_exp));
+    const float f = ldexpf(w / denom, -kMmaProbExp);
     float* ov = a.out + t * a.out_ld + int64_t(h) * HD + 2 * (lane % 4);
 #pragma unroll
     for (int d = 0; d < dt; ++d)
-      *reinterpret_cast<float2*>(ov + 8 * d) = make_float2(st.o[d][2 * i] * f, st.o[d][2 * i + 1] * f);
+      *reinterpret_cast<float2*>(ov + 8 * d) =
+          make_float2(ldexpf(st.o[d][2 * i] * f, -st.v_exp), ldexpf(st.o[d][2 * i + 1] * f, -st.v_exp));
   }
 }
 
@@ -938,10 +948,8 @@ bool mma_applies(const AttentionParams& p, int64_t T) {
          p.n_past + T < (int64_t(1) << 31);
 }
 
-// Its keys and values split once per call (SplitKv): F32 caches without a KV window.
-bool split_kv_applies(const AttentionParams& p) {
-  return p.kv.type == KvType::F32 && p.kv.window <= 0;
-}
+// Its keys and values split once per call (SplitKv): caches without a KV window, of any type.
+bool split_kv_applies(const AttentionParams& p) { return p.kv.window <= 0; }
 
 // The E4M3 code of x as kv_cache.cpp's f32_to_fp8_e4m3 computes it (nearest, ties to even).
 __device__ uint8_t fp8_code(float x) {
@@ -1131,17 +1139,18 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
     const SplitKv sk = split_kv ? split_kv_layout(split, keys, p.n_kv_heads, hd) : SplitKv{};
     if (split_kv) {
       const dim3 grid(unsigned(sk.rows / kMmaKeys), unsigned(p.n_kv_heads), 2);
-      if (hd == 64)
-        split_kv_kernel<64><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
-      else
-        split_kv_kernel<128><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+      dispatch_kv(kv.type, [&](auto type) {
+        constexpr KvType T = decltype(type)::value;
+        if (hd == 64) split_kv_kernel<T, 64><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+        else split_kv_kernel<T, 128><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+      });
       MS_CUDA_CHECK_LAUNCH();
     }
     auto launch = [&]<int HD, bool SPLIT>() {
-      dispatch_kv(kv.type, [&](auto type) {
+      dispatch_kv(SPLIT ? KvType::F32 : kv.type, [&](auto type) {
         constexpr KvType T = decltype(type)::value;
         if constexpr (SPLIT && T != KvType::F32) {
-          return;  // split_kv_applies: F32 only
+          return;  // unreachable: a split call launches the F32 instance (its tiles do not depend on the type)
         } else {
           auto kernel = attention_mma_kernel<T, HD, SPLIT>;
           const size_t bytes = mma_smem_bytes<HD, SPLIT>();

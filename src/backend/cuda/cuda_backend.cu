@@ -344,14 +344,8 @@ class CudaBackend final : public Backend {
     if (!p.values_in_keys)
       MS_CUDA_CHECK(cudaMemcpyAsync(v_cache.data + p.n_past * v_dim, v.data, size_t(T * v_dim) * sizeof(float),
                                     cudaMemcpyDeviceToDevice, compute_));
-    // Prefill's keys and values split for the tensor cores once per call. Not for steps that may
-    // become graphs (the scratch could not grow under a capture, and a step must compute the same
-    // with and without one), and bounded: otherwise each block splits the tiles it reads.
-    void* split = nullptr;
-    const size_t split_bytes = cuda::attention_split_bytes(p, T);
-    if (split_bytes > 0 && split_bytes <= kMaxAttentionSplitBytes && T > kMaxGraphRows && !capturing_)
-      split = scratch_.get<unsigned char>(kAttnSplit, split_bytes);
-    cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_, nullptr, nullptr, nullptr, nullptr, split);
+    cuda::attention(q, k_cache, v_cache, p, sinks, out, compute_, nullptr, nullptr, nullptr, nullptr,
+                    attention_split(p, T));
     op_done([&] { return op_label("attention (cache append + attention)", q.rows); });
   }
 
@@ -435,6 +429,16 @@ class CudaBackend final : public Backend {
   static constexpr size_t kMaxAttentionSplitBytes = size_t(64) << 20;
   enum StagingSlot { kTokensHost, kGreedyIdsHost };
 
+  // Scratch for prefill's keys and values split for the tensor cores once per call
+  // (cuda::attention_split_bytes), or null. Not for steps that may become graphs (the scratch could
+  // not grow under a capture, and a step must compute the same with and without one), and bounded:
+  // otherwise each block splits the tiles it reads.
+  void* attention_split(const AttentionParams& p, int64_t T) {
+    const size_t bytes = cuda::attention_split_bytes(p, T);
+    if (bytes == 0 || bytes > kMaxAttentionSplitBytes || T <= kMaxGraphRows || capturing_) return nullptr;
+    return scratch_.get<unsigned char>(kAttnSplit, bytes);
+  }
+
   // attention() for a compact or windowed cache (backend/kv_cache.h): new rows packed on the GPU,
   // into the cache, or for a ring into scratch first and into the ring after the attention.
   void attention_kv(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache, Buffer& v_cache,
@@ -450,7 +454,7 @@ class CudaBackend final : public Backend {
     cuda::kv_pack(k, p.n_kv_heads, p.kv.type, k_dst, kw, compute_);
     if (!p.values_in_keys) cuda::kv_pack(v, p.n_kv_heads, p.kv.type, v_dst, vw, compute_);
     cuda::attention(q, k_cache, v_cache, p, p.sinks ? p.sinks->data : nullptr, out, compute_, ring ? k_dst : nullptr,
-                    ring && !p.values_in_keys ? v_dst : nullptr);
+                    ring && !p.values_in_keys ? v_dst : nullptr, nullptr, nullptr, ring ? nullptr : attention_split(p, T));
     if (ring) {
       cuda::kv_ring_store(k_dst, k_cache, T, p, compute_);
       if (!p.values_in_keys) cuda::kv_ring_store(v_dst, v_cache, T, p, compute_);

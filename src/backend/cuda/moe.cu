@@ -486,7 +486,8 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
 
 void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s) {
   const size_t smem = size_t(kGroupWarps) * n_experts * sizeof(int);
-  if (smem > 48 * 1024) fail("cuda moe: ", n_experts, " experts (at most ", 48 * 1024 / 4 / kGroupWarps, ")");
+  constexpr size_t kStatic = 2 * kGroupWarps * sizeof(int), kMax = 48 * 1024 - kStatic;  // group_kernel's own
+  if (smem > kMax) fail("cuda moe: ", n_experts, " experts (at most ", kMax / sizeof(int) / kGroupWarps, ")");
   group_kernel<<<1, kGroupThreads, smem, s>>>(sel_ids, int(T * k), n_experts, g);
   MS_CUDA_CHECK_LAUNCH();
 }
