@@ -386,7 +386,9 @@ TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
       int64_t window;
       bool sinks;
     };
-    for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false}}) {
+    // Groups of 8, 2, 1, and 12 and 3 (GLM-4.5's 96 / 8 heads; 64 rows a block hold 5 tokens of 12).
+    for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false},
+                          Case{24, 2, 128, 0, false}, Case{6, 2, 64, 50, true}}) {
       AttentionParams p;
       p.n_heads = c.heads;
       p.n_kv_heads = c.kv_heads;

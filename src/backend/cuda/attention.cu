@@ -485,18 +485,18 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(Attn
 }
 
 // Prefill attention on the tensor cores, to float32 accuracy (attention_mma_kernel). A block of
-// 4 warps takes kMmaRows (query token, head) rows that share one KV head, 16 a warp, and walks
-// the keys kMmaKeys at a time. Every operand is split into FP16 halves, hi = fp16(x) and
-// lo = fp16(x - hi), after a power of two has put its largest magnitude in [2^14, 2^15): queries
-// per row, a tile's keys and its values per tile. hi x hi + hi x lo + lo x hi (three MMAs, float32
-// sums) keeps 22 bits of every value above 2^-17 of its scale's largest and an absolute error
-// below 2^-39 of it for smaller ones, as the exact expert kernels do (expert_exact_mma.cu). Scores
-// are scaled back in float32, and the online softmax runs in float32 as in the kernels above but
-// in base 2 (scores times log2 e, exp2f); its probabilities (times 2^kMmaProbExp, so that small
-// ones stay normal FP16) are split the same way for the products with the values. The value sums
-// are kept in units of the latest tile's value scale (a power of two: rescaling them is exact).
-// Keys and values of caches without a KV window are split once per call (SplitKv); otherwise
-// each block splits the tiles it reads.
+// 4 warps takes kMmaRows (query token, head) rows that share one KV head (the heads of kMmaRows /
+// group tokens), 16 a warp, and walks the keys kMmaKeys at a time. Every operand is split into
+// FP16 halves, hi = fp16(x) and lo = fp16(x - hi), after a power of two has put its largest
+// magnitude in [2^14, 2^15): queries per row, a tile's keys and its values per tile. hi x hi +
+// hi x lo + lo x hi (three MMAs, float32 sums) keeps 22 bits of every value above 2^-17 of its
+// scale's largest and an absolute error below 2^-39 of it for smaller ones, as the exact expert
+// kernels do (expert_exact_mma.cu). Scores are scaled back in float32, and the online softmax runs
+// in float32 as in the kernels above but in base 2 (scores times log2 e, exp2f); its probabilities
+// (times 2^kMmaProbExp, so that small ones stay normal FP16) are split the same way for the
+// products with the values. The value sums are kept in units of a recent tile's value scale (a
+// power of two: rescaling them is exact). Keys and values of caches without a KV window are split
+// once per call (SplitKv); otherwise each block splits the tiles it reads.
 constexpr int kMmaRows = 64;
 constexpr int kMmaKeys = 32;
 constexpr int kMmaThreads = 128;
@@ -836,13 +836,16 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
   const int kvh = blockIdx.x, per_block = kMmaRows / a.group;
   // The last tokens (most keys) first.
   const int64_t t0 = int64_t(gridDim.y - 1 - blockIdx.y) * per_block;
-  // Row r: token t0 + r / group, head kvh * group + r % group. Each warp splits its own 16 rows.
+  // Row r: token t0 + r / group, head kvh * group + r % group; the rows past per_block tokens'
+  // (a group that does not divide kMmaRows) take no token, like those past the call's last.
+  const auto token_of = [&](int r) { return r < per_block * a.group ? t0 + r / a.group : n_tokens; };
+  // Each warp splits its own 16 rows.
   {
     float4 qv[16];
 #pragma unroll
     for (int rr = 0; rr < 16; ++rr) {
       const int r = warp * 16 + rr;
-      const int64_t t = t0 + r / a.group;
+      const int64_t t = token_of(r);
       const int h = kvh * a.group + r % a.group;
       qv[rr] = t < n_tokens && lane < HD / 4
                    ? *reinterpret_cast<const float4*>(a.q + t * a.q_ld + int64_t(h) * HD + 4 * lane)
@@ -861,7 +864,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = warp * 16 + g + 8 * i;
-    const int64_t t = t0 + r / a.group;
+    const int64_t t = token_of(r);
     st.qf[i] = ldexpf(a.scale * kLog2e, -q_exp[r]);
     st.n_keys[i] = t < n_tokens ? int(a.n_past + t + 1) : 0;
     st.first[i] = a.window > 0 && st.n_keys[i] > a.window ? st.n_keys[i] - int(a.window) : 0;
@@ -922,7 +925,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
     const int r = warp * 16 + g + 8 * i;
-    const int64_t t = t0 + r / a.group;
+    const int64_t t = token_of(r);
     if (t >= n_tokens) continue;
     const int h = kvh * a.group + r % a.group;
     // The sink (gpt-oss) joins the denominator only.
@@ -940,11 +943,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
 }
 
 // The tensor-core prefill kernel takes value heads as wide as the keys (not MLA's latent) of 64 or
-// 128 dims, a head group that divides its rows, and positions below 2^31.
+// 128 dims, head groups of up to kMmaRows heads, and positions below 2^31.
 bool mma_applies(const AttentionParams& p, int64_t T) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   return attention_mma_enabled() && !p.values_in_keys && vd == hd && (hd == 64 || hd == 128) &&
-         p.n_heads % p.n_kv_heads == 0 && kMmaRows % (p.n_heads / p.n_kv_heads) == 0 &&
+         p.n_heads % p.n_kv_heads == 0 && p.n_heads / p.n_kv_heads <= kMmaRows &&
          p.n_past + T < (int64_t(1) << 31);
 }
 
