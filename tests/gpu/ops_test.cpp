@@ -376,8 +376,8 @@ TEST_F(Pair, AttentionDecodePrefillWindowSinksMla) {
 // The tensor-core prefill kernel over many key tiles: a 300-token prompt, a decode step, then 77
 // more tokens, with key and value magnitudes that change from tile to tile (each tile's values
 // are split under their own power of two, and the value sums are carried across tile scales) and
-// query rows of different magnitudes. Qwen3's 32 / 4 heads of 128 dims, and 64 dims with a
-// sliding window and sinks.
+// query rows of different magnitudes: heads of 64, 128 and 256 dims, groups that do and do not
+// divide the kernel's 64 rows, with and without a sliding window and sinks.
 TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
   for (const char* split : {"1", "0"}) {  // keys and values split once per call, or by each block
     setenv("MOESTREAM_CUDA_ATTN_SPLIT", split, 1);
@@ -386,9 +386,11 @@ TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
       int64_t window;
       bool sinks;
     };
-    // Groups of 8, 2, 1, and 12 and 3 (GLM-4.5's 96 / 8 heads; 64 rows a block hold 5 tokens of 12).
+    // Groups of 8, 2, 1, and 12 and 3 (GLM-4.5's 96 / 8 heads; 64 rows a block hold 5 tokens of 12);
+    // Qwen3-Next's 16 / 2 heads of 256 dims (two warps a row's value dims).
     for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false},
-                          Case{24, 2, 128, 0, false}, Case{6, 2, 64, 50, true}}) {
+                          Case{24, 2, 128, 0, false}, Case{6, 2, 64, 50, true}, Case{16, 2, 256, 0, false},
+                          Case{4, 2, 256, 70, true}}) {
       AttentionParams p;
       p.n_heads = c.heads;
       p.n_kv_heads = c.kv_heads;

@@ -499,11 +499,22 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(Attn
 // once per call (SplitKv); otherwise each block splits the tiles it reads.
 constexpr int kMmaRows = 64;
 constexpr int kMmaKeys = 32;
-constexpr int kMmaThreads = 128;
+constexpr int kMmaThreads = 128;  // a block of rows; heads of 256 dims take two (mma_split)
 constexpr int kMmaProbExp = 12;
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr int kMaxUnitStep = 64;    // value sums stay below 2^(27 + 64) x their denominator
 constexpr int kNoUnit = -(1 << 20);  // MmaRows::v_exp before the first tile
+
+// Warps per 16 rows: heads of 256 dims split their value dims over two warps (both compute the
+// rows' scores), so that no thread holds more than 64 value sums.
+template <int HD>
+constexpr int mma_split() {
+  return HD > 128 ? 2 : 1;
+}
+template <int HD>
+constexpr int mma_threads() {
+  return kMmaThreads * mma_split<HD>();
+}
 
 // Offset (halves) of column col of row `row` in a shared [rows][HD] FP16 array whose 16-byte
 // chunks are permuted by the row's low 3 bits, so that ldmatrix's 8 rows at one chunk hit
@@ -568,26 +579,28 @@ __device__ __forceinline__ float4 kv_load4(const KvRows& rows, int64_t j, int kv
 // Keys (or values) j0 .. j0 + kMmaKeys - 1 of KV head kvh (zeros from j_end on) scaled by one
 // power of two and split into hi and lo; returns the exponent. The rows are read twice (their
 // largest magnitude, then the split), so no thread holds its share of the tile in registers.
-// red: 4 floats of shared memory.
+// red: a float of shared memory per warp of the block (mma_threads).
 template <KvType T, int HD>
 __device__ __forceinline__ int load_split_tile(const KvRows& rows, int j0, int j_end, int kvh, int64_t head_off,
                                                __half* hi, __half* lo, float* red) {
-  constexpr int per = kMmaKeys * HD / 4 / kMmaThreads;
+  constexpr int threads = mma_threads<HD>(), per = kMmaKeys * HD / 4 / threads;
   const int tid = threadIdx.x;
   float mx = 0.0f;
 #pragma unroll
   for (int i = 0; i < per; ++i) {
-    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    const int idx = tid + i * threads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
     if (j0 + key < j_end) mx = fmaxf(mx, abs_max4(kv_load4<T>(rows, j0 + key, kvh, head_off, col)));
   }
   mx = warp_max(mx);
   if (tid % 32 == 0) red[tid / 32] = mx;
   __syncthreads();
-  const int e = split_exp(fmaxf(fmaxf(red[0], red[1]), fmaxf(red[2], red[3])));
+#pragma unroll
+  for (int w = 0; w < threads / 32; ++w) mx = fmaxf(mx, red[w]);
+  const int e = split_exp(mx);
   const float f = ldexpf(1.0f, e);
 #pragma unroll
   for (int i = 0; i < per; ++i) {
-    const int idx = tid + i * kMmaThreads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
+    const int idx = tid + i * threads, key = idx / (HD / 4), col = idx % (HD / 4) * 4;
     const float4 v =
         j0 + key < j_end ? kv_load4<T>(rows, j0 + key, kvh, head_off, col) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     store_split4<HD>(hi, lo, key, col, scale4(v, f));
@@ -668,7 +681,7 @@ __device__ __forceinline__ void copy_split_tile(const SplitKv& sk, int kvh, int 
 #pragma unroll
   for (int m = 0; m < 4; ++m)
 #pragma unroll
-    for (int i = threadIdx.x; i < chunks; i += kMmaThreads)
+    for (int i = threadIdx.x; i < chunks; i += mma_threads<HD>())
       cp_async16(dst + m * kMmaKeys * HD + 8 * i, src[m] + 8 * i, 16);
 }
 
@@ -680,7 +693,7 @@ template <int HD>
 struct MmaRows {
   int first[2], sink_end[2], recent[2], n_keys[2];  // positions below 2^31 (the launcher checks)
   float qf[2], m[2], l[2];
-  float o[HD / 8][4];
+  float o[HD / 8 / mma_split<HD>()][4];  // this warp's value dims
   int v_exp, min_exp;  // the sums' units; the exponent of the largest values so far
 };
 
@@ -689,9 +702,10 @@ struct MmaRows {
 template <int HD>
 __device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* qh, const __half* ql, const __half* kh,
                                          const __half* kl, const __half* vh, const __half* vl, int k_exp, int v_exp) {
-  constexpr int kt = kMmaKeys / 8;  // key tiles of 8 (score fragments)
-  constexpr int dt = HD / 8;        // value dims in tiles of 8 (output fragments)
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, tq = lane % 4;
+  constexpr int kt = kMmaKeys / 8;                // key tiles of 8 (score fragments)
+  constexpr int vd = HD / mma_split<HD>(), dt = vd / 8;  // this warp's value dims, in tiles of 8
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32 % 4, tq = lane % 4;
+  const int d0 = threadIdx.x / 128 * vd;  // the first of them
   float s[kt][4];
 #pragma unroll
   for (int n = 0; n < kt; ++n)
@@ -794,7 +808,7 @@ __device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* 
       uint32_t b_hi[2][4], b_lo[2][4];
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
-        const int v_off = mma_swz<HD>(16 * kk + lane % 8 + 8 * (lane / 8 % 2), 32 * dq + 16 * u + 8 * (lane / 16));
+        const int v_off = mma_swz<HD>(16 * kk + lane % 8 + 8 * (lane / 8 % 2), d0 + 32 * dq + 16 * u + 8 * (lane / 16));
         ldsm4_trans(b_hi[u], vh + v_off);
         ldsm4_trans(b_lo[u], vl + v_off);
       }
@@ -817,49 +831,61 @@ __device__ __forceinline__ void mma_tile(MmaRows<HD>& st, int j0, const __half* 
 template <int HD, bool SPLIT>
 constexpr size_t mma_smem_bytes() {
   return size_t(2 * kMmaRows + (SPLIT ? 8 : 4) * kMmaKeys) * HD * sizeof(__half) + kMmaRows * sizeof(int) +
-         8 * sizeof(float);
+         2 * (mma_threads<HD>() / 32) * sizeof(float);
 }
 
 // SPLIT (caches without a KV window): tiles from sk, aligned to kMmaKeys, double-buffered.
 // Otherwise each tile read from the caches and split by the block (any KV type and window).
 template <KvType T, int HD, bool SPLIT>
-__global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs a, SplitKv sk, int64_t n_tokens) {
-  constexpr int dt = HD / 8;
-  constexpr int tile = kMmaKeys * HD;  // halves of one array's tile
+__global__ void __launch_bounds__(mma_threads<HD>(), 2 / mma_split<HD>())
+    attention_mma_kernel(AttnArgs a, SplitKv sk, int64_t n_tokens) {
+  constexpr int split = mma_split<HD>(), vd = HD / split, dt = vd / 8;  // the value dims of a warp
+  constexpr int tile = kMmaKeys * HD;                                   // halves of one array's tile
   extern __shared__ __align__(16) unsigned char mma_smem[];
   __half* qh = reinterpret_cast<__half*>(mma_smem);
   __half* ql = qh + kMmaRows * HD;
   __half* tiles = ql + kMmaRows * HD;  // [stage][k_hi, k_lo, v_hi, v_lo][tile]
   int* q_exp = reinterpret_cast<int*>(tiles + (SPLIT ? 8 : 4) * tile);
-  float* red = reinterpret_cast<float*>(q_exp + kMmaRows);  // [2][4]: keys', values' maxima
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4;
+  float* red = reinterpret_cast<float*>(q_exp + kMmaRows);  // [2][warps]: keys', values' maxima
+  // Warp w takes rows 16 (w % 4) .. + 15, and of their values the dims from (w / 4) vd.
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32 % 4, g = lane / 4, d0 = tid / 128 * vd;
   const int kvh = blockIdx.x, per_block = kMmaRows / a.group;
   // The last tokens (most keys) first.
   const int64_t t0 = int64_t(gridDim.y - 1 - blockIdx.y) * per_block;
   // Row r: token t0 + r / group, head kvh * group + r % group; the rows past per_block tokens'
   // (a group that does not divide kMmaRows) take no token, like those past the call's last.
   const auto token_of = [&](int r) { return r < per_block * a.group ? t0 + r / a.group : n_tokens; };
-  // Each warp splits its own 16 rows.
+  // The warps of 16 rows split them, 16 / split rows each, a row's float4s c = lane + 32 i.
   {
-    float4 qv[16];
+    constexpr int rows = 16 / split, per_lane = (HD / 4 + 31) / 32;
+    float4 qv[rows][per_lane];
 #pragma unroll
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r = warp * 16 + rr;
+    for (int rr = 0; rr < rows; ++rr) {
+      const int r = warp * 16 + d0 / vd * rows + rr;
       const int64_t t = token_of(r);
       const int h = kvh * a.group + r % a.group;
-      qv[rr] = t < n_tokens && lane < HD / 4
-                   ? *reinterpret_cast<const float4*>(a.q + t * a.q_ld + int64_t(h) * HD + 4 * lane)
-                   : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i) {
+        const int c = lane + 32 * i;
+        qv[rr][i] = t < n_tokens && c < HD / 4
+                        ? *reinterpret_cast<const float4*>(a.q + t * a.q_ld + int64_t(h) * HD + 4 * c)
+                        : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+      }
     }
 #pragma unroll
-    for (int rr = 0; rr < 16; ++rr) {
-      const int r = warp * 16 + rr;
-      const int e = split_exp(warp_max(abs_max4(qv[rr])));
-      if (lane < HD / 4) store_split4<HD>(qh, ql, r, 4 * lane, scale4(qv[rr], ldexpf(1.0f, e)));
+    for (int rr = 0; rr < rows; ++rr) {
+      const int r = warp * 16 + d0 / vd * rows + rr;
+      float mx = 0.0f;
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i) mx = fmaxf(mx, abs_max4(qv[rr][i]));
+      const int e = split_exp(warp_max(mx));
+#pragma unroll
+      for (int i = 0; i < per_lane; ++i)
+        if (lane + 32 * i < HD / 4) store_split4<HD>(qh, ql, r, 4 * (lane + 32 * i), scale4(qv[rr][i], ldexpf(1.0f, e)));
       if (lane == 0) q_exp[r] = e;
     }
   }
-  __syncwarp();
+  __syncthreads();  // a warp's rows were split by the warps of its 16 rows
   MmaRows<HD> st;
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -916,7 +942,8 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
             (j0 < st.sink_end[i] && j0 + kMmaKeys > st.first[i]) || (j0 < st.n_keys[i] && j0 + kMmaKeys > st.recent[i]);
       if (!__syncthreads_or(any)) continue;
       const int k_exp = load_split_tile<T, HD>(a.k, j0, j_end, kvh, k_off, tiles, tiles + tile, red);
-      const int v_exp = load_split_tile<T, HD>(a.v, j0, j_end, kvh, v_off, tiles + 2 * tile, tiles + 3 * tile, red + 4);
+      const int v_exp =
+          load_split_tile<T, HD>(a.v, j0, j_end, kvh, v_off, tiles + 2 * tile, tiles + 3 * tile, red + 4 * split);
       __syncthreads();
       mma_tile<HD>(st, j0, qh, ql, tiles, tiles + tile, tiles + 2 * tile, tiles + 3 * tile, k_exp, v_exp);
       __syncthreads();  // the tile is read
@@ -934,7 +961,7 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
     const float w = st.m[i] == -INFINITY ? 0.0f : exp2f(st.m[i] - mx);
     const float denom = st.l[i] * w + (a.sinks ? exp2f(sink - mx) : 0.0f);
     const float f = ldexpf(w / denom, -kMmaProbExp);
-    float* ov = a.out + t * a.out_ld + int64_t(h) * HD + 2 * (lane % 4);
+    float* ov = a.out + t * a.out_ld + int64_t(h) * HD + d0 + 2 * (lane % 4);
 #pragma unroll
     for (int d = 0; d < dt; ++d)
       *reinterpret_cast<float2*>(ov + 8 * d) =
@@ -942,11 +969,11 @@ __global__ void __launch_bounds__(kMmaThreads, 2) attention_mma_kernel(AttnArgs 
   }
 }
 
-// The tensor-core prefill kernel takes value heads as wide as the keys (not MLA's latent) of 64 or
-// 128 dims, head groups of up to kMmaRows heads, and positions below 2^31.
+// The tensor-core prefill kernel takes value heads as wide as the keys (not MLA's latent) of 64,
+// 128 or 256 dims, head groups of up to kMmaRows heads, and positions below 2^31.
 bool mma_applies(const AttentionParams& p, int64_t T) {
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
-  return attention_mma_enabled() && !p.values_in_keys && vd == hd && (hd == 64 || hd == 128) &&
+  return attention_mma_enabled() && !p.values_in_keys && vd == hd && (hd == 64 || hd == 128 || hd == 256) &&
          p.n_heads % p.n_kv_heads == 0 && p.n_heads / p.n_kv_heads <= kMmaRows &&
          p.n_past + T < (int64_t(1) << 31);
 }
@@ -1145,7 +1172,8 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
       dispatch_kv(kv.type, [&](auto type) {
         constexpr KvType T = decltype(type)::value;
         if (hd == 64) split_kv_kernel<T, 64><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
-        else split_kv_kernel<T, 128><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+        else if (hd == 128) split_kv_kernel<T, 128><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
+        else split_kv_kernel<T, 256><<<grid, kMmaThreads, 0, s>>>(a.k, a.v, a.v_head, int(keys), sk);
       });
       MS_CUDA_CHECK_LAUNCH();
     }
@@ -1163,22 +1191,18 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
             configured = true;
           }
           const int64_t per_block = kMmaRows / a.group;
-          kernel<<<dim3(unsigned(p.n_kv_heads), unsigned((q.rows + per_block - 1) / per_block)), kMmaThreads, bytes,
-                   s>>>(a, sk, q.rows);
+          kernel<<<dim3(unsigned(p.n_kv_heads), unsigned((q.rows + per_block - 1) / per_block)), mma_threads<HD>(),
+                   bytes, s>>>(a, sk, q.rows);
         }
       });
     };
-    if (hd == 64) {
-      if (split_kv)
-        launch.template operator()<64, true>();
-      else
-        launch.template operator()<64, false>();
-    } else {
-      if (split_kv)
-        launch.template operator()<128, true>();
-      else
-        launch.template operator()<128, false>();
-    }
+    auto launch_hd = [&]<int HD>() {
+      if (split_kv) launch.template operator()<HD, true>();
+      else launch.template operator()<HD, false>();
+    };
+    if (hd == 64) launch_hd.template operator()<64>();
+    else if (hd == 128) launch_hd.template operator()<128>();
+    else launch_hd.template operator()<256>();
     MS_CUDA_CHECK_LAUNCH();
     return;
   }
