@@ -485,18 +485,19 @@ __global__ void __launch_bounds__(kPrefillThreads) attention_prefill_kernel(Attn
 }
 
 // Prefill attention on the tensor cores, to float32 accuracy (attention_mma_kernel). A block of
-// 4 warps takes kMmaRows (query token, head) rows that share one KV head (the heads of kMmaRows /
-// group tokens), 16 a warp, and walks the keys kMmaKeys at a time. Every operand is split into
-// FP16 halves, hi = fp16(x) and lo = fp16(x - hi), after a power of two has put its largest
-// magnitude in [2^14, 2^15): queries per row, a tile's keys and its values per tile. hi x hi +
-// hi x lo + lo x hi (three MMAs, float32 sums) keeps 22 bits of every value above 2^-17 of its
-// scale's largest and an absolute error below 2^-39 of it for smaller ones, as the exact expert
-// kernels do (expert_exact_mma.cu). Scores are scaled back in float32, and the online softmax runs
-// in float32 as in the kernels above but in base 2 (scores times log2 e, exp2f); its probabilities
-// (times 2^kMmaProbExp, so that small ones stay normal FP16) are split the same way for the
-// products with the values. The value sums are kept in units of a recent tile's value scale (a
-// power of two: rescaling them is exact). Keys and values of caches without a KV window are split
-// once per call (SplitKv); otherwise each block splits the tiles it reads.
+// 4 warps (8 for heads of 256 dims: mma_split) takes kMmaRows (query token, head) rows that share
+// one KV head (the heads of kMmaRows / group tokens), 16 a warp (or a pair), and walks the keys
+// kMmaKeys at a time. Every operand is split into FP16 halves, hi = fp16(x) and lo = fp16(x - hi),
+// after a power of two has put its largest magnitude in [2^14, 2^15): queries per row, a tile's
+// keys and its values per tile. hi x hi + hi x lo + lo x hi (three MMAs, float32 sums) keeps 22
+// bits of every value above 2^-17 of its scale's largest and an absolute error below 2^-39 of it
+// for smaller ones, as the exact expert kernels do (expert_exact_mma.cu). Scores are scaled back
+// in float32, and the online softmax runs in float32 as in the kernels above but in base 2 (scores
+// times log2 e, exp2f); its probabilities (times 2^kMmaProbExp, so that small ones stay normal
+// FP16) are split the same way for the products with the values. The value sums are kept in units
+// of a recent tile's value scale (a power of two: rescaling them is exact). Keys and values of
+// caches without a KV window are split once per call (SplitKv); otherwise each block splits the
+// tiles it reads.
 constexpr int kMmaRows = 64;
 constexpr int kMmaKeys = 32;
 constexpr int kMmaThreads = 128;  // a block of rows; heads of 256 dims take two (mma_split)
