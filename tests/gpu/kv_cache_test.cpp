@@ -65,7 +65,8 @@ TEST_F(KvPair, EveryKvTypeWithAndWithoutARingMatchesTheCpu) {
   for (KvType type : {KvType::F32, KvType::BF16, KvType::F16, KvType::Fp8, KvType::Q8})
     for (int64_t kv_window : {int64_t(0), int64_t(6)})
       for (const Case& c : {Case{8, 2, 64, 64, 0, false, false}, Case{4, 4, 32, 32, 5, true, false},
-                            Case{4, 1, 96, 64, 0, false, true}, Case{2, 2, 128, 128, 0, false, false}}) {
+                            Case{4, 1, 96, 64, 0, false, true}, Case{2, 2, 128, 128, 0, false, false},
+                            Case{4, 2, 256, 256, 0, false, false}}) {
         KvCacheSpec kv;
         kv.type = type;
         kv.window = kv_window;

@@ -342,35 +342,42 @@ TEST_F(Pair, AttentionDecodePrefillWindowSinksMla) {
     int64_t window;
     bool sinks, values_in_keys;
   };
-  // The tiled prefill kernel takes 64, 128 and 256 dims with heads per KV head dividing 32; the
-  // rest (32 and MLA's 96/64 here) goes through the per-row kernel.
-  for (const Case& c : {Case{8, 2, 64, 64, 0, false, false}, Case{4, 4, 32, 32, 5, true, false},
-                        Case{4, 1, 96, 64, 0, false, true}, Case{2, 2, 128, 128, 0, false, false},
-                        Case{8, 2, 64, 64, 5, true, false}, Case{16, 1, 128, 128, 0, true, false},
-                        Case{6, 3, 256, 256, 9, false, false}}) {
-    AttentionParams p;
-    p.n_heads = c.heads;
-    p.n_kv_heads = c.kv_heads;
-    p.head_dim = c.hd;
-    p.v_head_dim = c.vd == c.hd ? 0 : c.vd;
-    p.scale = 1.0f / std::sqrt(float(c.hd));
-    p.sliding_window = c.window;
-    p.values_in_keys = c.values_in_keys;
-    std::vector<float> sink = random(size_t(c.heads), 3);
-    const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
-    const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
-    const int64_t kv_dim = int64_t(c.kv_heads) * c.hd, v_dim = int64_t(c.kv_heads) * c.vd, cap = 64;
-    Buf kc = zeros(cap, kv_dim), vc = zeros(cap, c.values_in_keys ? 1 : v_dim);
-    int64_t n_past = 0;
-    for (int64_t T : {int64_t(13), int64_t(1), int64_t(1), int64_t(7), int64_t(40)}) {
-      Buf q = buf(T, int64_t(c.heads) * c.hd, 100 + uint32_t(n_past)), k = buf(T, kv_dim, 200 + uint32_t(n_past));
-      Buf v = buf(T, c.values_in_keys ? 1 : v_dim, 300 + uint32_t(n_past)), out = poisoned(T, int64_t(c.heads) * c.vd);
-      p.n_past = n_past;
-      attend(q, k, v, kc, vc, p, c.sinks, sc, sg, out);
-      EXPECT_LT(err(out), 1e-5) << "heads " << c.heads << " hd " << c.hd << " T " << T << " n_past " << n_past;
-      n_past += T;
+  // Prefill takes the tensor cores for 64, 128 and 256 dims; with MOESTREAM_CUDA_ATTN_MMA=0 the
+  // float32 tiled kernel takes them (heads per KV head dividing 32). The rest (32 dims and MLA's
+  // 96/64 here) goes through the per-row kernel either way.
+  for (const char* mma : {"1", "0"}) {
+    setenv("MOESTREAM_CUDA_ATTN_MMA", mma, 1);
+    for (const Case& c :
+         {Case{8, 2, 64, 64, 0, false, false}, Case{4, 4, 32, 32, 5, true, false}, Case{4, 1, 96, 64, 0, false, true},
+          Case{2, 2, 128, 128, 0, false, false}, Case{8, 2, 64, 64, 5, true, false},
+          Case{16, 1, 128, 128, 0, true, false}, Case{6, 3, 256, 256, 9, false, false}}) {
+      AttentionParams p;
+      p.n_heads = c.heads;
+      p.n_kv_heads = c.kv_heads;
+      p.head_dim = c.hd;
+      p.v_head_dim = c.vd == c.hd ? 0 : c.vd;
+      p.scale = 1.0f / std::sqrt(float(c.hd));
+      p.sliding_window = c.window;
+      p.values_in_keys = c.values_in_keys;
+      std::vector<float> sink = random(size_t(c.heads), 3);
+      const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
+      const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
+      const int64_t kv_dim = int64_t(c.kv_heads) * c.hd, v_dim = int64_t(c.kv_heads) * c.vd, cap = 64;
+      Buf kc = zeros(cap, kv_dim), vc = zeros(cap, c.values_in_keys ? 1 : v_dim);
+      int64_t n_past = 0;
+      for (int64_t T : {int64_t(13), int64_t(1), int64_t(1), int64_t(7), int64_t(40)}) {
+        Buf q = buf(T, int64_t(c.heads) * c.hd, 100 + uint32_t(n_past)), k = buf(T, kv_dim, 200 + uint32_t(n_past));
+        Buf v = buf(T, c.values_in_keys ? 1 : v_dim, 300 + uint32_t(n_past)),
+            out = poisoned(T, int64_t(c.heads) * c.vd);
+        p.n_past = n_past;
+        attend(q, k, v, kc, vc, p, c.sinks, sc, sg, out);
+        EXPECT_LT(err(out), 1e-5) << "mma " << mma << " heads " << c.heads << " hd " << c.hd << " T " << T << " n_past "
+                                  << n_past;
+        n_past += T;
+      }
     }
   }
+  unsetenv("MOESTREAM_CUDA_ATTN_MMA");
 }
 
 // The tensor-core prefill kernel over many key tiles: a 300-token prompt, a decode step, then 77
@@ -387,10 +394,10 @@ TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
       bool sinks;
     };
     // Groups of 8, 2, 1, and 12 and 3 (GLM-4.5's 96 / 8 heads; 64 rows a block hold 5 tokens of 12);
-    // Qwen3-Next's 16 / 2 heads of 256 dims (two warps a row's value dims).
+    // Qwen3-Next's 16 / 2 heads of 256 dims (two warps a row's value dims), and 12 a group of them.
     for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false},
                           Case{24, 2, 128, 0, false}, Case{6, 2, 64, 50, true}, Case{16, 2, 256, 0, false},
-                          Case{4, 2, 256, 70, true}}) {
+                          Case{4, 2, 256, 70, true}, Case{24, 2, 256, 0, false}}) {
       AttentionParams p;
       p.n_heads = c.heads;
       p.n_kv_heads = c.kv_heads;
