@@ -191,6 +191,21 @@ inline CliResult run_cli(const std::string& args) {
   return r;
 }
 
+// Attention over `heads` query and `kv_heads` KV heads of hd dims (values of vd dims; 0 or hd: the
+// same), scaled by hd^-0.5, with the model's sliding window and MLA's values in the keys.
+inline AttentionParams attention_params(int heads, int kv_heads, int hd, int vd = 0, int64_t window = 0,
+                                        bool values_in_keys = false) {
+  AttentionParams p;
+  p.n_heads = heads;
+  p.n_kv_heads = kv_heads;
+  p.head_dim = hd;
+  p.v_head_dim = vd == hd ? 0 : vd;
+  p.scale = 1.0f / std::sqrt(float(hd));
+  p.sliding_window = window;
+  p.values_in_keys = values_in_keys;
+  return p;
+}
+
 // max|a - b| / max|b| (max|a - b| when b is all zero); infinity when a holds a NaN or Inf.
 inline double relative_error(const std::vector<float>& a, const std::vector<float>& b) {
   double num = 0, den = 0;

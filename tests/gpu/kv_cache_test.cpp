@@ -71,14 +71,7 @@ TEST_F(KvPair, EveryKvTypeWithAndWithoutARingMatchesTheCpu) {
         kv.type = type;
         kv.window = kv_window;
         kv.sinks = kv_window ? 2 : 0;
-        AttentionParams p;
-        p.n_heads = c.heads;
-        p.n_kv_heads = c.kv_heads;
-        p.head_dim = c.hd;
-        p.v_head_dim = c.vd == c.hd ? 0 : c.vd;
-        p.scale = 1.0f / std::sqrt(float(c.hd));
-        p.sliding_window = c.window;
-        p.values_in_keys = c.values_in_keys;
+        AttentionParams p = test::attention_params(c.heads, c.kv_heads, c.hd, c.vd, c.window, c.values_in_keys);
         p.kv = kv;
         std::vector<float> sink = random_values(size_t(c.heads), 3);
         const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};

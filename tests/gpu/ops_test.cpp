@@ -351,14 +351,7 @@ TEST_F(Pair, AttentionDecodePrefillWindowSinksMla) {
          {Case{8, 2, 64, 64, 0, false, false}, Case{4, 4, 32, 32, 5, true, false}, Case{4, 1, 96, 64, 0, false, true},
           Case{2, 2, 128, 128, 0, false, false}, Case{8, 2, 64, 64, 5, true, false},
           Case{16, 1, 128, 128, 0, true, false}, Case{6, 3, 256, 256, 9, false, false}}) {
-      AttentionParams p;
-      p.n_heads = c.heads;
-      p.n_kv_heads = c.kv_heads;
-      p.head_dim = c.hd;
-      p.v_head_dim = c.vd == c.hd ? 0 : c.vd;
-      p.scale = 1.0f / std::sqrt(float(c.hd));
-      p.sliding_window = c.window;
-      p.values_in_keys = c.values_in_keys;
+      AttentionParams p = test::attention_params(c.heads, c.kv_heads, c.hd, c.vd, c.window, c.values_in_keys);
       std::vector<float> sink = random(size_t(c.heads), 3);
       const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
       const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
@@ -398,12 +391,7 @@ TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
     for (const Case& c : {Case{32, 4, 128, 0, false}, Case{8, 4, 64, 100, true}, Case{6, 6, 128, 0, false},
                           Case{24, 2, 128, 0, false}, Case{6, 2, 64, 50, true}, Case{16, 2, 256, 0, false},
                           Case{4, 2, 256, 70, true}, Case{24, 2, 256, 0, false}}) {
-      AttentionParams p;
-      p.n_heads = c.heads;
-      p.n_kv_heads = c.kv_heads;
-      p.head_dim = c.hd;
-      p.scale = 1.0f / std::sqrt(float(c.hd));
-      p.sliding_window = c.window;
+      AttentionParams p = test::attention_params(c.heads, c.kv_heads, c.hd, 0, c.window);
       std::vector<float> sink = random(size_t(c.heads), 3);
       const TensorView sv{"sinks", DType::F32, {c.heads}, sink.data(), sink.size() * 4};
       const Vector sc = cpu->load_vector(sv), sg = gpu->load_vector(sv);
@@ -452,11 +440,7 @@ TEST_F(Pair, AttentionPrefillTensorCoresManyTiles) {
 // Value tiles 2^100 and 2^190 apart (the sums' units move by at most 2^64 a tile, the rest goes
 // into that tile's probabilities): finite and within 1e-5 of the CPU, in both orders.
 TEST_F(Pair, AttentionPrefillTensorCoresExtremeValueRanges) {
-  AttentionParams p;
-  p.n_heads = 8;
-  p.n_kv_heads = 2;
-  p.head_dim = 128;
-  p.scale = 1.0f / std::sqrt(128.0f);
+  const AttentionParams p = test::attention_params(8, 2, 128);
   const int64_t T = 96, q_dim = 8 * 128, kv_dim = 2 * 128;
   const Vector none;
   for (const std::vector<int>& exps : {std::vector<int>{0, -100, 90}, std::vector<int>{90, -100, 0}}) {

@@ -619,15 +619,18 @@ struct SplitKv {
   int64_t rows;
 };
 
-// Bytes of a SplitKv of `keys` positions.
+// The positions a SplitKv of `keys` keys holds: whole tiles.
+int64_t split_kv_rows(int64_t keys) { return (keys + kMmaKeys - 1) / kMmaKeys * kMmaKeys; }
+
+// Bytes of a SplitKv of `keys` keys.
 size_t split_kv_bytes(int64_t keys, int kv_heads, int hd) {
-  const size_t rows = size_t((keys + kMmaKeys - 1) / kMmaKeys * kMmaKeys);
+  const size_t rows = size_t(split_kv_rows(keys));
   return rows * kv_heads * hd * 4 * sizeof(__half) + 2 * (rows / kMmaKeys) * kv_heads * sizeof(int);
 }
 
 SplitKv split_kv_layout(void* area, int64_t keys, int kv_heads, int hd) {
   SplitKv sk;
-  sk.rows = (keys + kMmaKeys - 1) / kMmaKeys * kMmaKeys;
+  sk.rows = split_kv_rows(keys);
   const size_t n = size_t(sk.rows) * kv_heads * hd;
   sk.k_hi = static_cast<__half*>(area);
   sk.k_lo = sk.k_hi + n;
@@ -1165,7 +1168,7 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   if (q.rows > 1 && mma_applies(p, q.rows) && aligned(q.data, q.cols) && aligned(out.data, out.cols) &&
       (kv.type != KvType::F32 || (aligned(k_cache.data, k_cache.cols) && aligned(v_cache.data, v_cache.cols) &&
                                   aligned(k_staged, k_cache.cols) && aligned(v_staged, v_cache.cols)))) {
-    const bool split_kv = split && split_kv_applies(p) && !k_staged && !ring;
+    const bool split_kv = split && split_kv_applies(p);  // no KV window: no ring, nothing staged
     const int64_t keys = p.n_past + q.rows;
     const SplitKv sk = split_kv ? split_kv_layout(split, keys, p.n_kv_heads, hd) : SplitKv{};
     if (split_kv) {
