@@ -117,7 +117,9 @@ struct HostMatrix {
 // A random (rows, cols) matrix in `format`: "f32", "bf16", "f16", an affine quant spec such as
 // "q4g64", "mxfp4" or "fp8g<G>". MXFP4 and FP8 take random codes (every code but FP8's NaNs) and
 // scales; `wide_scales` spreads MXFP4 exponents over 0..252 (too wide for a dot product).
-HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, uint32_t seed, bool wide_scales = false) {
+// `small_rows` makes every third row 2^-20 of the others (its values, or its scales).
+HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, uint32_t seed, bool wide_scales = false,
+                       bool small_rows = false) {
   HostMatrix m;
   std::mt19937 rng(seed);
   if (format == "mxfp4") {
@@ -126,6 +128,9 @@ HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, ui
     m.exponents.resize(size_t(rows * cols / 32));
     for (uint8_t& c : m.codes) c = uint8_t(rng());
     for (uint8_t& e : m.exponents) e = uint8_t(wide_scales ? rng() % (kMxfp4MaxExponent + 1) : 118 + rng() % 12);
+    if (small_rows)
+      for (int64_t r = 0; r < rows; r += 3)
+        for (int64_t g = 0; g < cols / 32; ++g) m.exponents[size_t(r * (cols / 32) + g)] -= 20;
     m.host_view = Matrix{"w", DType::U8, m.codes.data(), rows, cols, m.quant, m.exponents.data(), nullptr};
     m.device_codes = device_copy(m.codes.data(), m.codes.size());
     m.device_exponents = device_copy(m.exponents.data(), m.exponents.size());
@@ -142,12 +147,16 @@ HostMatrix make_matrix(int64_t rows, int64_t cols, const std::string& format, ui
       if (c >= 0x7f) ++c;
     }
     std::uniform_real_distribution<float> u(1.0f, 2.0f);
-    for (int64_t i = 0; i < rows * groups; ++i) m.f32.push_back(std::ldexp(u(rng), -int(4 + rng() % 8)));
+    for (int64_t i = 0; i < rows * groups; ++i)
+      m.f32.push_back(std::ldexp(u(rng), -int(4 + rng() % 8) - (small_rows && (i / groups) % 3 == 0 ? 20 : 0)));
     m.w = TensorView{"w", DType::F8_E4M3, {rows, cols}, m.codes.data(), m.codes.size()};
     m.s = TensorView{"w.scales", DType::F32, {rows, groups}, m.f32.data(), m.f32.size() * 4};
     return m;
   }
   m.f32 = random(size_t(rows * cols), seed, 0.1f);
+  if (small_rows)
+    for (int64_t r = 0; r < rows; r += 3)
+      for (int64_t c = 0; c < cols; ++c) m.f32[size_t(r * cols + c)] *= 0x1p-20f;
   if (format == "f32") {
     m.w = TensorView{"w", DType::F32, {rows, cols}, m.f32.data(), m.f32.size() * 4};
   } else if (format == "bf16" || format == "f16") {
@@ -188,6 +197,59 @@ TEST_F(Pair, LinearEveryFormatGemvAndGemm) {
         gpu->linear(x.g, wg, nullptr, out.g);
         EXPECT_LT(err(out), linear_tolerance(T)) << fmt << " T=" << T << " [" << rows << ", " << cols << "]";
       }
+}
+
+// Many tokens of a quantized matrix go through cuBLAS with the weights split into two FP16 halves
+// (split_gemm_linears in expert_exact_mma.cu): every quantized format, against the CPU's float32
+// per token; weight rows 2^20 apart and tokens up to 2^40 apart in magnitude, so that a row or
+// token scaled wrongly shows; q, k and v sharing x in two passes (the pass boundary inside k).
+TEST_F(Pair, LinearSplitGemmEveryQuantFormat) {
+  ASSERT_TRUE(cuda::split_gemm_for(128) && !cuda::split_gemm_for(127));
+  for (const std::string& fmt : kFormats) {
+    if (fmt == "f32" || fmt == "bf16" || fmt == "f16") continue;
+    for (int64_t T : {128, 300})
+      for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 384}}) {
+        HostMatrix hm = make_matrix(rows, cols, fmt, 7, false, true);
+        Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+        std::vector<float> xv = random(size_t(T * cols), 11);
+        for (int64_t t = 0; t < T; t += 2)  // tokens 0, 4, 8, ... 2^20 larger; 2, 6, 10, ... 2^-20 smaller
+          for (int64_t c = 0; c < cols; ++c) xv[size_t(t * cols + c)] *= t % 4 == 0 ? 0x1p20f : 0x1p-20f;
+        Buf x = buf(T, cols, xv), out = poisoned(T, rows);
+        cpu->linear(x.c, wc, nullptr, out.c);
+        gpu->linear(x.g, wg, nullptr, out.g);
+        EXPECT_LT(segment_err(out, rows), 1e-5) << fmt << " T=" << T << " [" << rows << ", " << cols << "]";
+        // the small rows of each token against their own largest
+        const std::vector<float> g = host(*gpu, out.g), c = host(*cpu, out.c);
+        for (int64_t t = 0; t < T; ++t) {
+          std::vector<float> gs, cs;
+          for (int64_t r = 0; r < rows; r += 3) {
+            gs.push_back(g[size_t(t * rows + r)]);
+            cs.push_back(c[size_t(t * rows + r)]);
+          }
+          ASSERT_LT(test::relative_error(gs, cs), 1e-5) << fmt << " T=" << T << " token " << t << " small rows";
+        }
+      }
+  }
+  for (const std::string fmt : {"q4g64", "q8g128"}) {
+    HostMatrix hq = make_matrix(1500, 256, fmt, 41), hk = make_matrix(600, 256, fmt, 42), hv = make_matrix(600, 256, fmt, 43);
+    const Matrix q = load(*gpu, hq, fmt), k = load(*gpu, hk, fmt), v = load(*gpu, hv, fmt);
+    const Matrix qc = load(*cpu, hq, fmt), kc = load(*cpu, hk, fmt), vc = load(*cpu, hv, fmt);
+    std::vector<float> bias_values = random(600, 44);
+    const TensorView bt{"b", DType::F32, {600}, bias_values.data(), 600 * 4};
+    const Vector bg = gpu->load_vector(bt), bc = cpu->load_vector(bt);
+    const int64_t T = 2100;  // 2^22 / T = 1997 rows a pass
+    Buf x = buf(T, 256, 45);
+    Buf oq = poisoned(T, 1500), ok = poisoned(T, 600), ov = poisoned(T, 600);
+    const Matrix* wg[3] = {&q, &k, &v};
+    const Matrix* wc[3] = {&qc, &kc, &vc};
+    const Vector* bgs[3] = {nullptr, nullptr, &bg};
+    const Vector* bcs[3] = {nullptr, nullptr, &bc};
+    Buffer* og[3] = {&oq.g, &ok.g, &ov.g};
+    Buffer* oc[3] = {&oq.c, &ok.c, &ov.c};
+    gpu->linear_shared_input(x.g, wg, bgs, og);
+    cpu->linear_shared_input(x.c, wc, bcs, oc);
+    EXPECT_LT(std::max({segment_err(oq, 1500), segment_err(ok, 600), segment_err(ov, 600)}), 1e-5) << fmt;
+  }
 }
 
 // One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads (bf16 also

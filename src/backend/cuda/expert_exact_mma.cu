@@ -25,6 +25,10 @@
 // tokens as B, float32 accumulators per (row, token).
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <cstdlib>
+#include <string>
+
 #include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/weights.cuh"
@@ -56,6 +60,9 @@ struct Stage {
   float scale[M][kRows][2], bias[M][kRows][2];
   float sum[kTok][2];
 };
+
+// Alignment of the kernels' shared memory and of each Stage in it.
+constexpr int kSmemAlign = 128;
 
 // Activations as the kernels read them (split_kernel writes them).
 struct SplitRows {
@@ -170,11 +177,9 @@ __device__ __forceinline__ uint32_t minus_1024(uint32_t h2) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// A pack's 32 codes as FP16 into chunks chunk0..chunk0 + 3 of `row` of codes, in the format's
-// column order.
+// A pack's 32 codes as FP16 pairs, in the format's column order.
 template <int KIND, bool SF16>
-__device__ __forceinline__ void store_codes(const RawQuantPack<KIND>& p, __half* codes, int row, int chunk0) {
-  uint32_t h[16];
+__device__ __forceinline__ void codes_of(const RawQuantPack<KIND>& p, uint32_t (&h)[16]) {
   if constexpr (KIND == kQ4) {
 #pragma unroll
     for (int j = 0; j < 4; ++j)
@@ -195,9 +200,6 @@ __device__ __forceinline__ void store_codes(const RawQuantPack<KIND>& p, __half*
       h[i] = *reinterpret_cast<const uint32_t*>(&v);
     }
   }
-#pragma unroll
-  for (int i = 0; i < 4; ++i)
-    *reinterpret_cast<uint4*>(codes + swz(row, chunk0 + i)) = make_uint4(h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
 }
 
 template <int KIND, bool SF16>
@@ -215,66 +217,149 @@ struct ExactArgs {
   SplitRows in;  // gate/up: the tokens' x; down: the hidden rows
 };
 
-// One work item's 64 output rows (blockIdx.x) of M matrices sharing the input (gate and up, or
-// down), over all columns. Returns the accumulators (in the scaled units of the input rows).
-template <int KIND, bool SF16, int M>
-struct ExactBlock {
-  const WeightRef* mats[M];
-  int64_t row0, cols;
-  int nt, tiles;
-  bool merge;  // every matrix's groups span whole steps: one epilogue per step instead of per pack
-  // This thread's share of the copies: token rows of SplitRows (4 per thread) and the sums' row.
-  int64_t x_off[4], sum_off;
-  int half, part;
+// This thread's share of one matrix's weights in ExactBlock: pack `hp` (0 or 1) of every step of
+// its row (columns 64 s + 32 hp of step s) with the row's scales and biases, addressed once.
+template <int KIND>
+struct PackStream {
+  static constexpr int kWords = RawQuantPack<KIND>::kWords;
+  const uint32_t* words;  // the row's pack hp
+  const void* scales;     // the row's first group
+  const uint16_t* biases;
+  int group_shift, group_size;
 
-  // The step's activations (cp.async) of k0.
-  __device__ __forceinline__ void copy_x(Stage<M>& st, const SplitRows& in, int64_t k0) const {
-    const int tid = int(threadIdx.x);
-    const __half* src = half ? in.lo : in.hi;
-    const int64_t c = k0 + 8 * part;
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int tok = tid / 16 + 8 * u;
-      const bool ok = c < cols;
-      cp_async16(st.x[half] + swz(tok, part), src + x_off[u] + (ok ? c : 0), ok ? 16 : 0);
-    }
-    if (tid < kTok) cp_async8(st.sum[tid], in.sum + sum_off + k0 / 32);
+  __device__ __forceinline__ void init(const WeightRef& w, int64_t row, int hp) {
+    words = static_cast<const uint32_t*>(w.data) + row * (w.cols * kWords / 32) + hp * kWords;
+    const int64_t g0 = row * w.groups_per_row;
+    if constexpr (KIND == kMxfp4) scales = static_cast<const uint8_t*>(w.scales) + g0;
+    else if constexpr (KIND == kFp8) scales = static_cast<const float*>(w.scales) + g0;
+    else scales = static_cast<const uint16_t*>(w.scales) + g0;
+    biases = is_affine(KIND) ? w.biases + g0 : nullptr;
+    group_shift = w.group_shift;
+    group_size = w.group_size;
   }
 
-  // The raw packs of this thread's (row, pack) of the step k0 for every matrix.
-  __device__ __forceinline__ bool load_w(int64_t k0, RawQuantPack<KIND> (&raw)[M]) const {
-    const int r = int(threadIdx.x) / 2;
-    const int64_t p = k0 / 32 + int(threadIdx.x) % 2;
-    const bool valid = row0 + r < mats[0]->rows && p * 32 < cols;
+  // The raw pack (words, scale and bias bits) of step s, at column col of the row.
+  __device__ __forceinline__ void load(int s, int col, RawQuantPack<KIND>& r) const {
+    load_words<kWords>(words + s * (2 * kWords), r.words);
+    const int g = group_shift >= 0 ? col >> group_shift : col / group_size;
+    if constexpr (KIND == kMxfp4) r.scale = static_cast<const uint8_t*>(scales)[g];
+    else if constexpr (KIND == kFp8) r.scale = __float_as_uint(static_cast<const float*>(scales)[g]);
+    else r.scale = static_cast<const uint16_t*>(scales)[g];
+    if constexpr (is_affine(KIND)) r.bias = biases[g];
+    else r.bias = 0;
+  }
+};
+
+// One work item's 64 output rows (blockIdx.x) of M matrices sharing the input (gate and up, or
+// down), over all columns; the accumulators come back in the scaled units of the input rows.
+// Every address a step uses is set up once (init): the loop over the steps only adds the step's
+// column, and with the two stages unrolled their shared-memory offsets are constants.
+template <int KIND, bool SF16, int M>
+struct ExactBlock {
+  static constexpr int kStageBytes = int(sizeof(Stage<M>));
+  static_assert(kStageBytes % kSmemAlign == 0 && offsetof(Stage<M>, x) % kSmemAlign == 0);
+  PackStream<KIND> w[M];
+  int64_t row0;
+  int cols, nt, tiles;
+  bool merge;   // every matrix's groups span whole steps: one epilogue per step instead of per pack
+  bool row_ok;  // this thread's weight row (threadIdx.x / 2) is a row of the matrices
+  Stage<M>* st;
+  // The copies: this thread's 8 columns (hi or lo) of 4 token rows, and (threads below kTok) one
+  // token's two pack sums; their shared addresses in stage 0.
+  const __half* x_src[4];
+  const float* sum_src;
+  uint32_t x_dst, sum_dst;
+  // Shared addresses (stage 0, matrix 0) of this lane's ldmatrix rows for the first 16 columns:
+  // the weight codes (A) and the activations (B, column tile 0). Those of columns 16 c on are
+  // these ^ 32 c: swz places chunk 2 c + b of a row at (2 c + b) ^ (row & 7) = 2 c ^ (b ^ (row &
+  // 7)), and every row starts at a multiple of 128 bytes (kSmemAlign).
+  uint32_t a_addr, b_addr;
+  // This thread's codes in stage 0, matrix 0: its row's first chunk and the swizzle of its packs.
+  uint32_t w_dst;
+  int w_swz;
+
+  // in_row(r): the row of `in` that row r of the item (r0 <= r < r0 + nt) multiplies.
+  template <class InRow>
+  __device__ __forceinline__ void init(const WeightRef* const (&mats)[M], void* smem, const SplitRows& in,
+                                       int64_t first_row, int r0, int n_tok, int64_t n_cols, InRow in_row) {
+    const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+    row0 = first_row;
+    cols = int(n_cols);
+    nt = n_tok;
+    tiles = (nt + 7) / 8;
+    merge = cols % kK == 0;
+#pragma unroll
+    for (int m = 0; m < M; ++m) merge = merge && mats[m]->group_size % kK == 0;
+    st = static_cast<Stage<M>*>(smem);
+    const uint32_t base = smem_addr(smem);
+    // weights: thread t loads pack t % 2 of row t / 2 of each step
+    const int r = tid / 2, hp = tid % 2;
+    row_ok = row0 + r < mats[0]->rows;
+#pragma unroll
+    for (int m = 0; m < M; ++m) w[m].init(*mats[m], row0 + r, hp);
+    w_dst = base + uint32_t(offsetof(Stage<M>, codes)) + uint32_t(r * kK * 2);
+    w_swz = (4 * hp) ^ (r & 7);
+    // activations: thread t copies chunk t % 8 of half (t / 8) % 2 of tokens t / 16 + 8 u; rows
+    // past the item's tokens copy its last token's (their products are never written)
+    const int half = (tid / 8) % 2, part = tid % 8;
+    const __half* src = half ? in.lo : in.hi;
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x_src[u] = src + in_row(r0 + min(tid / 16 + 8 * u, nt - 1)) * n_cols + 8 * part;
+    x_dst = base + uint32_t(offsetof(Stage<M>, x) + 2 * (half * kTok * kK + swz(tid / 16, part)));
+    sum_src = in.sum + in_row(r0 + min(tid % kTok, nt - 1)) * in.sum_stride;
+    sum_dst = base + uint32_t(offsetof(Stage<M>, sum) + (tid % kTok) * 2 * sizeof(float));
+    // ldmatrix rows: A, row warp * 16 + lane % 16 at chunk lane / 16; B, half lane / 16, token
+    // lane % 8 at chunk (lane / 8) % 2
+    a_addr = base + uint32_t(offsetof(Stage<M>, codes) + 2 * swz(warp * 16 + lane % 16, lane / 16));
+    b_addr = base + uint32_t(offsetof(Stage<M>, x) + 2 * ((lane / 16) * kTok * kK + swz(lane % 8, (lane / 8) % 2)));
+  }
+
+  // The activations of step s into stage ST (cp.async).
+  template <int ST>
+  __device__ __forceinline__ void copy_x(int s) const {
+    const int k0 = s * kK;
+    const bool ok = k0 + 8 * (int(threadIdx.x) % 8) < cols;
+#pragma unroll
+    for (int u = 0; u < 4; ++u)
+      cp_async16_at(x_dst + ST * kStageBytes + u * (8 * kK * 2), x_src[u] + (ok ? k0 : 0), ok ? 16 : 0);
+    if (int(threadIdx.x) < kTok) cp_async8_at(sum_dst + ST * kStageBytes, sum_src + 2 * s);
+  }
+
+  // The raw packs of this thread's (row, pack) of step s for every matrix.
+  __device__ __forceinline__ bool load_w(int s, RawQuantPack<KIND> (&raw)[M]) const {
+    const int col = s * kK + 32 * (int(threadIdx.x) % 2);
+    const bool valid = row_ok && col < cols;
     if (valid) {
 #pragma unroll
-      for (int m = 0; m < M; ++m) load_raw_pack<KIND>(*mats[m], row0 + r, p, raw[m]);
+      for (int m = 0; m < M; ++m) w[m].load(s, col, raw[m]);
     }
     return valid;
   }
 
-  __device__ __forceinline__ void store_w(Stage<M>& st, const RawQuantPack<KIND> (&raw)[M], bool valid) const {
+  template <int ST>
+  __device__ __forceinline__ void store_w(const RawQuantPack<KIND> (&raw)[M], bool valid) const {
     const int r = int(threadIdx.x) / 2, hp = int(threadIdx.x) % 2;
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      __half* codes = st.codes[m];
-      if (!valid) {
+      const uint32_t dst = w_dst + ST * kStageBytes + m * (kRows * kK * 2);
+      uint32_t h[16] = {};
+      if (valid) codes_of<KIND, SF16>(raw[m], h);
 #pragma unroll
-        for (int i = 0; i < 4; ++i) *reinterpret_cast<uint4*>(codes + swz(r, 4 * hp + i)) = make_uint4(0, 0, 0, 0);
-        st.scale[m][r][hp] = 0.0f;
-        st.bias[m][r][hp] = 0.0f;
-        continue;
-      }
-      store_codes<KIND, SF16>(raw[m], codes, r, 4 * hp);
-      pack_scale_bias<KIND, SF16>(raw[m], st.scale[m][r][hp], st.bias[m][r][hp]);
+      for (int i = 0; i < 4; ++i) st_shared16(dst + ((w_swz ^ i) * 16), h[4 * i], h[4 * i + 1], h[4 * i + 2], h[4 * i + 3]);
+      float scale = 0.0f, bias = 0.0f;
+      if (valid) pack_scale_bias<KIND, SF16>(raw[m], scale, bias);
+      st[ST].scale[m][r][hp] = scale;
+      st[ST].bias[m][r][hp] = bias;
     }
   }
 
-  // acc[m][j][i] += the step's contribution to the warp's rows and the tokens of column tile j
+  // acc[m][j][i] += stage ST's contribution to the warp's rows and the tokens of column tile j
   // (element i: row g + 8 * (i / 2), token 2 * q + i % 2 of the tile; g = lane / 4, q = lane % 4).
-  __device__ __forceinline__ void multiply(const Stage<M>& st, float (&acc)[M][kTiles][4]) const {
+  template <int ST>
+  __device__ __forceinline__ void multiply(float (&acc)[M][kTiles][4]) const {
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
     const int rl = warp * 16 + g;
+    const Stage<M>& sg = st[ST];
     float c[M][kTiles][4];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -286,15 +371,15 @@ struct ExactBlock {
     for (int pack = 0; pack < 2; ++pack) {
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
-        const int kk = pack * 32 + ks * 16;
+        const int cc = 2 * pack + ks;
         uint32_t a[M][4];
 #pragma unroll
-        for (int m = 0; m < M; ++m) ldsm4(a[m], st.codes[m] + swz(warp * 16 + lane % 16, kk / 8 + lane / 16));
+        for (int m = 0; m < M; ++m) ldsm4_at(a[m], (a_addr ^ (32 * cc)) + ST * kStageBytes + m * (kRows * kK * 2));
 #pragma unroll
         for (int j = 0; j < kTiles; ++j) {
           if (j >= tiles) break;
           uint32_t b[4];  // hi k0..7, hi k8..15, lo k0..7, lo k8..15
-          ldsm4(b, st.x[lane / 16] + swz(j * 8 + lane % 8, kk / 8 + (lane / 8) % 2));
+          ldsm4_at(b, (b_addr ^ (32 * cc)) + ST * kStageBytes + j * (8 * kK * 2));
 #pragma unroll
           for (int m = 0; m < M; ++m) {
             mma16816(c[m][j], a[m], b[0], b[1]);
@@ -305,8 +390,8 @@ struct ExactBlock {
       if (merge && pack == 0) continue;
 #pragma unroll
       for (int m = 0; m < M; ++m) {
-        const float s0 = st.scale[m][rl][pack], s1 = st.scale[m][rl + 8][pack];
-        const float b0 = st.bias[m][rl][pack], b1 = st.bias[m][rl + 8][pack];
+        const float s0 = sg.scale[m][rl][pack], s1 = sg.scale[m][rl + 8][pack];
+        const float b0 = sg.bias[m][rl][pack], b1 = sg.bias[m][rl + 8][pack];
 #pragma unroll
         for (int j = 0; j < kTiles; ++j) {
           if (j >= tiles) break;
@@ -315,7 +400,13 @@ struct ExactBlock {
             const float scale = i < 2 ? s0 : s1;
             if constexpr (is_affine(KIND)) {
               const int tok = j * 8 + 2 * q + (i & 1);
-              const float sx = merge ? st.sum[tok][0] + st.sum[tok][1] : st.sum[tok][pack];
+              float sx;
+              if (merge) {
+                const float2 both = *reinterpret_cast<const float2*>(sg.sum[tok]);
+                sx = both.x + both.y;
+              } else {
+                sx = sg.sum[tok][pack];
+              }
               acc[m][j][i] += fmaf(c[m][j][i], scale, (i < 2 ? b0 : b1) * sx);
             } else {
               acc[m][j][i] = fmaf(c[m][j][i], scale, acc[m][j][i]);
@@ -327,26 +418,32 @@ struct ExactBlock {
     }
   }
 
-  // Every step over the columns: the next step's copies and loads are issued before the current
-  // step's products, its codes decoded after them; one barrier per step.
-  __device__ __forceinline__ void run(Stage<M>* st, const SplitRows& in, float (&acc)[M][kTiles][4]) const {
-    RawQuantPack<KIND> raw[M];
-    copy_x(st[0], in, 0);
-    store_w(st[0], raw, load_w(0, raw));
+  // Step s from stage ST: the next step's copies and loads are issued before the products, its
+  // codes decoded after them; one barrier per step.
+  template <int ST>
+  __device__ __forceinline__ void step(int s, int steps, RawQuantPack<KIND> (&raw)[M], float (&acc)[M][kTiles][4]) const {
+    const bool more = s + 1 < steps;
+    bool valid = false;
+    if (more) {
+      copy_x<ST ^ 1>(s + 1);
+      valid = load_w(s + 1, raw);
+    }
+    multiply<ST>(acc);
+    if (more) store_w<ST ^ 1>(raw, valid);
     cp_async_wait_all();
     __syncthreads();
-    const int64_t steps = (cols + kK - 1) / kK;
-    for (int64_t s = 0; s < steps; ++s) {
-      const bool more = s + 1 < steps;
-      bool valid = false;
-      if (more) {
-        copy_x(st[(s + 1) % 2], in, (s + 1) * kK);
-        valid = load_w((s + 1) * kK, raw);
-      }
-      multiply(st[s % 2], acc);
-      if (more) store_w(st[(s + 1) % 2], raw, valid);
-      cp_async_wait_all();
-      __syncthreads();
+  }
+
+  __device__ __forceinline__ void run(float (&acc)[M][kTiles][4]) const {
+    RawQuantPack<KIND> raw[M];
+    copy_x<0>(0);
+    store_w<0>(raw, load_w(0, raw));
+    cp_async_wait_all();
+    __syncthreads();
+    const int steps = (cols + kK - 1) / kK;
+    for (int s = 0; s < steps; s += 2) {
+      step<0>(s, steps, raw, acc);
+      if (s + 1 < steps) step<1>(s + 1, steps, raw, acc);
     }
   }
 };
@@ -378,39 +475,18 @@ __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t ro
     }
 }
 
-// in_row(r): the row of `in` that row r of the item (r0 <= r < r0 + nt) multiplies.
-template <int KIND, bool SF16, int M, class InRow>
-__device__ __forceinline__ void init_block(ExactBlock<KIND, SF16, M>& blk, const SplitRows& in, int64_t row0, int r0,
-                                           int nt, int64_t cols, InRow in_row) {
-  blk.row0 = row0;
-  blk.cols = cols;
-  blk.nt = nt;
-  blk.tiles = (nt + 7) / 8;
-  blk.merge = cols % kK == 0;
-#pragma unroll
-  for (int m = 0; m < M; ++m) blk.merge = blk.merge && blk.mats[m]->group_size % kK == 0;
-  const int tid = int(threadIdx.x);
-  blk.half = (tid / 8) % 2;
-  blk.part = tid % 8;
-  // Rows past the item's tokens copy its last token's (their products are never written).
-#pragma unroll
-  for (int u = 0; u < 4; ++u) blk.x_off[u] = in_row(r0 + min(tid / 16 + 8 * u, nt - 1)) * cols;
-  blk.sum_off = in_row(r0 + min(tid % kTok, nt - 1)) * in.sum_stride;
-}
-
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kThreads, 4) gate_up_exact_kernel(ExactArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
+  extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int e, r0, nt;
   if (!block_work(a, e, r0, nt)) return;
   const DevExpert& d = a.e.table[e];
   ExactBlock<KIND, SF16, 2> blk;
-  blk.mats[0] = &d.gate;
-  blk.mats[1] = &d.up;
-  init_block(blk, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.dim,
-             [&](int r) { return int64_t(a.e.g.row_token[r] / a.e.k); });
+  const WeightRef* const mats[2] = {&d.gate, &d.up};
+  blk.init(mats, smem, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.dim,
+           [&](int r) { return int64_t(a.e.g.row_token[r] / a.e.k); });
   float acc[2][kTiles][4] = {};
-  blk.run(reinterpret_cast<Stage<2>*>(smem), a.in, acc);
+  blk.run(acc);
   for_each_output(blk.row0, nt, a.e.inter, [&](int j, int i, int tok, int64_t row) {
     const float inv = a.in.inv[a.e.g.row_token[r0 + tok] / a.e.k];
     const float gv = acc[0][j][i] * inv + (d.gate_bias ? d.gate_bias[row] : 0.0f);
@@ -420,16 +496,16 @@ __global__ void __launch_bounds__(kThreads, 4) gate_up_exact_kernel(ExactArgs a)
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) down_exact_kernel(ExactArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
+__global__ void __launch_bounds__(kThreads, 5) down_exact_kernel(ExactArgs a) {
+  extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int e, r0, nt;
   if (!block_work(a, e, r0, nt)) return;
   const DevExpert& d = a.e.table[e];
   ExactBlock<KIND, SF16, 1> blk;
-  blk.mats[0] = &d.down;
-  init_block(blk, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.inter, [](int r) { return int64_t(r); });
+  const WeightRef* const mats[1] = {&d.down};
+  blk.init(mats, smem, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.inter, [](int r) { return int64_t(r); });
   float acc[1][kTiles][4] = {};
-  blk.run(reinterpret_cast<Stage<1>*>(smem), a.in, acc);
+  blk.run(acc);
   for_each_output(blk.row0, nt, a.e.dim, [&](int j, int i, int tok, int64_t row) {
     a.e.y[int64_t(r0 + tok) * a.e.dim + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[row] : 0.0f);
   });
@@ -451,23 +527,180 @@ struct LinearExactArgs {
 
 // Dense quantized matrices over T tokens: work item blockIdx.y is tokens [32 y, 32 y + 32).
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads) linear_exact_kernel(LinearExactArgs a) {
-  extern __shared__ __align__(16) unsigned char smem[];
+__global__ void __launch_bounds__(kThreads, 5) linear_exact_kernel(LinearExactArgs a) {
+  extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int m = 0;
   while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
   const int r0 = int(blockIdx.y) * kTok, nt = int(min(int64_t(kTok), a.T - r0));
   ExactBlock<KIND, SF16, 1> blk;
-  blk.mats[0] = &a.w[m];
-  init_block(blk, a.in, int64_t(blockIdx.x - a.first_tile[m]) * kRows, r0, nt, a.w[m].cols,
-             [](int r) { return int64_t(r); });
+  const WeightRef* const mats[1] = {&a.w[m]};
+  blk.init(mats, smem, a.in, int64_t(blockIdx.x - a.first_tile[m]) * kRows, r0, nt, a.w[m].cols,
+           [](int r) { return int64_t(r); });
   float acc[1][kTiles][4] = {};
-  blk.run(reinterpret_cast<Stage<1>*>(smem), a.in, acc);
+  blk.run(acc);
   const float* bias = a.bias[m];
   float* out = a.out[m];
   const int64_t ldo = a.ldo[m];
   for_each_output(blk.row0, nt, a.w[m].rows, [&](int j, int i, int tok, int64_t row) {
     out[int64_t(r0 + tok) * ldo + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (bias ? bias[row] : 0.0f);
   });
+}
+
+// Dense quantized matrices over many tokens through cuBLAS (split_gemm_linears): each weight
+// dequantized in float32 as weight_at gives it, its row scaled by a power of two that puts the
+// row's largest magnitude in [2^14, 2^15), and split into FP16 hi = fp16(w) and lo = fp16(w - hi)
+// (22 of its 24 bits; an absolute error below 2^-39 of the row's largest, as split_kernel's for
+// x). The products hi x hi, hi x lo and lo x hi (lo x lo, below 2^-22 of each product, is left
+// out) are two FP16 GEMMs with float32 sums (hi times x's two halves side by side, lo times x's hi),
+// added smallest first, and the rows' and tokens' scalings are undone, when they are copied out.
+// The weights are decoded once a call instead of once per 32 tokens, as the kernels above do, and
+// the products run at cuBLAS's rate.
+constexpr int kMaxSplitMats = 4;
+struct SplitWeightArgs {
+  WeightRef w[kMaxSplitMats];
+  int64_t first[kMaxSplitMats + 1];  // rows of w[i] are rows [first[i], first[i + 1]) of the stack
+  int n;
+  int64_t r0;                        // this pass: rows [r0, r0 + gridDim.x) of the stack
+  __half* hi;                        // [gridDim.x, cols]
+  __half* lo;
+  float* inv;                        // [gridDim.x]: 2^-s, the inverse of each row's scaling
+};
+
+constexpr int kSplitWeightThreads = 256;
+
+// Columns [c, c + 8) of row r of w (c a multiple of 8, so one group), as weight_at gives them;
+// 2-, 4- and 8-bit codes and FP8 bytes in one load.
+template <int KIND, bool SF16>
+__device__ __forceinline__ void weights8(const WeightRef& w, int64_t r, int c, float (&v)[8]) {
+  const int64_t g = group_index(w, r, c);
+  const float scale = group_scale<KIND, SF16>(w, g);
+  const float bias = is_affine(KIND) ? scale_value<SF16>(w.biases[g]) : 0.0f;
+  float q[8];
+  if constexpr (KIND == kFp8) {
+    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w.data) + r * w.cols + c);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) q[i] = fp8_e4m3_value(((i < 4 ? u.x : u.y) >> (8 * (i % 4))) & 0xffu);
+  } else {
+    constexpr int B = bits_of(KIND);
+    constexpr uint32_t mask = (1u << B) - 1;
+    const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
+    if constexpr (B == 2 || B == 4 || B == 8) {  // code i at bits B * i of `bits`
+      uint64_t bits;
+      if constexpr (B == 8) {
+        const uint2 u = *reinterpret_cast<const uint2*>(row + c / 4);
+        bits = u.x | (uint64_t(u.y) << 32);
+      } else if constexpr (B == 4) {
+        bits = row[c / 8];
+      } else {
+        bits = row[c / 16] >> ((c % 16) * 2);
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) q[i] = code_value<KIND>(uint32_t(bits >> (B * i)) & mask);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const int bit = (c + i) * B, k = bit >> 5, sh = bit & 31;
+        uint32_t code = row[k] >> sh;
+        if (sh + B > 32) code |= row[k + 1] << (32 - sh);
+        q[i] = code_value<KIND>(code & mask);
+      }
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 8; ++i) v[i] = is_affine(KIND) ? fmaf(q[i], scale, bias) : q[i] * scale;
+}
+
+// One block per row of the pass: the row's largest finite magnitude, then 8 columns a thread
+// (one 16-byte store of each half, a warp's stores contiguous).
+template <int KIND, bool SF16>
+__global__ void __launch_bounds__(kSplitWeightThreads) split_weights_kernel(SplitWeightArgs a) {
+  constexpr int kStride = 8 * kSplitWeightThreads;
+  constexpr int kKeep = 2;  // chunks of 8 a thread keeps from the first pass to the second
+  __shared__ float scratch[kSplitWeightThreads / 32];
+  const int64_t rr = int64_t(blockIdx.x), r = a.r0 + rr;
+  int m = 0;
+  while (m + 1 < a.n && r >= a.first[m + 1]) ++m;
+  const WeightRef& w = a.w[m];
+  const int64_t row = r - a.first[m];
+  const int cols = int(w.cols), tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  float keep[kKeep][8], mx = 0.0f;
+  auto fold = [&](const float (&v)[8]) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) mx = fabsf(v[i]) <= 3.4e38f ? fmaxf(mx, fabsf(v[i])) : mx;
+  };
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k)
+    if (8 * tid + k * kStride < cols) {
+      weights8<KIND, SF16>(w, row, 8 * tid + k * kStride, keep[k]);
+      fold(keep[k]);
+    }
+  for (int c = 8 * tid + kKeep * kStride; c < cols; c += kStride) {
+    float v[8];
+    weights8<KIND, SF16>(w, row, c, v);
+    fold(v);
+  }
+  mx = warp_max(mx);
+  if (lane == 0) scratch[warp] = mx;
+  __syncthreads();
+  mx = scratch[0];
+#pragma unroll
+  for (int i = 1; i < kSplitWeightThreads / 32; ++i) mx = fmaxf(mx, scratch[i]);
+  int shift = 0;
+  if (mx > 0.0f) {
+    int e;
+    frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+    shift = min(max(15 - e, -126), 126);
+  }
+  const float up = pow2(shift);
+  if (tid == 0) a.inv[rr] = pow2(-shift);
+  auto store = [&](int c, const float (&v)[8]) {
+    __align__(16) __half hi[8], lo[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float x = v[i] * up;
+      hi[i] = __float2half_rn(x);
+      lo[i] = __float2half_rn(x - __half2float(hi[i]));
+    }
+    *reinterpret_cast<uint4*>(a.hi + rr * cols + c) = *reinterpret_cast<const uint4*>(hi);
+    *reinterpret_cast<uint4*>(a.lo + rr * cols + c) = *reinterpret_cast<const uint4*>(lo);
+  };
+#pragma unroll
+  for (int k = 0; k < kKeep; ++k)
+    if (8 * tid + k * kStride < cols) store(8 * tid + k * kStride, keep[k]);
+  for (int c = 8 * tid + kKeep * kStride; c < cols; c += kStride) {
+    float v[8];
+    weights8<KIND, SF16>(w, row, c, v);
+    store(c, v);
+  }
+}
+
+// The pass's sums (rows [r0, r0 + n) of the stack) unscaled into each matrix's output, with its
+// bias: blockIdx.y the token, threads over the rows.
+struct SplitOutArgs {
+  float* out[kMaxSplitMats];
+  const float* bias[kMaxSplitMats];
+  int64_t ldo[kMaxSplitMats];
+  int64_t first[kMaxSplitMats + 1];
+  int n_mats;
+  int64_t r0, n, T;
+  const float* sums;   // [2T, n]: hi x (x hi), then hi x (x lo); then [T, n]: lo x (x hi)
+  const float* inv_w;  // [n]
+  const float* inv_x;  // [T]
+};
+
+__global__ void split_out_kernel(SplitOutArgs a) {
+  const int64_t total = a.T * a.n;
+  for (int64_t t = blockIdx.y; t < a.T; t += gridDim.y) {
+    const float inv_x = a.inv_x[t];
+    for (int64_t rr = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; rr < a.n; rr += int64_t(gridDim.x) * blockDim.x) {
+      const int64_t r = a.r0 + rr, i = t * a.n + rr;
+      int m = 0;
+      while (m + 1 < a.n_mats && r >= a.first[m + 1]) ++m;
+      const int64_t row = r - a.first[m];
+      const float v = ((a.sums[2 * total + i] + a.sums[total + i]) + a.sums[i]) * a.inv_w[rr] * inv_x;
+      a.out[m][t * a.ldo[m] + row] = a.bias[m] ? v + a.bias[m][row] : v;
+    }
+  }
 }
 
 // SplitRows for `rows` rows of `cols`, in four areas from get(slot, bytes).
@@ -559,6 +792,18 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   });
 }
 
+namespace {
+constexpr int64_t kSplitGemmTokens = 128;
+}  // namespace
+
+bool split_gemm_for(int64_t T) {
+  static const int64_t min_tokens = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_SPLIT_GEMM_TOKENS");
+    return v ? int64_t(std::atoll(v)) : kSplitGemmTokens;
+  }();
+  return min_tokens > 0 && T >= min_tokens;
+}
+
 bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int64_t ldx) {
   // split_kernel reads x in float4s
   return exact_mma_enabled() && is_quant(tag.kind) && cols % 32 == 0 && ldx % 4 == 0 &&
@@ -566,6 +811,64 @@ bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int
 }
 
 namespace {
+
+// The matrices w (of one format and width) over x as a stack of their rows, in passes of at most
+// 2^24 weights (and 3 x 2^22 sums): split_weights_kernel, two GEMMs, split_out_kernel.
+void split_gemm_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                        std::span<const float* const> bias, std::span<float* const> out,
+                        std::span<const int64_t> ldo, GemmScratch& scratch, cudaStream_t s) {
+  const FormatTag tag = format_of(*w[0]);
+  const int64_t cols = w[0]->cols;
+  SplitWeightArgs wa{};
+  SplitOutArgs oa{};
+  wa.n = oa.n_mats = int(w.size());
+  for (int i = 0; i < wa.n; ++i) {
+    wa.w[i] = weight_ref(*w[size_t(i)]);
+    wa.first[i + 1] = oa.first[i + 1] = wa.first[i] + w[size_t(i)]->rows;
+    oa.out[i] = out[size_t(i)];
+    oa.bias[i] = bias[size_t(i)];
+    oa.ldo[i] = ldo[size_t(i)];
+  }
+  const int64_t rows = wa.first[wa.n];
+  auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
+  SplitRows in = split_buffers(get, kAreaExactHi, 2 * T, cols);  // hi and lo one after the other
+  in.lo = in.hi + T * cols;
+  split_rows(SplitArgs{x, ldx, T, nullptr, nullptr, 0, 0, in}, false, s);
+  const int64_t per_pass =
+      std::min(rows, std::max<int64_t>(64, std::min((int64_t(1) << 24) / cols, (int64_t(1) << 22) / T)));
+  wa.hi = static_cast<__half*>(scratch.area(kAreaSplitW, size_t(2 * per_pass * cols) * sizeof(__half)));
+  wa.lo = wa.hi + per_pass * cols;
+  wa.inv = static_cast<float*>(scratch.area(kAreaSplitInv, size_t(per_pass) * sizeof(float)));
+  float* sums = static_cast<float*>(scratch.area(kAreaSplitSums, size_t(3 * T * per_pass) * sizeof(float)));
+  cublasHandle_t h = scratch.tensor_handle(s);
+  const float one = 1.0f, zero = 0.0f;
+  for (int64_t r0 = 0; r0 < rows; r0 += per_pass) {
+    const int64_t n = std::min(per_pass, rows - r0);
+    wa.r0 = r0;
+    dispatch_format(tag, [&]<int KIND, bool SF16>() {
+      if constexpr (is_quant(KIND)) {
+        split_weights_kernel<KIND, SF16><<<unsigned(n), kSplitWeightThreads, 0, s>>>(wa);
+        MS_CUDA_CHECK_LAUNCH();
+      }
+    });
+    // Column-major view, as in linear(): sums (n x 2T, ld n) = hi^T (n x cols) * [x hi, x lo] (cols x
+    // 2T), then (n x T) = lo^T * x hi; split_out_kernel adds them smallest first.
+    MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(2 * T), int(cols), &one, wa.hi, CUDA_R_16F,
+                                 int(cols), in.hi, CUDA_R_16F, int(cols), &zero, sums, CUDA_R_32F, int(n),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(n), int(T), int(cols), &one, wa.lo, CUDA_R_16F,
+                                 int(cols), in.hi, CUDA_R_16F, int(cols), &zero, sums + 2 * T * n, CUDA_R_32F, int(n),
+                                 CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
+    oa.r0 = r0;
+    oa.n = n;
+    oa.T = T;
+    oa.sums = sums;
+    oa.inv_w = wa.inv;
+    oa.inv_x = in.inv;
+    split_out_kernel<<<dim3(blocks_for(n, 256), unsigned(std::min<int64_t>(T, 65535))), 256, 0, s>>>(oa);
+    MS_CUDA_CHECK_LAUNCH();
+  }
+}
 
 // The matrices w (1 to kMaxLinear, of one format and width: the callers check) over x in one
 // launch; false when they cannot take it.
@@ -583,6 +886,10 @@ bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx
     a.out[i] = out[size_t(i)];
     a.ldo[i] = ldo[size_t(i)];
     a.first_tile[i + 1] = a.first_tile[i] + blocks_for(a.w[i].rows, kRows);
+  }
+  if (split_gemm_for(T)) {
+    split_gemm_linears(w, x, ldx, T, bias, out, ldo, scratch, s);
+    return true;
   }
   auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
   a.in = split_buffers(get, kAreaExactHi, T, a.w[0].cols);

@@ -241,23 +241,6 @@ __device__ __forceinline__ float group_scale(const WeightRef& w, int64_t g) {
   else return scale_value<SF16>(static_cast<const uint16_t*>(w.scales)[g]);
 }
 
-// Pack p of `row` of a quantized matrix as raw words and scale/bias bits (RawQuantPack).
-template <int KIND>
-__device__ __forceinline__ void load_raw_pack(const WeightRef& w, int64_t row, int64_t p, RawQuantPack<KIND>& r) {
-  if constexpr (KIND == kFp8) {
-    load_words<8>(reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(w.data) + row * w.cols + p * 32), r.words);
-  } else {
-    constexpr int B = bits_of(KIND);
-    load_words<B>(static_cast<const uint32_t*>(w.data) + row * (w.cols * B / 32) + p * B, r.words);
-  }
-  const int64_t g = group_index(w, row, p * 32);
-  if constexpr (KIND == kMxfp4) r.scale = static_cast<const uint8_t*>(w.scales)[g];
-  else if constexpr (KIND == kFp8) r.scale = __float_as_uint(static_cast<const float*>(w.scales)[g]);
-  else r.scale = static_cast<const uint16_t*>(w.scales)[g];
-  if constexpr (is_affine(KIND)) r.bias = w.biases[g];
-  else r.bias = 0;
-}
-
 // The code values of a raw pack and its group's scale and bias (0 unless affine): what
 // load_pack and group_scale give for the same pack.
 template <int KIND, bool SF16>
