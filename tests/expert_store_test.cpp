@@ -160,6 +160,23 @@ TEST(ExpertStore, ProfilePinsTheHottestExperts) {
   }
 }
 
+// --warmup on the CPU with a cache that holds every expert reads all of them before the first
+// token: every request then hits, and the logits are those of a cold start.
+TEST(ExpertStore, WarmupReadsEveryExpertWhenTheyAllFit) {
+  const std::string dir = test::fixture("models/qwen3moe_gqa_tied");
+  ModelOptions opt;
+  opt.threads = 2;
+  ExpertStats cold;
+  const std::vector<float> reference = run_model(dir, opt, &cold);
+  ASSERT_GT(cold.misses, 0u);
+  opt.experts.warmup = true;
+  ExpertStats warm;
+  EXPECT_EQ(run_model(dir, opt, &warm), reference);
+  EXPECT_EQ(warm.misses, 0u);
+  EXPECT_EQ(warm.hits, cold.hits + cold.misses);
+  EXPECT_EQ(warm.bytes_read, PackManifest::load(ensure_pack(dir, "")).total_expert_bytes());
+}
+
 // --profile-out writes the run's usage (one count per request, each layer's experts); --profile
 // reads it back, and a file that is not a profile is named in a one-line error.
 TEST(ExpertStore, CliProfileOutAndIn) {

@@ -123,8 +123,9 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_option("--pin-share", e.pin_share, "Share of the expert cache the profile may pin (default 0.5)")
       ->check(CLI::Range(0.0, 1.0));
   cmd.add_flag("--warmup", e.warmup,
-               "Read the profile's pinned experts before the first token (bench: also run one untimed "
-               "prefill first, so that pp measures warm expert tiers; GPU: everything loaded and pinned)");
+               "Read the profile's pinned experts before the first token (CPU with a cache that holds every "
+               "expert: all of them; bench: also run one untimed prefill first, so that pp measures warm "
+               "expert tiers; GPU: everything loaded and pinned)");
   cmd.add_option("--profile-out", profile_out,
                  "Write how often each expert was used to FILE at the end (JSON counts[layer][expert]; run, "
                  "perplexity, logits)");

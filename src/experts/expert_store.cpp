@@ -81,7 +81,8 @@ class StreamingExpertStore final : public ExpertStore {
     ro.direct = o.direct_io;
     ro.threads = o.io_threads;
     reader_ = make_async_reader(paths, ro, [this](const ReadDone& d) { on_read(d); });
-    if (o.warmup) read_pinned();
+    // On the CPU a cache that holds every expert reads them all (the GPU tier loads its own).
+    if (o.warmup) read_warm(backend.name().rfind("cpu", 0) == 0 && max_slots_ >= total_experts_);
   }
 
   ~StreamingExpertStore() override {
@@ -303,12 +304,13 @@ class StreamingExpertStore final : public ExpertStore {
     stats_.pinned = n;
   }
 
-  // Reads every pinned expert now (layer by layer, through the usual request protocol).
-  void read_pinned() {
+  // Reads every pinned expert (`all`: every expert) now, layer by layer, through the usual
+  // request protocol.
+  void read_warm(bool all) {
     for (size_t l = 0; l < hot_.size(); ++l) {
       std::vector<int> ids;
       for (size_t e = 0; e < hot_[l].size(); ++e)
-        if (hot_[l][e]) ids.push_back(int(e));
+        if (all || hot_[l][e]) ids.push_back(int(e));
       if (ids.empty()) continue;
       request(int(l), ids);
       int e;
