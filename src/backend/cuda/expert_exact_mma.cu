@@ -476,7 +476,7 @@ __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t ro
 }
 
 template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kThreads, 4) gate_up_exact_kernel(ExactArgs a) {
+__global__ void __launch_bounds__(kThreads, 3) gate_up_exact_kernel(ExactArgs a) {
   extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int e, r0, nt;
   if (!block_work(a, e, r0, nt)) return;
