@@ -799,7 +799,10 @@ constexpr int64_t kSplitGemmTokens = 128;
 bool split_gemm_for(int64_t T) {
   static const int64_t min_tokens = [] {
     const char* v = std::getenv("MOESTREAM_CUDA_SPLIT_GEMM_TOKENS");
-    return v ? int64_t(std::atoll(v)) : kSplitGemmTokens;
+    const int64_t t = v ? int64_t(std::atoll(v)) : kSplitGemmTokens;
+    // Never for the GEMV's few tokens: their steps may be captured as CUDA graphs, where the
+    // scratch could not grow.
+    return t > 0 ? std::max<int64_t>(t, kGemvMaxTokens + 1) : 0;
   }();
   return min_tokens > 0 && T >= min_tokens;
 }

@@ -68,9 +68,9 @@ bool exact_mma_enabled();
 bool linear_exact_mma_supported(FormatTag tag, int64_t cols, const float* x, int64_t ldx);
 void linear_exact_mma(const Matrix& w, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
                       int64_t ldo, GemmScratch& scratch, cudaStream_t stream);
-// From T tokens on (128, or MOESTREAM_CUDA_SPLIT_GEMM_TOKENS; 0: never) those calls go through
-// cuBLAS instead: each weight dequantized and split into two FP16 halves once a call, two FP16
-// GEMMs with float32 sums (lo x lo left out: below 2^-22 of each product).
+// From T tokens on (128, or MOESTREAM_CUDA_SPLIT_GEMM_TOKENS, at least 9; 0: never) those calls
+// go through cuBLAS instead: each weight dequantized and split into two FP16 halves once a call,
+// two FP16 GEMMs with float32 sums (lo x lo left out: below 2^-22 of each product).
 bool split_gemm_for(int64_t T);
 // Up to 4 such matrices over the same x (q, k and v) in one launch, x split once; each output as
 // linear_exact_mma computes it (out[i] of row stride w[i].rows). The caller checks that they share
