@@ -659,7 +659,7 @@ __global__ void __launch_bounds__(kSplitWeightThreads) split_weights_kernel(Spli
     for (int i = 0; i < 8; ++i) {
       const float x = v[i] * up;
       hi[i] = __float2half_rn(x);
-      lo[i] = __float2half_rn(x - __half2float(hi[i]));
+      lo[i] = __float2half_rn(isinf(x) ? 0.0f : x - __half2float(hi[i]));  // an infinity stays in hi
     }
     *reinterpret_cast<uint4*>(a.hi + rr * cols + c) = *reinterpret_cast<const uint4*>(hi);
     *reinterpret_cast<uint4*>(a.lo + rr * cols + c) = *reinterpret_cast<const uint4*>(lo);
@@ -691,13 +691,14 @@ struct SplitOutArgs {
 __global__ void split_out_kernel(SplitOutArgs a) {
   const int64_t total = a.T * a.n;
   for (int64_t t = blockIdx.y; t < a.T; t += gridDim.y) {
-    const float inv_x = a.inv_x[t];
+    const int e_x = ilogbf(a.inv_x[t]);  // inv_x and inv_w are powers of two
     for (int64_t rr = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; rr < a.n; rr += int64_t(gridDim.x) * blockDim.x) {
       const int64_t r = a.r0 + rr, i = t * a.n + rr;
       int m = 0;
       while (m + 1 < a.n_mats && r >= a.first[m + 1]) ++m;
       const int64_t row = r - a.first[m];
-      const float v = ((a.sums[2 * total + i] + a.sums[total + i]) + a.sums[i]) * a.inv_w[rr] * inv_x;
+      // both scalings at once: each alone could leave the float range on the way
+      const float v = ldexpf((a.sums[2 * total + i] + a.sums[total + i]) + a.sums[i], ilogbf(a.inv_w[rr]) + e_x);
       a.out[m][t * a.ldo[m] + row] = a.bias[m] ? v + a.bias[m][row] : v;
     }
   }
@@ -834,8 +835,13 @@ void split_gemm_linears(std::span<const Matrix* const> w, const float* x, int64_
   }
   const int64_t rows = wa.first[wa.n];
   auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
-  SplitRows in = split_buffers(get, kAreaExactHi, 2 * T, cols);  // hi and lo one after the other
+  SplitRows in;  // as split_buffers lays it out, but hi and lo one after the other (one GEMM operand)
+  in.cols = cols;
+  in.sum_stride = (cols / 32 + 1) / 2 * 2;
+  in.hi = static_cast<__half*>(get(kAreaExactHi, size_t(2 * T * cols) * sizeof(__half)));
   in.lo = in.hi + T * cols;
+  in.sum = static_cast<float*>(get(kAreaExactSum, size_t(T * in.sum_stride) * sizeof(float)));
+  in.inv = static_cast<float*>(get(kAreaExactInv, size_t(T) * sizeof(float)));
   split_rows(SplitArgs{x, ldx, T, nullptr, nullptr, 0, 0, in}, false, s);
   const int64_t per_pass =
       std::min(rows, std::max<int64_t>(64, std::min((int64_t(1) << 24) / cols, (int64_t(1) << 22) / T)));

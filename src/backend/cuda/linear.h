@@ -73,8 +73,10 @@ void linear_exact_mma(const Matrix& w, const float* x, int64_t ldx, int64_t T, c
 // two FP16 GEMMs with float32 sums (lo x lo left out: below 2^-22 of each product).
 bool split_gemm_for(int64_t T);
 // Up to 4 such matrices over the same x (q, k and v) in one launch, x split once; each output as
-// linear_exact_mma computes it (out[i] of row stride w[i].rows). The caller checks that they share
-// format and width (linear_shared_input). False (nothing launched) when they cannot take it.
+// linear_exact_mma computes it (out[i] of row stride w[i].rows), bit for bit below split_gemm_for's
+// threshold; from it on the matrices' rows are stacked into one cuBLAS GEMM, whose sums may round
+// differently from those of one matrix alone. The caller checks that they share format and width
+// (linear_shared_input). False (nothing launched) when they cannot take it.
 bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                              std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                              cudaStream_t stream);
