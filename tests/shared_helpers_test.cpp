@@ -36,6 +36,17 @@ TEST(Files, ErrorsNameThePathAndTheReason) {
   EXPECT_FALSE(try_read_file(dir).has_value());
 }
 
+// MemAvailable as the kernel reports it, in bytes: a positive amount no larger than MemTotal.
+TEST(Files, MemoryAvailableReadsProcMeminfo) {
+  const std::string info = read_file("/proc/meminfo");
+  const size_t at = info.find("MemTotal:");
+  ASSERT_NE(at, std::string::npos);
+  const double total = std::stod(info.substr(at + 9)) * 1024.0;
+  const double available = memory_available();
+  EXPECT_GT(available, 0.0);
+  EXPECT_LE(available, total);
+}
+
 TEST(Strings, AppendUtf8EncodesOneToFourBytes) {
   std::string s;
   for (char32_t cp : {U'A', U'\u00e9', U'\u20ac', U'\U0001F600'}) append_utf8(s, cp);

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 
 #include "core/error.h"
@@ -48,6 +49,14 @@ std::string read_file(const std::string& path) {
   std::optional<std::string> bytes = read(path, why);
   if (!bytes) fail(path, ": cannot open for reading: ", why);
   return std::move(*bytes);
+}
+
+double memory_available() {
+  const std::optional<std::string> info = try_read_file("/proc/meminfo");
+  if (!info) return 0;
+  const size_t at = info->find("MemAvailable:");
+  if (at == std::string::npos) return 0;
+  return std::strtod(info->c_str() + at + 13, nullptr) * 1024.0;  // "MemAvailable:  N kB"
 }
 
 }  // namespace moestream

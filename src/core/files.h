@@ -1,4 +1,5 @@
-// Reading a whole file: the one copy the loaders, the tokenizer and the CLI share.
+// Reading a whole file: the one copy the loaders, the tokenizer and the CLI share; and the memory
+// the system has available (/proc/meminfo).
 #pragma once
 
 #include <optional>
@@ -13,5 +14,8 @@ std::optional<std::string> try_read_file(const std::string& path);
 // The bytes of the file at `path`; an Error "<path>: cannot open for reading: <reason>" when it
 // cannot be opened or read.
 std::string read_file(const std::string& path);
+
+// MemAvailable of /proc/meminfo in bytes (0 when it cannot be read).
+double memory_available();
 
 }  // namespace moestream

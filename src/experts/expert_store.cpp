@@ -19,6 +19,7 @@
 #include <optional>
 
 #include "core/error.h"
+#include "core/files.h"
 #include "backend/eviction.h"
 #include "io/async_reader.h"
 #include "io/pack.h"
@@ -81,8 +82,11 @@ class StreamingExpertStore final : public ExpertStore {
     ro.direct = o.direct_io;
     ro.threads = o.io_threads;
     reader_ = make_async_reader(paths, ro, [this](const ReadDone& d) { on_read(d); });
-    // On the CPU a cache that holds every expert reads them all (the GPU tier loads its own).
-    if (o.warmup) read_warm(backend.name().rfind("cpu", 0) == 0 && max_slots_ >= total_experts_);
+    // On the CPU a cache that holds every expert reads them all (the GPU tier loads its own), when
+    // they take at most 80% of the memory available now, as the CUDA tier's pinned copies do.
+    if (o.warmup)
+      read_warm(backend.name().rfind("cpu", 0) == 0 && max_slots_ >= total_experts_ &&
+                double(pack.total_expert_bytes()) <= 0.8 * memory_available());
   }
 
   ~StreamingExpertStore() override {

@@ -29,7 +29,7 @@ struct ExpertStoreOptions {
   // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
   // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
   // `warmup` reads them when the store is made, before the first token (on the CPU backend with a
-  // cache that holds every expert: every expert).
+  // cache that holds every expert: every expert, if they take at most 80% of the memory available).
   std::vector<std::vector<double>> profile;
   double pin_share = 0.5;
   bool warmup = false;

@@ -4,13 +4,13 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
-#include <fstream>
 #include <limits>
 #include <string>
 
 #include "backend/cuda/cuda_expert_tier.cuh"
 #include "backend/expert_provider.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "core/quant.h"
 
 namespace moestream::cuda {
@@ -71,17 +71,6 @@ DevExpert moved(const DevExpert& d, const char* from, const char* to) {
   m.up_bias = static_cast<const float*>(move(d.up_bias));
   m.down_bias = static_cast<const float*>(move(d.down_bias));
   return m;
-}
-
-// MemAvailable of /proc/meminfo in bytes (0 when it cannot be read).
-double memory_available() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  double kb = 0;
-  std::string unit;
-  while (f >> key >> kb >> unit)
-    if (key == "MemAvailable:") return kb * 1024.0;
-  return 0;
 }
 
 // Most promotions started between two steps (MOESTREAM_CUDA_PROMOTIONS overrides). Measured on
