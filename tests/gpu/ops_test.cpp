@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -182,6 +183,36 @@ Matrix load(Backend& be, const HostMatrix& m, const std::string& format) {
   return be.load_quantized(m.w, m.s, m.b, m.quant);
 }
 
+// q, k and v ([rows[i], cols] in `fmt`, seeds seed, seed + 1, seed + 2; v with a bias) on the CPU
+// and the GPU; run() multiplies them with x through each backend's linear_shared_input.
+struct Qkv {
+  HostMatrix h[3];
+  Matrix c[3], g[3];
+  std::vector<float> bias_values;
+  Vector bc, bg;
+  Qkv(Backend& cpu, Backend& gpu, const std::string& fmt, const std::array<int64_t, 3>& rows, int64_t cols,
+      uint32_t seed) {
+    for (int i = 0; i < 3; ++i) {
+      h[i] = make_matrix(rows[size_t(i)], cols, fmt, seed + uint32_t(i));
+      c[i] = load(cpu, h[i], fmt);
+      g[i] = load(gpu, h[i], fmt);
+    }
+    bias_values = random(size_t(rows[2]), seed + 3);
+    const TensorView bt{"b", DType::F32, {rows[2]}, bias_values.data(), bias_values.size() * 4};
+    bc = cpu.load_vector(bt);
+    bg = gpu.load_vector(bt);
+  }
+  void run(Backend& cpu, Backend& gpu, const Buffer& xc, const Buffer& xg, Buffer* const (&oc)[3],
+           Buffer* const (&og)[3]) const {
+    const Matrix* wc[3] = {&c[0], &c[1], &c[2]};
+    const Matrix* wg[3] = {&g[0], &g[1], &g[2]};
+    const Vector* bcs[3] = {nullptr, nullptr, &bc};
+    const Vector* bgs[3] = {nullptr, nullptr, &bg};
+    cpu.linear_shared_input(xc, wc, bcs, oc);
+    gpu.linear_shared_input(xg, wg, bgs, og);
+  }
+};
+
 const std::vector<std::string> kFormats = {"f32",    "bf16",  "f16",   "q2g64",     "q3g64",     "q4g64",  "q4g32",
                                            "q4g128", "q6g64", "q8g64", "q4g64-f16", "q3g32-f16", "q8g128", "mxfp4",
                                            "fp8g128", "fp8g32"};
@@ -234,23 +265,11 @@ TEST_F(Pair, LinearSplitGemmEveryQuantFormat) {
       }
   }
   for (const std::string fmt : {"q4g64", "q8g128"}) {
-    HostMatrix hq = make_matrix(1500, 256, fmt, 41), hk = make_matrix(600, 256, fmt, 42), hv = make_matrix(600, 256, fmt, 43);
-    const Matrix q = load(*gpu, hq, fmt), k = load(*gpu, hk, fmt), v = load(*gpu, hv, fmt);
-    const Matrix qc = load(*cpu, hq, fmt), kc = load(*cpu, hk, fmt), vc = load(*cpu, hv, fmt);
-    std::vector<float> bias_values = random(600, 44);
-    const TensorView bt{"b", DType::F32, {600}, bias_values.data(), 600 * 4};
-    const Vector bg = gpu->load_vector(bt), bc = cpu->load_vector(bt);
+    const Qkv m(*cpu, *gpu, fmt, {1500, 600, 600}, 256, 41);
     const int64_t T = 2100;  // 2^22 / T = 1997 rows a pass
     Buf x = buf(T, 256, 45);
     Buf oq = poisoned(T, 1500), ok = poisoned(T, 600), ov = poisoned(T, 600);
-    const Matrix* wg[3] = {&q, &k, &v};
-    const Matrix* wc[3] = {&qc, &kc, &vc};
-    const Vector* bgs[3] = {nullptr, nullptr, &bg};
-    const Vector* bcs[3] = {nullptr, nullptr, &bc};
-    Buffer* og[3] = {&oq.g, &ok.g, &ov.g};
-    Buffer* oc[3] = {&oq.c, &ok.c, &ov.c};
-    gpu->linear_shared_input(x.g, wg, bgs, og);
-    cpu->linear_shared_input(x.c, wc, bcs, oc);
+    m.run(*cpu, *gpu, x.c, x.g, {&oq.c, &ok.c, &ov.c}, {&oq.g, &ok.g, &ov.g});
     EXPECT_LT(std::max({segment_err(oq, 1500), segment_err(ok, 600), segment_err(ov, 600)}), 1e-5) << fmt;
   }
 }
@@ -781,27 +800,15 @@ TEST_F(Pair, FusedStepsEqualTheirParts) {
   auto same = [&](const Buffer& a, const Buffer& b) { return host(*gpu, a) == host(*gpu, b); };
   // q, k and v projections in one launch (GEMV sizes) or, above the GEMV bound, one by one.
   for (const std::string fmt : {"bf16", "q4g64", "fp8g128"}) {
-    HostMatrix hq = make_matrix(64, 256, fmt, 31), hk = make_matrix(32, 256, fmt, 32), hv = make_matrix(48, 256, fmt, 33);
-    const Matrix q = load(*gpu, hq, fmt), k = load(*gpu, hk, fmt), v = load(*gpu, hv, fmt);
-    const Matrix qc = load(*cpu, hq, fmt), kc = load(*cpu, hk, fmt), vc = load(*cpu, hv, fmt);
-    std::vector<float> bias_values = random(48, 34);
-    const TensorView bt{"b", DType::F32, {48}, bias_values.data(), 48 * 4};
-    const Vector bg = gpu->load_vector(bt), bc = cpu->load_vector(bt);
+    const Qkv m(*cpu, *gpu, fmt, {64, 32, 48}, 256, 31);
     for (int64_t T : {1, 3, 12}) {
       Buf x = buf(T, 256, 35);
       Buf oq = poisoned(T, 64), ok = poisoned(T, 32), ov = poisoned(T, 48);
-      const Matrix* wg[3] = {&q, &k, &v};
-      const Matrix* wc[3] = {&qc, &kc, &vc};
-      const Vector* bgs[3] = {nullptr, nullptr, &bg};
-      const Vector* bcs[3] = {nullptr, nullptr, &bc};
-      Buffer* og[3] = {&oq.g, &ok.g, &ov.g};
-      Buffer* oc[3] = {&oq.c, &ok.c, &ov.c};
-      gpu->linear_shared_input(x.g, wg, bgs, og);
-      cpu->linear_shared_input(x.c, wc, bcs, oc);
+      m.run(*cpu, *gpu, x.c, x.g, {&oq.c, &ok.c, &ov.c}, {&oq.g, &ok.g, &ov.g});
       Buffer lq = gpu->alloc(T, 64), lk = gpu->alloc(T, 32), lv = gpu->alloc(T, 48);
-      gpu->linear(x.g, q, nullptr, lq);
-      gpu->linear(x.g, k, nullptr, lk);
-      gpu->linear(x.g, v, &bg, lv);
+      gpu->linear(x.g, m.g[0], nullptr, lq);
+      gpu->linear(x.g, m.g[1], nullptr, lk);
+      gpu->linear(x.g, m.g[2], &m.bg, lv);
       EXPECT_TRUE(same(oq.g, lq) && same(ok.g, lk) && same(ov.g, lv)) << fmt << " T=" << T;
       EXPECT_LT(std::max({err(oq), err(ok), err(ov)}), linear_tolerance(T)) << fmt << " T=" << T;
     }
