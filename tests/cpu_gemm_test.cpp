@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "backend/backend.h"
 #include "backend/cpu/kernels.h"
 #include "core/dtype.h"
 #include "core/quant.h"
@@ -197,6 +198,44 @@ TEST(CpuGemm, EveryTokenCountAndRowCountMatchesTheReference) {
         }
       }
     }
+}
+
+// q, k and v of one format through the CPU backend's linear_shared_input (x prepared once, all
+// their rows in one parallel loop) equal three linear() calls bit for bit, the bias included, on
+// both activation paths; matrices of different formats go one by one, with the same results.
+TEST(CpuGemm, SharedInputEqualsOneLinearPerMatrix) {
+  const auto qs = every_format(64), ks = every_format(32), vs = every_format(48);
+  std::vector<float> bias = gaussian(48, 9);
+  auto floats = [](const Buffer& b) { return std::vector<float>(b.data, b.data + b.rows * b.cols); };
+  for (bool precise : {true, false}) {
+    auto be = make_cpu_backend(3, precise);
+    const Vector bv = be->load_vector(TensorView{"b", DType::F32, {48}, bias.data(), bias.size() * 4});
+    for (size_t f = 0; f < qs.size(); ++f)
+      for (int64_t T : {1, 5, 40}) {
+        // k of the next format when it has the same width: the one-by-one path
+        const bool next_same_width = f + 1 < ks.size() && ks[f + 1]->m.cols == qs[f]->m.cols;
+        for (const Weights* k : {ks[f].get(), next_same_width ? ks[f + 1].get() : nullptr}) {
+          if (!k) continue;
+          const int64_t cols = qs[f]->m.cols;
+          Buffer x = be->alloc(T, cols);
+          const std::vector<float> xv = gaussian(size_t(T * cols), uint32_t(T + f));
+          std::copy(xv.begin(), xv.end(), x.data);
+          Buffer oq = be->alloc(T, 64), ok = be->alloc(T, 32), ov = be->alloc(T, 48);
+          const Matrix* w[3] = {&qs[f]->m, &k->m, &vs[f]->m};
+          const Vector* b[3] = {nullptr, nullptr, &bv};
+          Buffer* o[3] = {&oq, &ok, &ov};
+          be->linear_shared_input(x, w, b, o);
+          Buffer lq = be->alloc(T, 64), lk = be->alloc(T, 32), lv = be->alloc(T, 48);
+          be->linear(x, qs[f]->m, nullptr, lq);
+          be->linear(x, k->m, nullptr, lk);
+          be->linear(x, vs[f]->m, &bv, lv);
+          const std::string what = qs[f]->what + " / " + k->what + " T=" + std::to_string(T);
+          EXPECT_EQ(floats(oq), floats(lq)) << what;
+          EXPECT_EQ(floats(ok), floats(lk)) << what;
+          EXPECT_EQ(floats(ov), floats(lv)) << what;
+        }
+      }
+  }
 }
 
 }  // namespace

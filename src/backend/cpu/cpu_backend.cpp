@@ -102,6 +102,33 @@ class CpuBackend final : public Backend {
     if (bias) add_bias(Buffer{out.data, T, n_out}, *bias);
   }
 
+  // Matrices of one format and width over the same x (q, k and v): x prepared once and all their
+  // rows in one parallel loop, each row computed as linear() computes it.
+  void linear_shared_input(const Buffer& x, std::span<const Matrix* const> w, std::span<const Vector* const> bias,
+                           std::span<Buffer* const> out) override {
+    bool same = w.size() > 1 && w.size() == bias.size() && w.size() == out.size();
+    for (size_t i = 0; same && i < w.size(); ++i)
+      same = w[i]->cols == x.cols && w[i]->dtype == w[0]->dtype && w[i]->quant == w[0]->quant &&
+             out[i]->rows == x.rows && out[i]->cols == w[i]->rows;
+    if (!same) return Backend::linear_shared_input(x, w, bias, out);  // one by one (and their errors)
+    const int64_t T = x.rows;
+    cpu::prepare_input(*w[0], x.data, T, precise_, input_);
+    shared_first_.assign(1, 0);
+    for (const Matrix* m : w) shared_first_.push_back(shared_first_.back() + m->rows);
+    pool_.parallel_for(size_t(shared_first_.back()), [&](size_t a, size_t b) {
+      while (a < b) {  // a chunk is cut where a matrix ends
+        size_t i = 0;
+        while (int64_t(a) >= shared_first_[i + 1]) ++i;
+        const size_t end = std::min(b, size_t(shared_first_[i + 1]));
+        cpu::matmul_rows(*w[i], input_, out[i]->data, w[i]->rows, int64_t(a) - shared_first_[i],
+                         int64_t(end) - shared_first_[i]);
+        a = end;
+      }
+    }, rows_per_chunk(x.cols, T));
+    for (size_t i = 0; i < w.size(); ++i)
+      if (bias[i]) add_bias(Buffer{out[i]->data, T, w[i]->rows}, *bias[i]);
+  }
+
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) override {
     const int half = rope.rot_dim / 2;
     std::vector<float>& cs = rope_scratch_;
@@ -535,6 +562,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  std::vector<int64_t> shared_first_;  // linear_shared_input: each matrix's first row in the loop
   std::vector<float> kv_staged_;  // attention_kv: a batch's packed K and V rows before they enter a ring
   bool precise_;                 // float32 activations everywhere
   cpu::PreparedInput input_;     // reused by every linear call
