@@ -89,6 +89,27 @@ struct SplitArgs {
   SplitRows out;
 };
 
+// The largest of v over a block of 32 * WARPS threads; every thread gets it (one barrier).
+template <int WARPS>
+__device__ __forceinline__ float block_max(float v, float* scratch) {
+  v = warp_max(v);
+  if (threadIdx.x % 32 == 0) scratch[threadIdx.x / 32] = v;
+  __syncthreads();
+  v = scratch[0];
+#pragma unroll
+  for (int w = 1; w < WARPS; ++w) v = fmaxf(v, scratch[w]);
+  return v;
+}
+
+// The power of two s such that mx * 2^s, a row's largest magnitude, lies in [2^14, 2^15); 0 when
+// mx is zero, infinite or NaN (such rows go through unscaled).
+__device__ __forceinline__ int split_shift(float mx) {
+  if (!(mx > 0.0f && mx <= 3.4e38f)) return 0;
+  int e;
+  frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
+  return min(max(15 - e, -126), 126);
+}
+
 // One block per row: the row's largest finite magnitude, then 8 columns per thread scaled, split
 // and stored in the format's order; 4 threads per pack of 32 sum it.
 template <bool INTERLEAVED>
@@ -101,24 +122,13 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
   }
   const int64_t cols = a.out.cols;
   const float* x = a.src + r * a.ld;
-  const int tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int tid = int(threadIdx.x);
   float mx = 0.0f;
   for (int64_t c = 4 * tid; c < cols; c += 4 * kSplitThreads) {
     const float4 v = *reinterpret_cast<const float4*>(x + c);
     mx = fmaxf(mx, fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w))));
   }
-  mx = warp_max(mx);
-  if (lane == 0) scratch[warp] = mx;
-  __syncthreads();
-  mx = scratch[0];
-#pragma unroll
-  for (int w = 1; w < kSplitThreads / 32; ++w) mx = fmaxf(mx, scratch[w]);
-  int shift = 0;
-  if (mx > 0.0f && mx <= 3.4e38f) {  // finite and non-zero; Inf and NaN go through unscaled
-    int e;
-    frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
-    shift = min(max(15 - e, -126), 126);
-  }
+  const int shift = split_shift(block_max<kSplitThreads / 32>(mx, scratch));
   const float up = pow2(shift);
   if (tid == 0) a.out.inv[r] = pow2(-shift);
   const int64_t packs = cols / 32;
@@ -569,45 +579,32 @@ struct SplitWeightArgs {
 constexpr int kSplitWeightThreads = 256;
 
 // Columns [c, c + 8) of row r of w (c a multiple of 8, so one group), as weight_at gives them;
-// 2-, 4- and 8-bit codes and FP8 bytes in one load.
+// 2-, 4- and 8-bit codes and FP8 bytes in one load (3- and 6-bit codes straddle words: weight_at).
 template <int KIND, bool SF16>
 __device__ __forceinline__ void weights8(const WeightRef& w, int64_t r, int c, float (&v)[8]) {
-  const int64_t g = group_index(w, r, c);
-  const float scale = group_scale<KIND, SF16>(w, g);
-  const float bias = is_affine(KIND) ? scale_value<SF16>(w.biases[g]) : 0.0f;
-  float q[8];
-  if constexpr (KIND == kFp8) {
-    const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w.data) + r * w.cols + c);
+  constexpr int B = bits_of(KIND);
+  if constexpr (B != 2 && B != 4 && B != 8) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) q[i] = fp8_e4m3_value(((i < 4 ? u.x : u.y) >> (8 * (i % 4))) & 0xffu);
+    for (int i = 0; i < 8; ++i) v[i] = weight_at<KIND, SF16>(w, r, c + i);
   } else {
-    constexpr int B = bits_of(KIND);
-    constexpr uint32_t mask = (1u << B) - 1;
-    const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
-    if constexpr (B == 2 || B == 4 || B == 8) {  // code i at bits B * i of `bits`
-      uint64_t bits;
-      if constexpr (B == 8) {
-        const uint2 u = *reinterpret_cast<const uint2*>(row + c / 4);
-        bits = u.x | (uint64_t(u.y) << 32);
-      } else if constexpr (B == 4) {
-        bits = row[c / 8];
-      } else {
-        bits = row[c / 16] >> ((c % 16) * 2);
-      }
-#pragma unroll
-      for (int i = 0; i < 8; ++i) q[i] = code_value<KIND>(uint32_t(bits >> (B * i)) & mask);
+    const int64_t g = group_index(w, r, c);
+    const float scale = group_scale<KIND, SF16>(w, g);
+    const float bias = is_affine(KIND) ? scale_value<SF16>(w.biases[g]) : 0.0f;
+    uint64_t bits;  // code i at bits B * i
+    if constexpr (B == 8) {  // q8 codes and FP8 bytes: a byte a column
+      const uint2 u = *reinterpret_cast<const uint2*>(static_cast<const uint8_t*>(w.data) + r * w.cols + c);
+      bits = u.x | (uint64_t(u.y) << 32);
     } else {
+      const uint32_t* row = static_cast<const uint32_t*>(w.data) + r * (w.cols * B / 32);
+      bits = B == 4 ? row[c / 8] : row[c / 16] >> ((c % 16) * 2);
+    }
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int bit = (c + i) * B, k = bit >> 5, sh = bit & 31;
-        uint32_t code = row[k] >> sh;
-        if (sh + B > 32) code |= row[k + 1] << (32 - sh);
-        q[i] = code_value<KIND>(code & mask);
-      }
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t code = uint32_t(bits >> (B * i)) & ((1u << B) - 1);
+      const float q = KIND == kFp8 ? fp8_e4m3_value(code) : code_value<KIND>(code);
+      v[i] = is_affine(KIND) ? fmaf(q, scale, bias) : q * scale;
     }
   }
-#pragma unroll
-  for (int i = 0; i < 8; ++i) v[i] = is_affine(KIND) ? fmaf(q[i], scale, bias) : q[i] * scale;
 }
 
 // One block per row of the pass: the row's largest finite magnitude, then 8 columns a thread
@@ -622,7 +619,7 @@ __global__ void __launch_bounds__(kSplitWeightThreads) split_weights_kernel(Spli
   while (m + 1 < a.n && r >= a.first[m + 1]) ++m;
   const WeightRef& w = a.w[m];
   const int64_t row = r - a.first[m];
-  const int cols = int(w.cols), tid = int(threadIdx.x), lane = tid % 32, warp = tid / 32;
+  const int cols = int(w.cols), tid = int(threadIdx.x);
   float keep[kKeep][8], mx = 0.0f;
   auto fold = [&](const float (&v)[8]) {
 #pragma unroll
@@ -639,18 +636,7 @@ __global__ void __launch_bounds__(kSplitWeightThreads) split_weights_kernel(Spli
     weights8<KIND, SF16>(w, row, c, v);
     fold(v);
   }
-  mx = warp_max(mx);
-  if (lane == 0) scratch[warp] = mx;
-  __syncthreads();
-  mx = scratch[0];
-#pragma unroll
-  for (int i = 1; i < kSplitWeightThreads / 32; ++i) mx = fmaxf(mx, scratch[i]);
-  int shift = 0;
-  if (mx > 0.0f) {
-    int e;
-    frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
-    shift = min(max(15 - e, -126), 126);
-  }
+  const int shift = split_shift(block_max<kSplitWeightThreads / 32>(mx, scratch));
   const float up = pow2(shift);
   if (tid == 0) a.inv[rr] = pow2(-shift);
   auto store = [&](int c, const float (&v)[8]) {
