@@ -81,11 +81,15 @@ __device__ __forceinline__ void norm_rope_head(const NormRope& a, int64_t t, int
 
 // One block per (token, head): tokens at positions n_past + t.
 __global__ void qk_norm_rope_kernel(NormRope a, int64_t n_past) {
+  wait_prior_grid();
+  allow_next_grid();
   norm_rope_head(a, blockIdx.x, blockIdx.y, n_past + blockIdx.x);
 }
 
 // One block per (decode row, head): row rows.row[i] at position rows.pos[i].
 __global__ void qk_norm_rope_rows_kernel(NormRope a, DecodeRows rows) {
+  wait_prior_grid();
+  allow_next_grid();
   norm_rope_head(a, rows.row[blockIdx.x], blockIdx.y, rows.pos[blockIdx.x]);
 }
 
@@ -268,6 +272,8 @@ __device__ __forceinline__ void attend_row(const AttnArgs& a, int64_t t) {
 
 template <KvType T, int CH>
 __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_kernel(AttnArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   append_head(a);
   attend_row<T, CH>(a, blockIdx.y);
 }
@@ -295,6 +301,8 @@ bool attention_mma_enabled() {
 template <KvType T, int CH>
 __global__ void __launch_bounds__(kAttnDecodeWarps * 32) attention_rows_kernel(AttnArgs a, DecodeRows rows, const float* k,
                                                                                int64_t ldk, const float* v, int64_t ldv) {
+  wait_prior_grid();
+  allow_next_grid();
   const int i = blockIdx.y;
   a.q += rows.row[i] * a.q_ld;
   a.out += rows.row[i] * a.out_ld;
@@ -1105,9 +1113,9 @@ void qk_norm_rope(Buffer& q, Buffer& k, const float* q_norm, const float* k_norm
                   int n_kv_heads, int head_dim, const RopeTable& r, const float* inv_freq, int64_t n_past,
                   int threads, cudaStream_t s) {
   if (q.rows == 0) return;
-  qk_norm_rope_kernel<<<dim3(unsigned(q.rows), unsigned(n_heads + n_kv_heads)), unsigned(threads), 0, s>>>(
-      norm_rope_args(q, k, q_norm, k_norm, eps, n_heads, head_dim, r, inv_freq), n_past);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(qk_norm_rope_kernel, dim3(unsigned(q.rows), unsigned(n_heads + n_kv_heads)),
+         unsigned(threads), 0, s,
+         norm_rope_args(q, k, q_norm, k_norm, eps, n_heads, head_dim, r, inv_freq), n_past);
 }
 
 void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm, const float* k_norm, float eps,
@@ -1119,9 +1127,8 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
   const int hd = p.head_dim, vd = p.v_head_dim ? p.v_head_dim : p.head_dim;
   if (vd > 32 * kMaxValueChunks) fail("cuda attention: value heads of ", vd, " dims (at most ", 32 * kMaxValueChunks, ")");
   const unsigned n = unsigned(rows.n);
-  qk_norm_rope_rows_kernel<<<dim3(n, unsigned(p.n_heads + p.n_kv_heads)), unsigned(threads), 0, s>>>(
-      norm_rope_args(q, k, q_norm, k_norm, eps, p.n_heads, hd, r, inv_freq), rows);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(qk_norm_rope_rows_kernel, dim3(n, unsigned(p.n_heads + p.n_kv_heads)), unsigned(threads),
+         0, s, norm_rope_args(q, k, q_norm, k_norm, eps, p.n_heads, hd, r, inv_freq), rows);
   const int64_t kv_dim = int64_t(p.n_kv_heads) * hd, v_dim = int64_t(p.n_kv_heads) * vd;
   // Each row's caches and position come from `rows`, its new key and value from k and v, which
   // the kernel also appends to the caches (attention_rows_kernel).
@@ -1130,11 +1137,11 @@ void decode_attention(Buffer& q, Buffer& k, const Buffer& v, const float* q_norm
   const size_t smem = size_t(hd + kAttnDecodeWarps * (2 + vd)) * sizeof(float);
   const dim3 grid(unsigned(p.n_heads), n);
   if (pipelined(hd, vd))
-    attention_rows_kernel<KvType::F32, kPipelinedChunks><<<grid, kAttnDecodeWarps * 32, smem, s>>>(a, rows, k.data, k.cols,
-                                                                                                   v.data, v.cols);
+    launch(attention_rows_kernel<KvType::F32, kPipelinedChunks>, grid, kAttnDecodeWarps * 32, smem,
+           s, a, rows, k.data, k.cols, v.data, v.cols);
   else
-    attention_rows_kernel<KvType::F32, 0><<<grid, kAttnDecodeWarps * 32, smem, s>>>(a, rows, k.data, k.cols, v.data, v.cols);
-  MS_CUDA_CHECK_LAUNCH();
+    launch(attention_rows_kernel<KvType::F32, 0>, grid, kAttnDecodeWarps * 32, smem, s, a, rows,
+           k.data, k.cols, v.data, v.cols);
 }
 
 size_t attention_split_bytes(const AttentionParams& p, int64_t T) {
@@ -1240,8 +1247,11 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
   const dim3 grid(unsigned(p.n_heads), unsigned(q.rows));
   const bool pipe = pipelined(hd, p.values_in_keys ? hd : vd);
   dispatch_kv(kv.type, [&](auto type) {
-    if (pipe) attention_kernel<decltype(type)::value, kPipelinedChunks><<<grid, unsigned(warps) * 32, smem, s>>>(a);
-    else attention_kernel<decltype(type)::value, 0><<<grid, unsigned(warps) * 32, smem, s>>>(a);
+    if (pipe)
+      launch(attention_kernel<decltype(type)::value, kPipelinedChunks>, grid, unsigned(warps) * 32,
+             smem, s, a);
+    else
+      launch(attention_kernel<decltype(type)::value, 0>, grid, unsigned(warps) * 32, smem, s, a);
   });
   MS_CUDA_CHECK_LAUNCH();
 }

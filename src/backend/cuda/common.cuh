@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -63,6 +64,47 @@ __device__ __forceinline__ float gated_activation(float g, float u, bool clamped
 }
 
 inline unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_block - 1) / per_block); }
+
+// Programmatic dependent launch (compute capability 9.0 on): a kernel started by launch() may
+// begin while the kernel before it in the stream is still running, so that its start-up and its
+// first weight loads overlap that kernel's end. Such a kernel calls wait_prior_grid() before it
+// reads anything earlier work in the stream wrote, or writes anything it reads; before that it
+// reads only weights, which nothing on the device writes during a step. allow_next_grid() lets
+// the next kernel start once every block of this one has called it (or ended); a kernel calls it
+// after its wait, so that at most two kernels overlap. Both are no-ops in a kernel started
+// plainly (<<< >>>) and on older GPUs, where launch() starts kernels plainly.
+__device__ __forceinline__ void wait_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void allow_next_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
+// Whether launch() overlaps kernels: the current device is of compute capability 9.0 or later,
+// and MOESTREAM_CUDA_PDL is not 0 (for comparisons). Read once.
+bool dependent_launch_on();
+
+// kernel<<<grid, block, smem, s>>>(args...), allowed to overlap the previous kernel in the
+// stream (see wait_prior_grid); checked.
+template <class... Params, class... Args>
+void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t s,
+            Args&&... args) {
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = s;
+  cudaLaunchAttribute attr{};
+  attr.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr.val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = &attr;
+  config.numAttrs = dependent_launch_on() ? 1 : 0;
+  MS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
 
 }  // namespace moestream::cuda
 

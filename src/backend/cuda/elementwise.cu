@@ -11,6 +11,8 @@ namespace {
 // One block per group; float32 sum of squares as the CPU reference (block-reduced).
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                int64_t group, float* out) {
+  wait_prior_grid();
+  allow_next_grid();
   __shared__ float scratch[32];
   const float* src = x + int64_t(blockIdx.x) * group;
   float* dst = out + int64_t(blockIdx.x) * group;
@@ -25,6 +27,8 @@ __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restr
 // rmsnorm_kernel with as many threads.
 __global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                    float eps, int64_t cols, float* __restrict__ out) {
+  wait_prior_grid();
+  allow_next_grid();
   __shared__ float scratch[32];
   float* row = x + int64_t(blockIdx.x) * cols;
   const float* add = y + int64_t(blockIdx.x) * cols;
@@ -100,6 +104,8 @@ __device__ __forceinline__ Best warp_best(Best b) {
 
 __global__ void greedy_chunks_kernel(const float* __restrict__ x, int64_t cols, int n_chunks, float* part_v,
                                      int* part_i) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t row = blockIdx.y;
   const int64_t c0 = int64_t(blockIdx.x) * kGreedyChunk + threadIdx.x;
   const float* src = x + row * cols;
@@ -131,6 +137,8 @@ __global__ void greedy_chunks_kernel(const float* __restrict__ x, int64_t cols, 
 
 __global__ void greedy_fold_kernel(const float* __restrict__ part_v, const int* __restrict__ part_i, int n_chunks,
                                    int32_t* ids) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t row = blockIdx.x;
   Best b{-INFINITY, kGreedyNone};
   for (int c = threadIdx.x; c < n_chunks; c += 32) b = better(b, {part_v[row * n_chunks + c], part_i[row * n_chunks + c]});
@@ -149,26 +157,22 @@ void greedy_rows(const float* x, int64_t rows, int64_t cols, int32_t* ids, int32
   const int n_chunks = int(std::max<int64_t>(1, (cols + kGreedyChunk - 1) / kGreedyChunk));
   float* part_v = reinterpret_cast<float*>(work);
   int* part_i = work + rows * n_chunks;
-  greedy_chunks_kernel<<<dim3(unsigned(n_chunks), unsigned(rows)), kGreedyThreads, 0, s>>>(x, cols, n_chunks, part_v,
-                                                                                            part_i);
-  MS_CUDA_CHECK_LAUNCH();
-  greedy_fold_kernel<<<unsigned(rows), 32, 0, s>>>(part_v, part_i, n_chunks, ids);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(greedy_chunks_kernel, dim3(unsigned(n_chunks), unsigned(rows)), kGreedyThreads, 0, s, x,
+         cols, n_chunks, part_v, part_i);
+  launch(greedy_fold_kernel, unsigned(rows), 32, 0, s, part_v, part_i, n_chunks, ids);
 }
 
 int rmsnorm_threads(int64_t group) { return group >= 1024 ? 1024 : group >= 256 ? 256 : group > 64 ? 128 : 32; }
 
 void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s) {
   if (n == 0) return;
-  rmsnorm_kernel<<<unsigned(n / group), rmsnorm_threads(group), 0, s>>>(x, w, eps, group, out);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(rmsnorm_kernel, unsigned(n / group), rmsnorm_threads(group), 0, s, x, w, eps, group, out);
 }
 
 void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
                  cudaStream_t s) {
   if (rows * cols == 0) return;
-  add_rmsnorm_kernel<<<unsigned(rows), rmsnorm_threads(cols), 0, s>>>(x, y, w, eps, cols, out);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(add_rmsnorm_kernel, unsigned(rows), rmsnorm_threads(cols), 0, s, x, y, w, eps, cols, out);
 }
 
 void add(float* x, const float* y, int64_t n, cudaStream_t s) {

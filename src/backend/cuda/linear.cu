@@ -120,6 +120,8 @@ template <int KIND, bool SF16, int NT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
                 const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
+  wait_prior_grid();
+  allow_next_grid();
   gemv_rows<KIND, SF16, NT>(w, x, ldx, T, nt_max, bias, out, ldo, blockIdx.x);
 }
 
@@ -138,6 +140,8 @@ struct SharedInput {
 template <int KIND, bool SF16, int NT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_shared_kernel(SharedInput m, const float* __restrict__ x, int64_t ldx, int T, int nt_max) {
+  wait_prior_grid();
+  allow_next_grid();
   int i = 0;
   while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
   gemv_rows<KIND, SF16, NT>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
@@ -158,6 +162,8 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gemv_one_kernel(SharedInput
   const int lane = threadIdx.x & 31;
   RawPack<KIND> cur[1][R];
   load_first<KIND, 1, R>(w, row0, cur);
+  wait_prior_grid();  // the weights' first loads overlap the kernel before
+  allow_next_grid();
   stage_row(x, m.w[i].cols, smem);
   float acc[1][R];
   dot_rows<KIND, SF16, 1, R, false>(w, row0, cur, smem, acc);
@@ -189,6 +195,8 @@ __global__ void to_f16_kernel(const float* __restrict__ x, int64_t ldx, int64_t 
 // One block per token: row tokens[t] of the table as float32.
 template <int KIND, bool SF16>
 __global__ void embed_kernel(WeightRef w, const int32_t* __restrict__ tokens, float* __restrict__ out) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t r = tokens[blockIdx.x];
   float* o = out + int64_t(blockIdx.x) * w.cols;
   for (int64_t c = threadIdx.x; c < w.cols; c += blockDim.x) o[c] = weight_at<KIND, SF16>(w, r, c);
@@ -316,6 +324,8 @@ void linear_f16(const Matrix& m, const float* x, int64_t ldx, int64_t T, const f
 // what mid leaves exactly, so hi + mid + lo == x (BF16 has float32's exponent range).
 __global__ void split_bf16_kernel(const float* __restrict__ x, int64_t ldx, int64_t T, int64_t cols,
                                   __nv_bfloat16* __restrict__ out) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t n = T * cols;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x) {
     const int64_t t = i / cols, c = i % cols;
@@ -337,8 +347,8 @@ void linear_bf16_split(const Matrix& m, const float* x, int64_t ldx, int64_t T, 
   const int64_t rows = m.rows, cols = m.cols, n = T * cols;
   cublasHandle_t h = scratch.tensor_handle(stream);
   auto* parts = static_cast<__nv_bfloat16*>(scratch.area(kAreaX16, size_t(3 * n) * sizeof(__nv_bfloat16)));
-  split_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(x, ldx, T, cols, parts);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(split_bf16_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream, x,
+         ldx, T, cols, parts);
   const float one = 1.0f, zero = 0.0f;
   for (int part = 2; part >= 0; --part) {
     // Column-major view, as in linear(): C (rows x T, ld ldo) += W^T (rows x cols) * part (cols x T).
@@ -352,6 +362,8 @@ void linear_bf16_split(const Matrix& m, const float* x, int64_t ldx, int64_t T, 
 // The sums of the three parts' products, in linear_bf16_split's order: out = (lo + mid) + hi.
 __global__ void sum_parts_kernel(const float* __restrict__ parts, int64_t T, int64_t rows, const float* bias,
                                  float* __restrict__ out, int64_t ldo) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * rows) return;
   const int64_t t = i / rows, r = i % rows, n = T * rows;
@@ -366,8 +378,8 @@ const __nv_bfloat16* split_few(const float* x, int64_t ldx, int64_t T, int64_t c
                                cudaStream_t stream) {
   const int64_t n = T * cols;
   auto* parts = static_cast<__nv_bfloat16*>(scratch.area(kAreaX16, size_t(3 * n) * sizeof(__nv_bfloat16)));
-  split_bf16_kernel<<<unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream>>>(x, ldx, T, cols, parts);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(split_bf16_kernel, unsigned(std::min<int64_t>((n + 255) / 256, 65535)), 256, 0, stream, x,
+         ldx, T, cols, parts);
   return parts;
 }
 
@@ -381,8 +393,8 @@ void gemm_few(const Matrix& m, const __nv_bfloat16* parts, int64_t T, const floa
   MS_CUBLAS_CHECK(cublasGemmEx(h, CUBLAS_OP_T, CUBLAS_OP_N, int(rows), int(3 * T), int(cols), &one, m.data, CUDA_R_16BF,
                                int(cols), parts, CUDA_R_16BF, int(cols), &zero, sums, CUDA_R_32F, int(rows),
                                CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT));
-  sum_parts_kernel<<<blocks_for(T * rows, 256), 256, 0, stream>>>(sums, T, rows, bias, out, ldo);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(sum_parts_kernel, blocks_for(T * rows, 256), 256, 0, stream, sums, T, rows, bias, out,
+         ldo);
 }
 
 // BF16 weights for 2 to kGemvMaxTokens tokens: the tensor cores (linear_bf16_split_few) rather
@@ -412,8 +424,7 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, cudaStream_t
                                            int(limit)));
         configured = true;
       }
-      gemv_one_kernel<KIND, SF16><<<m.first_block[m.n], kOneWarps * 32, smem, stream>>>(m, x);
-      MS_CUDA_CHECK_LAUNCH();
+      launch(gemv_one_kernel<KIND, SF16>, m.first_block[m.n], kOneWarps * 32, smem, stream, m, x);
       launched = true;
     }
   });
@@ -428,6 +439,19 @@ bool one_token_gemv_off() {
     return v && std::string(v) == "0";
   }();
   return off;
+}
+
+bool dependent_launch_on() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_PDL");
+    if (v && std::string(v) == "0") return false;
+    int device = 0, major = 0;
+    return cudaGetDevice(&device) == cudaSuccess &&
+           cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) ==
+               cudaSuccess &&
+           major >= 9;
+  }();
+  return on;
 }
 
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
@@ -452,7 +476,7 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
   }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
-      auto launch = [&]<int NT>() {
+      auto run = [&]<int NT>() {
         static bool configured = false;
         if (!configured) {
           MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_kernel<KIND, SF16, NT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -460,12 +484,11 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
           configured = true;
         }
         const unsigned blocks = blocks_for(w.rows, kGemvRows);
-        gemv_kernel<KIND, SF16, NT><<<blocks, kGemvWarps * 32, gemv_smem_bytes(w.cols, nt_max), stream>>>(
-            w, x, ldx, int(T), nt_max, bias, out, ldo);
-        MS_CUDA_CHECK_LAUNCH();
+        launch(gemv_kernel<KIND, SF16, NT>, blocks, kGemvWarps * 32,
+               gemv_smem_bytes(w.cols, nt_max), stream, w, x, ldx, int(T), nt_max, bias, out, ldo);
       };
-      if (nt_max > kTokens) launch.template operator()<kWideTokens>();
-      else launch.template operator()<kTokens>();
+      if (nt_max > kTokens) run.template operator()<kWideTokens>();
+      else run.template operator()<kTokens>();
     });
     return;
   }
@@ -543,19 +566,18 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
   m.first_block[0] = 0;
   for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(w[size_t(i)]->rows, kGemvRows);
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
-    auto launch = [&]<int NT>() {
+    auto run = [&]<int NT>() {
       static bool configured = false;
       if (!configured) {
         MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_shared_kernel<KIND, SF16, NT>,
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_limit)));
         configured = true;
       }
-      gemv_shared_kernel<KIND, SF16, NT><<<m.first_block[m.n], kGemvWarps * 32, gemv_smem_bytes(w[0]->cols, nt_max),
-                                           stream>>>(m, x, ldx, int(T), nt_max);
-      MS_CUDA_CHECK_LAUNCH();
+      launch(gemv_shared_kernel<KIND, SF16, NT>, m.first_block[m.n], kGemvWarps * 32,
+             gemv_smem_bytes(w[0]->cols, nt_max), stream, m, x, ldx, int(T), nt_max);
     };
-    if (nt_max > kTokens) launch.template operator()<kWideTokens>();
-    else launch.template operator()<kTokens>();
+    if (nt_max > kTokens) run.template operator()<kWideTokens>();
+    else run.template operator()<kTokens>();
   });
   return true;
 }
@@ -564,8 +586,7 @@ void embed(const Matrix& table, const int32_t* tokens, int64_t T, float* out, cu
   if (T == 0) return;
   const WeightRef w = weight_ref(table);
   dispatch_format(format_of(table), [&]<int KIND, bool SF16>() {
-    embed_kernel<KIND, SF16><<<unsigned(T), 256, 0, stream>>>(w, tokens, out);
-    MS_CUDA_CHECK_LAUNCH();
+    launch(embed_kernel<KIND, SF16>, unsigned(T), 256, 0, stream, w, tokens, out);
   });
 }
 

@@ -152,6 +152,8 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int64_t t, float
 
 // One block per token, a thread per expert (blockDim.x = n rounded up to a warp, at most 1024).
 __global__ void route_kernel(RouteArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   extern __shared__ float sm[];
   route_token(a, blockIdx.x, sm);
 }
@@ -170,6 +172,8 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3)
   const int lane = threadIdx.x & 31;
   RawPack<KIND> cur[1][R];
   load_first<KIND, 1, R>(ws, row0, cur);
+  wait_prior_grid();  // the weights' first loads overlap the kernel before
+  allow_next_grid();
   stage_row(x, w.cols, smem);
   float acc[1][R];
   dot_rows<KIND, SF16, 1, R, false>(ws, row0, cur, smem, acc);
@@ -196,6 +200,8 @@ constexpr int kGroupWarps = 8;
 constexpr int kGroupThreads = 32 * kGroupWarps;
 
 __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int* sel, int total, int n_experts, MoeGroups g) {
+  wait_prior_grid();
+  allow_next_grid();
   extern __shared__ int cursor[];  // [warp][expert]: the warp's pairs of the expert, then its next row
   __shared__ int warp_rows[kGroupWarps], warp_active[kGroupWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
@@ -278,6 +284,8 @@ __device__ __forceinline__ float activation(const ExpertArgs& a, float gv, float
 
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kGemvWarps * 32) gate_up_kernel(ExpertArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   extern __shared__ float smem[];
   int e, r0, r1;
   if (!block_expert(a, e, r0, r1)) return;
@@ -310,6 +318,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gate_up_kernel(ExpertArgs a) 
 
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   extern __shared__ float smem[];
   int e, r0, r1;
   if (!block_expert(a, e, r0, r1)) return;
@@ -340,6 +350,8 @@ __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
 // time), on the tile of gemv_one.cuh.
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   constexpr int R = one_rows<KIND, 2>();
   extern __shared__ float smem[];
   int e, r0, r1;
@@ -369,6 +381,8 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
 // ONE_PASS (inter <= 1024): no buffer for a second pass, 4 blocks per SM.
 template <int KIND, bool SF16, bool ONE_PASS>
 __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
+  wait_prior_grid();
+  allow_next_grid();
   constexpr int R = one_rows<KIND, 1>();
   extern __shared__ float smem[];
   int e, r0, r1;
@@ -393,6 +407,8 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
 
 __global__ void combine_kernel(const float* y, const float* w, const int* row_of, int64_t T, int k, int64_t dim,
                                float* out) {
+  wait_prior_grid();
+  allow_next_grid();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * dim) return;
   const int64_t t = i / dim, c = i % dim;
@@ -447,8 +463,7 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
               direct_groups != nullptr && T == 1};
   const int threads = std::min(1024, (p.n_experts + kWarp - 1) / kWarp * kWarp);
   const size_t smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
-  route_kernel<<<unsigned(T), unsigned(threads), smem, s>>>(a);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(route_kernel, unsigned(T), unsigned(threads), smem, s, a);
 }
 
 bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
@@ -475,9 +490,8 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
                                            int(smem)));
         configured = smem;
       }
-      route_one_kernel<KIND, SF16><<<blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), kOneWarps * 32, smem, s>>>(
-          w, x, blocks_done, a);
-      MS_CUDA_CHECK_LAUNCH();
+      launch(route_one_kernel<KIND, SF16>, blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()),
+             kOneWarps * 32, smem, s, w, x, blocks_done, a);
       launched = true;
     }
   });
@@ -488,8 +502,7 @@ void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGro
   const size_t smem = size_t(kGroupWarps) * n_experts * sizeof(int);
   constexpr size_t kStatic = 2 * kGroupWarps * sizeof(int), kMax = 48 * 1024 - kStatic;  // group_kernel's own
   if (smem > kMax) fail("cuda moe: ", n_experts, " experts (at most ", kMax / sizeof(int) / kGroupWarps, ")");
-  group_kernel<<<1, kGroupThreads, smem, s>>>(sel_ids, int(T * k), n_experts, g);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(group_kernel, 1, kGroupThreads, smem, s, sel_ids, int(T * k), n_experts, g);
 }
 
 ExpertArgs expert_args(const ExpertBatch& b) {
@@ -549,9 +562,9 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
           MS_CUDA_CHECK(cudaFuncSetAttribute(gate_up_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
           configured = true;
         }
-        gate_up_one_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(n_blocks)),
-                                         kOneWarps * 32, smem, s>>>(a);
-        MS_CUDA_CHECK_LAUNCH();
+        launch(gate_up_one_kernel<KIND, SF16>,
+               dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(n_blocks)),
+               kOneWarps * 32, smem, s, a);
         return;
       }
     }
@@ -562,9 +575,9 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     }
     ExpertArgs ga = a;
     ga.nt_max = tokens_per_pass(b.dim);
-    gate_up_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kGemvRows * kExpertRowTiles), unsigned(n_blocks)), kGemvWarps * 32,
-                                 gemv_smem_bytes(b.dim, ga.nt_max), s>>>(ga);
-    MS_CUDA_CHECK_LAUNCH();
+    launch(gate_up_kernel<KIND, SF16>,
+           dim3(blocks_for(b.inter, kGemvRows * kExpertRowTiles), unsigned(n_blocks)),
+           kGemvWarps * 32, gemv_smem_bytes(b.dim, ga.nt_max), s, ga);
   });
   if (prof) {
     b.profile->end(s, experts_label("moe gate/up", b.inter, b.dim, n_blocks, one));
@@ -574,19 +587,19 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     if constexpr (one_token_kind(KIND)) {
       const size_t smem = size_t(padded_cols(b.inter)) * sizeof(float);
       if (one && smem <= limit) {
-        auto launch = [&]<bool ONE_PASS>() {
+        auto run = [&]<bool ONE_PASS>() {
           static bool configured = false;
           if (!configured) {
             MS_CUDA_CHECK(cudaFuncSetAttribute(down_one_kernel<KIND, SF16, ONE_PASS>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
             configured = true;
           }
-          down_one_kernel<KIND, SF16, ONE_PASS><<<dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(n_blocks)),
-                                                  kOneWarps * 32, smem, s>>>(a);
-          MS_CUDA_CHECK_LAUNCH();
+          launch(down_one_kernel<KIND, SF16, ONE_PASS>,
+                 dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(n_blocks)),
+                 kOneWarps * 32, smem, s, a);
         };
-        if (b.inter <= 32 * 32) launch.template operator()<true>();
-        else launch.template operator()<false>();
+        if (b.inter <= 32 * 32) run.template operator()<true>();
+        else run.template operator()<false>();
         return;
       }
     }
@@ -597,9 +610,9 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     }
     ExpertArgs da = a;
     da.nt_max = tokens_per_pass(b.inter);
-    down_kernel<KIND, SF16><<<dim3(blocks_for(b.dim, kGemvRows * kExpertRowTiles), unsigned(n_blocks)), kGemvWarps * 32,
-                              gemv_smem_bytes(b.inter, da.nt_max), s>>>(da);
-    MS_CUDA_CHECK_LAUNCH();
+    launch(down_kernel<KIND, SF16>,
+           dim3(blocks_for(b.dim, kGemvRows * kExpertRowTiles), unsigned(n_blocks)),
+           kGemvWarps * 32, gemv_smem_bytes(b.inter, da.nt_max), s, da);
   });
   if (prof) b.profile->end(s, experts_label("moe down", b.dim, b.inter, n_blocks, one));
 }
@@ -607,8 +620,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,
              cudaStream_t s) {
   if (T * dim == 0) return;
-  combine_kernel<<<blocks_for(T * dim, 256), 256, 0, s>>>(y, sel_w, row_of, T, k, dim, out);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(combine_kernel, blocks_for(T * dim, 256), 256, 0, s, y, sel_w, row_of, T, k, dim, out);
 }
 
 }  // namespace moestream::cuda
