@@ -745,6 +745,43 @@ TEST_F(Pair, MoeEveryExpertFormat) {
   }
 }
 
+// A decode step of several tokens routes them in one launch (route_one, grid row per token) and
+// runs each expert's rows one at a time: each token's MoE output equals its lone step's bit for
+// bit (the batched decode's exactness), for the routers the single-token tile reads, 160
+// experts (20 blocks a token), through the host round trip (first round) and resident (second).
+TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
+  const int E = 160;
+  const int64_t dim = 256, inter = 64;
+  HostExperts experts(E, dim, inter, "q4g64", 48);
+  for (const std::string fmt : {"bf16", "q8g64"}) {
+    CudaOptions o;
+    o.gpu_expert_mb = 64;
+    o.total_experts = E;
+    std::unique_ptr<Backend> g = make_cuda_backend(o);
+    HostMatrix r = make_matrix(E, dim, fmt, 49);
+    const Matrix rg = load(*g, r, fmt);
+    MoeParams p;
+    p.n_experts = E;
+    p.top_k = 6;
+    p.norm_topk_prob = true;
+    for (int round = 0; round < 2; ++round) {
+      for (int64_t T : {2, 5, 8}) {
+        const std::vector<float> xv = random(size_t(T * dim), uint32_t(50 + T));
+        Buffer x = g->alloc(T, dim), out = g->alloc(T, dim), lone = g->alloc(1, dim);
+        ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+        g->moe(x, rg, experts, p, out);
+        const std::vector<float> all = host(*g, out);
+        for (int64_t t = 0; t < T; ++t) {
+          g->moe(x.rows_view(t, 1), rg, experts, p, lone);
+          const std::vector<float> want = host(*g, lone);
+          EXPECT_TRUE(std::equal(want.begin(), want.end(), all.begin() + t * dim))
+              << fmt << " round " << round << " T=" << T << " token " << t;
+        }
+      }
+    }
+  }
+}
+
 // One token's router logits and routing in one launch (moe.cu's route_one) for routers the
 // single-token tile reads: 160 experts make 10-20 blocks, of which the last to finish routes;
 // five calls in a row (its counter of finished blocks must start at 0 each time), the three

@@ -133,8 +133,8 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
   const char* in_place = std::getenv("MOESTREAM_CUDA_IN_PLACE");
   in_place_on_ = !(in_place && std::string(in_place) == "0");
-  MS_CUDA_CHECK(cudaMalloc(&route_done_, sizeof(unsigned)));
-  MS_CUDA_CHECK(cudaMemsetAsync(route_done_, 0, sizeof(unsigned), compute_));
+  MS_CUDA_CHECK(cudaMalloc(&route_done_, kGemvMaxTokens * sizeof(unsigned)));
+  MS_CUDA_CHECK(cudaMemsetAsync(route_done_, 0, kGemvMaxTokens * sizeof(unsigned), compute_));
   MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
 }
 
@@ -362,11 +362,12 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   // A call read in place routes straight into the routing log (no copy in the step).
   int* logged = c.in_place ? log_slot(layer, pairs) : nullptr;
   c.sel_ids = logged ? logged : scratch_.get<int>(kSelIds, size_t(pairs));
-  // Routing compares logits: float32 activations, like the CPU. One token: logits and routing in
-  // one launch where the router's format allows.
+  // Routing compares logits: float32 activations, like the CPU. Up to kGemvMaxTokens tokens
+  // (decode steps): logits and routing in one launch where the router's format allows, each
+  // token's bit for bit as a lone step's.
   const float* bias = p.router_bias ? p.router_bias->data : nullptr;
   MoeGroups* direct = c.resident && T == 1 ? &g : nullptr;
-  if (T != 1 || !cuda::route_one(router, x.data, p, bias, logits, c.sel_ids, c.sel_w, direct, route_done_, compute_)) {
+  if (!cuda::route_one(router, x.data, T, p, bias, logits, c.sel_ids, c.sel_w, direct, route_done_, compute_)) {
     cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
     cuda::route(logits, T, p, bias, c.sel_ids, c.sel_w, direct, compute_);
   }

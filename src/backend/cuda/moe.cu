@@ -158,9 +158,9 @@ __global__ void route_kernel(RouteArgs a) {
   route_token(a, blockIdx.x, sm);
 }
 
-// One token: the router's logits on the single-token tile (gemv_one.cuh: each bit-identical to the
-// GEMV's), then the block that finishes last routes the token, in one launch. *blocks_done is 0
-// between launches (the last block resets it).
+// A few tokens (grid row t: token t): the router's logits on the single-token tile (gemv_one.cuh:
+// each bit-identical to the GEMV's), then the block of the token's row that finishes last routes
+// the token, in one launch. blocks_done[t] is 0 between launches (that last block resets it).
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kOneWarps * 32, 3)
     route_one_kernel(WeightRef w, const float* __restrict__ x, unsigned* blocks_done, RouteArgs a) {
@@ -168,27 +168,28 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3)
   extern __shared__ float smem[];
   __shared__ bool last;
   const WeightRef* const ws[1] = {&w};
+  const int64_t t = blockIdx.y;
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
   const int lane = threadIdx.x & 31;
   RawPack<KIND> cur[1][R];
   load_first<KIND, 1, R>(ws, row0, cur);
   wait_prior_grid();  // the weights' first loads overlap the kernel before
   allow_next_grid();
-  stage_row(x, w.cols, smem);
+  stage_row(x + t * w.cols, w.cols, smem);
   float acc[1][R];
   dot_rows<KIND, SF16, 1, R, false>(ws, row0, cur, smem, acc);
-  float* logits = const_cast<float*>(a.logits);
+  float* logits = const_cast<float*>(a.logits) + t * a.n;
 #pragma unroll
   for (int r = 0; r < R; ++r)
     if (lane == r && row0 + r < w.rows) logits[row0 + r] = acc[0][r];
   __threadfence();
   __syncthreads();  // every warp's logits written, and its reads of smem done
-  if (threadIdx.x == 0) last = atomicAdd(blocks_done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) last = atomicAdd(blocks_done + t, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
-  if (threadIdx.x == 0) *blocks_done = 0;
+  if (threadIdx.x == 0) blocks_done[t] = 0;
   __threadfence();
-  route_token(a, 0, smem);
+  route_token(a, t, smem);
 }
 
 // One block: a stable counting sort of the (token, slot) pairs by expert, so that each expert's
@@ -466,21 +467,22 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
   launch(route_kernel, unsigned(T), unsigned(threads), smem, s, a);
 }
 
-bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
-               int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done, cudaStream_t s) {
+bool route_one(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
+               float* logits, int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done,
+               cudaStream_t s) {
   const WeightRef w = weight_ref(router);
   // At most a block's threads of experts: route_kernel then sums and compares in the same order
   // (its threads past n add exact zeros), so the selection and weights are route()'s bit for bit.
   check_routing(p);
-  if (one_token_gemv_off() || w.cols % 32 != 0 || (reinterpret_cast<uintptr_t>(x) & 15) != 0 ||
-      p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
+  if (one_token_gemv_off() || T < 1 || T > kGemvMaxTokens || w.cols % 32 != 0 ||
+      (reinterpret_cast<uintptr_t>(x) & 15) != 0 || p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
     return false;
   const size_t route_smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
   const size_t smem = std::max(size_t(padded_cols(w.cols)) * sizeof(float), route_smem);
   if (smem + 1024 > max_gemv_smem()) return false;
   RouteArgs a{logits, p.n_experts, p.top_k, p.router, p.norm_topk_prob, router_bias, p.n_group, p.topk_group,
               p.routed_scaling_factor, sel_ids, sel_w, direct_groups ? *direct_groups : MoeGroups{},
-              direct_groups != nullptr};
+              direct_groups != nullptr && T == 1};
   bool launched = false;
   dispatch_format(format_of(router), [&]<int KIND, bool SF16>() {
     if constexpr (one_token_linear_kind(KIND)) {
@@ -490,7 +492,7 @@ bool route_one(const Matrix& router, const float* x, const MoeParams& p, const f
                                            int(smem)));
         configured = smem;
       }
-      launch(route_one_kernel<KIND, SF16>, blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()),
+      launch(route_one_kernel<KIND, SF16>, dim3(blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), unsigned(T)),
              kOneWarps * 32, smem, s, w, x, blocks_done, a);
       launched = true;
     }

@@ -44,12 +44,14 @@ struct MoeGroups {
 // direct_groups and T == 1 it also writes the groups (so group_by_expert is not needed).
 void route(const float* logits, int64_t T, const MoeParams& p, const float* router_bias, int* sel_ids,
            float* sel_w, const MoeGroups* direct_groups, cudaStream_t s);
-// One token's router logits (x . router^T into logits [n_experts], as linear computes them) and
-// its route() in one launch, bit for bit, when the router's format and shape allow (at most 256
-// experts; else false, nothing launched). blocks_done: a device counter that is 0 (and is 0 again
-// after the launch).
-bool route_one(const Matrix& router, const float* x, const MoeParams& p, const float* router_bias, float* logits,
-               int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done, cudaStream_t s);
+// The router logits of T <= kGemvMaxTokens tokens (x [T, dim] . router^T into logits [T,
+// n_experts], as linear computes them) and their route() in one launch, bit for bit, when the
+// router's format and shape allow (at most 256 experts; else false, nothing launched): the blocks
+// of token t are grid row t, and the last of them to finish routes it. blocks_done: T device
+// counters that are 0 (and are 0 again after the launch). direct_groups: as route()'s, T == 1.
+bool route_one(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
+               float* logits, int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done,
+               cudaStream_t s);
 // Groups built on the device (every expert resident): active experts in ascending order.
 void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s);
 
