@@ -26,6 +26,18 @@ size_t rows_per_chunk(int64_t cols, int64_t tokens) {
   return size_t(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols * tokens)));
 }
 
+// The same for a loop over n rows of products that go through the panel GEMM (several tokens:
+// gemm.h): whole panels of kPanelAlign rows per chunk (a chunk cut inside a panel leaves the
+// micro-kernel's lanes idle and dequantizes the panel twice), and no more than the pool's ~4
+// chunks a thread. One token (the GEMV) keeps rows_per_chunk. The chunks change no row's value.
+constexpr size_t kPanelAlign = 32;  // the AVX-512 panel (AVX2's 16 divides it)
+size_t gemm_rows_per_chunk(int64_t cols, int64_t tokens, size_t n, size_t threads) {
+  const size_t base = rows_per_chunk(cols, tokens);
+  if (tokens <= 1) return base;
+  const size_t per_thread = (n + threads * 4 - 1) / (threads * 4);
+  return (std::max(base, per_thread) + kPanelAlign - 1) / kPanelAlign * kPanelAlign;
+}
+
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int n_threads, bool precise) : pool_(n_threads), precise_(precise) {}
@@ -98,7 +110,7 @@ class CpuBackend final : public Backend {
     cpu::prepare_input(w, x.data, T, precise, input_);
     pool_.parallel_for(size_t(n_out), [&](size_t r0, size_t r1) {
       cpu::matmul_rows(w, input_, out.data, n_out, int64_t(r0), int64_t(r1));
-    }, rows_per_chunk(w.cols, T));
+    }, gemm_rows_per_chunk(w.cols, T, size_t(n_out), size_t(pool_.size())));
     if (bias) add_bias(Buffer{out.data, T, n_out}, *bias);
   }
 
@@ -124,7 +136,7 @@ class CpuBackend final : public Backend {
                          int64_t(end) - shared_first_[i]);
         a = end;
       }
-    }, rows_per_chunk(x.cols, T));
+    }, gemm_rows_per_chunk(x.cols, T, size_t(shared_first_.back()), size_t(pool_.size())));
     for (size_t i = 0; i < w.size(); ++i)
       if (bias[i]) add_bias(Buffer{out[i]->data, T, w[i]->rows}, *bias[i]);
   }
@@ -429,8 +441,10 @@ class CpuBackend final : public Backend {
     return true;
   }
 
-  // A call of at most this many tokens whose experts are all in memory runs them together.
-  static constexpr int64_t kTogetherTokens = 8;
+  // A call of at most this many tokens whose experts are all in memory runs them together
+  // (decode steps, and prompt chunks: their buffers hold every routed row at once, T * top_k rows
+  // of x, gate and up).
+  static constexpr int64_t kTogetherTokens = 2048;
 
   bool all_resident(ExpertProvider& store, const MoeParams& p, const std::vector<int>& ids) {
     resident_.resize(size_t(p.n_experts));
@@ -441,7 +455,8 @@ class CpuBackend final : public Backend {
   // The requested experts (all in memory) computed together, as expert_mlp computes each, bit for
   // bit: gate and up of every expert in one parallel loop, the activation, then every down, so
   // that a decode step's small matrices (8 experts of 768 x 2048) keep all threads busy with two
-  // loops a layer instead of three per expert.
+  // loops a layer instead of three per expert, and a prompt chunk's 128 experts of a few dozen
+  // tokens each are whole panels spread over all threads instead of 128 loops of a few panels.
   void experts_together(const Buffer& x, ExpertProvider& store, const MoeParams& p, Buffer& routed_out) {
     const int64_t dim = x.cols;
     size_t n = 0;  // together_ keeps its entries (and their names' storage) between calls
@@ -464,6 +479,8 @@ class CpuBackend final : public Backend {
     Buffer xs = scratch(3, rows, dim), g = scratch(0, rows, inter), u = scratch(1, rows, inter);
     auto first = [&](size_t i) { return first_row_[size_t(together_[i].first)]; };
     auto count = [&](size_t i) { return int64_t(by_expert_[size_t(together_[i].first)].size()); };
+    int64_t most = 0;  // the most tokens an expert has
+    for (size_t i = 0; i < n; ++i) most = std::max(most, count(i));
     if (!same) {  // gate and up in different formats or shapes: one expert at a time
       for (size_t i = 0; i < n; ++i) {
         Buffer xe = xs.rows_view(0, count(i)), ye = routed_out.rows_view(first(i), count(i));
@@ -488,7 +505,7 @@ class CpuBackend final : public Backend {
                            int64_t(row), int64_t(row + end - a));
           a = end;
         }
-      }, rows_per_chunk(dim, rows));
+      }, gemm_rows_per_chunk(dim, most, size_t(n) * size_t(2 * inter), size_t(pool_.size())));
       for (size_t i = 0; i < n; ++i) {
         const MlpWeights& ew = together_[i].second;
         add_bias(g.rows_view(first(i), count(i)), ew.gate_bias);
@@ -505,7 +522,7 @@ class CpuBackend final : public Backend {
                            int64_t(row), int64_t(end - a + row));
           a = end;
         }
-      }, rows_per_chunk(inter, rows));
+      }, gemm_rows_per_chunk(inter, most, size_t(n) * size_t(dim), size_t(pool_.size())));
       for (size_t i = 0; i < n; ++i)
         add_bias(routed_out.rows_view(first(i), count(i)), together_[i].second.down_bias);
     }
