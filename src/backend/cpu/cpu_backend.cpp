@@ -314,13 +314,21 @@ class CpuBackend final : public Backend {
         store.release(e);
       }
     }
-    std::fill(out.data, out.data + T * dim, 0.0f);
+    // Each token's rows summed in ascending expert id (the order of ids), tokens in parallel.
+    token_rows_.resize(size_t(T));
+    for (auto& rows : token_rows_) rows.clear();
     for (int id : ids) {
       const auto& routed = by_expert[size_t(id)];
       for (size_t j = 0; j < routed.size(); ++j)
-        cpu::axpy(routed[j].second, routed_out.data + (first_row_[size_t(id)] + int64_t(j)) * dim,
-                  out.data + routed[j].first * dim, dim);
+        token_rows_[size_t(routed[j].first)].emplace_back(first_row_[size_t(id)] + int64_t(j), routed[j].second);
     }
+    pool_.parallel_for(size_t(T), [&](size_t t0, size_t t1) {
+      for (size_t t = t0; t < t1; ++t) {
+        float* o = out.data + int64_t(t) * dim;
+        std::fill(o, o + dim, 0.0f);
+        for (const auto& [row, w] : token_rows_[t]) cpu::axpy(w, routed_out.data + row * dim, o, dim);
+      }
+    }, rows_per_chunk(dim, 1));
   }
 
   void sigmoid_gate(Buffer& y, const Buffer& gate) override {
@@ -489,11 +497,13 @@ class CpuBackend final : public Backend {
       }
     } else {
       if (inputs_.size() < n) inputs_.resize(n);
-      for (size_t i = 0; i < n; ++i) {
-        Buffer xe = xs.rows_view(first(i), count(i));
-        gather_rows(x, by_expert_[size_t(together_[i].first)], xe);
-        cpu::prepare_input(together_[i].second.gate, xe.data, count(i), precise_, inputs_[i]);
-      }
+      pool_.parallel_for(n, [&](size_t i0, size_t i1) {  // each expert's rows and input its own
+        for (size_t i = i0; i < i1; ++i) {
+          Buffer xe = xs.rows_view(first(i), count(i));
+          gather_rows(x, by_expert_[size_t(together_[i].first)], xe);
+          cpu::prepare_input(together_[i].second.gate, xe.data, count(i), precise_, inputs_[i]);
+        }
+      });
       // Output row r of the loop: expert r / (2 inter), gate or up, row r % inter; a chunk is cut
       // where a matrix ends.
       pool_.parallel_for(size_t(n) * size_t(2 * inter), [&](size_t a, size_t b) {
@@ -512,8 +522,10 @@ class CpuBackend final : public Backend {
         add_bias(u.rows_view(first(i), count(i)), ew.up_bias);
       }
       activate(g, u, p);
-      for (size_t i = 0; i < n; ++i)
-        cpu::prepare_input(together_[i].second.down, g.data + first(i) * inter, count(i), precise_, inputs_[i]);
+      pool_.parallel_for(n, [&](size_t i0, size_t i1) {
+        for (size_t i = i0; i < i1; ++i)
+          cpu::prepare_input(together_[i].second.down, g.data + first(i) * inter, count(i), precise_, inputs_[i]);
+      });
       pool_.parallel_for(size_t(n) * size_t(dim), [&](size_t a, size_t b) {
         while (a < b) {
           const size_t i = a / size_t(dim), row = a % size_t(dim);
@@ -589,6 +601,7 @@ class CpuBackend final : public Backend {
   std::vector<float> rope_scratch_;
   cpu::DeltaNetScratch deltanet_;
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
+  std::vector<std::vector<std::pair<int64_t, float>>> token_rows_;  // moe's combine: (routed row, weight)
   std::vector<int> expert_ids_;
   std::vector<char> resident_;  // the provider's residency of the layer's experts (lossy options)
   std::vector<int> skipped_;    // experts chosen but skipped by the miss fallback
