@@ -497,13 +497,16 @@ class CpuBackend final : public Backend {
       }
     } else {
       if (inputs_.size() < n) inputs_.resize(n);
+      // Gathering and preparing the inputs in parallel pays for prompt chunks; a decode step's
+      // few rows stay on this thread (a loop of n or fewer items runs inline).
+      const size_t inline_up_to = rows < 256 ? n : 1;
       pool_.parallel_for(n, [&](size_t i0, size_t i1) {  // each expert's rows and input its own
         for (size_t i = i0; i < i1; ++i) {
           Buffer xe = xs.rows_view(first(i), count(i));
           gather_rows(x, by_expert_[size_t(together_[i].first)], xe);
           cpu::prepare_input(together_[i].second.gate, xe.data, count(i), precise_, inputs_[i]);
         }
-      });
+      }, inline_up_to);
       // Output row r of the loop: expert r / (2 inter), gate or up, row r % inter; a chunk is cut
       // where a matrix ends.
       pool_.parallel_for(size_t(n) * size_t(2 * inter), [&](size_t a, size_t b) {
@@ -525,7 +528,7 @@ class CpuBackend final : public Backend {
       pool_.parallel_for(n, [&](size_t i0, size_t i1) {
         for (size_t i = i0; i < i1; ++i)
           cpu::prepare_input(together_[i].second.down, g.data + first(i) * inter, count(i), precise_, inputs_[i]);
-      });
+      }, inline_up_to);
       pool_.parallel_for(size_t(n) * size_t(dim), [&](size_t a, size_t b) {
         while (a < b) {
           const size_t i = a / size_t(dim), row = a % size_t(dim);
