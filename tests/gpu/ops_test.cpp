@@ -745,7 +745,7 @@ TEST_F(Pair, MoeEveryExpertFormat) {
   }
 }
 
-// A decode step of several tokens routes them in one launch (route_one, grid row per token) and
+// A decode step of several tokens routes them in one launch (route_few, grid row per token) and
 // runs each expert's rows one at a time: each token's MoE output equals its lone step's bit for
 // bit (the batched decode's exactness), for the routers the single-token tile reads, 160
 // experts (20 blocks a token), through the host round trip (first round) and resident (second).
@@ -782,7 +782,7 @@ TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
   }
 }
 
-// One token's router logits and routing in one launch (moe.cu's route_one) for routers the
+// One token's router logits and routing in one launch (moe.cu's route_few) for routers the
 // single-token tile reads: 160 experts make 10-20 blocks, of which the last to finish routes;
 // five calls in a row (its counter of finished blocks must start at 0 each time), the three
 // router kinds (grouped sigmoid with its bias), against the CPU. A wrong expert would move a

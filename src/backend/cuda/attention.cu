@@ -1253,7 +1253,6 @@ void attention(const Buffer& q, const Buffer& k_cache, const Buffer& v_cache, co
     else
       launch(attention_kernel<decltype(type)::value, 0>, grid, unsigned(warps) * 32, smem, s, a);
   });
-  MS_CUDA_CHECK_LAUNCH();
 }
 
 void kv_pack(const Buffer& x, int heads, KvType type, float* dst, int64_t words, cudaStream_t s) {

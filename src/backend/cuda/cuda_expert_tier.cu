@@ -367,7 +367,7 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   // token's bit for bit as a lone step's.
   const float* bias = p.router_bias ? p.router_bias->data : nullptr;
   MoeGroups* direct = c.resident && T == 1 ? &g : nullptr;
-  if (!cuda::route_one(router, x.data, T, p, bias, logits, c.sel_ids, c.sel_w, direct, route_done_, compute_)) {
+  if (!cuda::route_few(router, x.data, T, p, bias, logits, c.sel_ids, c.sel_w, direct, route_done_, compute_)) {
     cuda::linear(router, x.data, dim, T, nullptr, logits, E, gemm_, compute_, GemmMath::F32);
     cuda::route(logits, T, p, bias, c.sel_ids, c.sel_w, direct, compute_);
   }

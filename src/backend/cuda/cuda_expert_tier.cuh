@@ -199,7 +199,7 @@ class ExpertTier {
   OpProfile& prof_;
   Scratch scratch_;
   Scratch exact_scratch_;  // the exact tensor-core expert kernels' (run_experts_exact_mma)
-  unsigned* route_done_ = nullptr;  // route_one's counters of finished blocks, one per token
+  unsigned* route_done_ = nullptr;  // route_few's counters of finished blocks, one per token
   HostStaging staging_;
   cudaEvent_t copy_start_ = nullptr, copy_done_ = nullptr;
   // A miss call's copies end at copies_end_. The host does not wait for it: the call's host slots

@@ -27,7 +27,7 @@ constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded 
 // not whole packs, goes through the batched kernels.
 constexpr bool one_token_kind(int kind) { return kind == kBF16 || kind == kQ4 || kind == kMxfp4; }
 // The kinds the one-token linears and router take through the tile (linear.cu, moe.cu's
-// route_one): the above and q8 (--quant-all's routers), each checked bit for bit against the GEMV
+// route_few): the above and q8 (--quant-all's routers), each checked bit for bit against the GEMV
 // (Pair.OneTokenGemvEqualsTheGemvBitForBit).
 constexpr bool one_token_linear_kind(int kind) { return one_token_kind(kind) || kind == kQ8; }
 // MOESTREAM_CUDA_ONE_TOKEN_GEMV=0: one-token linears and routers through the GEMV of several

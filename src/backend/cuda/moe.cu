@@ -49,7 +49,7 @@ struct RouteArgs {
 };
 
 // Token t's routing by one block (blockDim.x a multiple of 32, at least k). The logits are read
-// past L1 (another block of the same launch may have written them: route_one_kernel).
+// past L1 (another block of the same launch may have written them: route_few_kernel).
 // Shared `sm`: probs [n], choice [n], scratch [32], by_rank [k].
 __device__ __forceinline__ void route_token(const RouteArgs& a, int64_t t, float* sm) {
   float* probs = sm;
@@ -163,7 +163,7 @@ __global__ void route_kernel(RouteArgs a) {
 // the token, in one launch. blocks_done[t] is 0 between launches (that last block resets it).
 template <int KIND, bool SF16>
 __global__ void __launch_bounds__(kOneWarps * 32, 3)
-    route_one_kernel(WeightRef w, const float* __restrict__ x, unsigned* blocks_done, RouteArgs a) {
+    route_few_kernel(WeightRef w, const float* __restrict__ x, unsigned* blocks_done, RouteArgs a) {
   constexpr int R = one_rows<KIND, 1>();
   extern __shared__ float smem[];
   __shared__ bool last;
@@ -467,7 +467,7 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
   launch(route_kernel, unsigned(T), unsigned(threads), smem, s, a);
 }
 
-bool route_one(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
+bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
                float* logits, int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done,
                cudaStream_t s) {
   const WeightRef w = weight_ref(router);
@@ -488,11 +488,11 @@ bool route_one(const Matrix& router, const float* x, int64_t T, const MoeParams&
     if constexpr (one_token_linear_kind(KIND)) {
       static size_t configured = 0;  // the dynamic bytes allowed so far (the kernel has static shared memory too)
       if (smem > configured) {
-        MS_CUDA_CHECK(cudaFuncSetAttribute(route_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+        MS_CUDA_CHECK(cudaFuncSetAttribute(route_few_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            int(smem)));
         configured = smem;
       }
-      launch(route_one_kernel<KIND, SF16>, dim3(blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), unsigned(T)),
+      launch(route_few_kernel<KIND, SF16>, dim3(blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), unsigned(T)),
              kOneWarps * 32, smem, s, w, x, blocks_done, a);
       launched = true;
     }

@@ -49,7 +49,7 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
 // router's format and shape allow (at most 256 experts; else false, nothing launched): the blocks
 // of token t are grid row t, and the last of them to finish routes it. blocks_done: T device
 // counters that are 0 (and are 0 again after the launch). direct_groups: as route()'s, T == 1.
-bool route_one(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
+bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
                float* logits, int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done,
                cudaStream_t s);
 // Groups built on the device (every expert resident): active experts in ascending order.
