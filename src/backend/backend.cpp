@@ -2,8 +2,10 @@
 // backend.h), written once so that the backends refuse the same things with the same words.
 #include "backend/backend.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 #include "core/error.h"
@@ -16,6 +18,17 @@ namespace {
 bool plain_dtype(DType d) { return d == DType::F32 || d == DType::BF16 || d == DType::F16; }
 
 }  // namespace
+
+void top_k_ids(std::span<const float> logits, int k, std::vector<int>& ids) {
+  ids.resize(logits.size());
+  std::iota(ids.begin(), ids.end(), 0);
+  k = std::min(k, int(logits.size()));
+  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(), [&](int a, int b) {
+    return logits[size_t(a)] > logits[size_t(b)] ||
+           (logits[size_t(a)] == logits[size_t(b)] && a < b);
+  });
+  ids.resize(size_t(k));
+}
 
 void Backend::greedy_rows(const Buffer& x, std::span<int32_t> ids) {
   if (int64_t(ids.size()) != x.rows) fail("greedy_rows: ", ids.size(), " ids for ", x.rows, " rows");

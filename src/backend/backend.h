@@ -119,7 +119,17 @@ struct MoeParams {
   // waits for all of them (exact).
   float cache_bias = 0.0f;
   bool miss_fallback = false;
+  // Lookahead (ExpertProvider::wants_prefetch), exact: the next MoE layer (next_layer), its
+  // router and top k. The backend applies that router to this call's input (float32 activations)
+  // and hands the k best experts to ExpertProvider::prefetch once this call's own reads have
+  // started, leaving out those it holds itself (the CUDA tier's VRAM). Set by the model on
+  // one-token steps only.
+  const Matrix* next_router = nullptr;
+  int next_layer = -1, next_top_k = 0;
 };
+
+// ids = the k largest of logits, best first, ties to the lower index (the lookahead's guess).
+void top_k_ids(std::span<const float> logits, int k, std::vector<int>& ids);
 
 struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
   Matrix gate, up, down;

@@ -43,6 +43,17 @@ class ExpertProvider {
     (void)experts;
   }
 
+  // Lookahead. wants_prefetch(): whether guesses of a later layer's experts can help (a bounded
+  // cache that reads ahead). prefetch(): a guess of the experts `layer` will request next; reads
+  // for those not in memory start once every read of the current request has started (at once
+  // between requests), into slots the eviction policy frees; a guess replaces the previous one.
+  // Guesses never fail a request: a failed read ahead is forgotten and retried when asked for.
+  virtual bool wants_prefetch() const { return false; }
+  virtual void prefetch(int layer, std::span<const int> experts) {
+    (void)layer;
+    (void)experts;
+  }
+
   // Whether every expert handed out stays at its address, unchanged, for the provider's life (a
   // cache that never evicts), in memory from Backend::alloc_host. A backend may then keep the
   // weights' addresses and read them in place later without asking again.

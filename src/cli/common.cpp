@@ -107,9 +107,15 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
                  "Lossy, CPU decode with --expert-cache-mb: add B to the router logit of experts in memory "
                  "before picking the top k (weights from the true logits; default 0: off)")
       ->check(kNonNegative);
-  cmd.add_flag("--lookahead,!--no-lookahead", e.lookahead,
-               "CPU decode with a bounded expert cache: read the next layer's guessed experts ahead (default off: "
-               "docs/PERFORMANCE.md)");
+  cmd.add_flag(
+      "--lookahead,!--no-lookahead", e.lookahead,
+      "Decode with a bounded expert cache (CPU; CUDA with --host-expert-mb): read the next layer's "
+      "guessed experts ahead (default off: docs/PERFORMANCE.md)");
+  cmd.add_option("--lookahead-k", e.lookahead_k,
+                 "With --lookahead: guess only the next layer's N most likely experts (default 0: "
+                 "as many as it "
+                 "routes to)")
+      ->check(kNonNegative);
   cmd.add_option("--profile", profile_in,
                  "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "
                  "--expert-cache-mb, its hottest experts are never evicted")

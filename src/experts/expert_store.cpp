@@ -217,8 +217,7 @@ class StreamingExpertStore final : public ExpertStore {
       guessed_[size_t(layer)][size_t(e)] = 1;
       if (where_[size_t(layer)][size_t(e)] < 0) prefetch_queue_.push_back(e);
     }
-    if (remaining_ == 0) return;  // between requests: the next request's own reads go first
-    start_loads();
+    start_loads();  // behind the current request's reads, which start_loads starts first
   }
 
   bool next(int& expert, MlpWeights& weights) override {

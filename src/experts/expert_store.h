@@ -25,7 +25,8 @@ struct ExpertStoreOptions {
   // An expert is read in pieces of this many bytes (a 4 KiB multiple; 0: whole), all submitted at
   // once. MOESTREAM_READ_CHUNK_KB overrides it, for measurements.
   uint64_t read_piece_bytes = 512 * 1024;
-  bool lookahead = false;      // accept prefetch() (the model's guesses of the next layer's experts)
+  bool lookahead = false;  // accept prefetch() (the backend's guesses of the next layer's experts)
+  int lookahead_k = 0;  // guesses per layer: the next layer's N most likely experts (0: its top k)
   // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
   // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
   // `warmup` reads them when the store is made, before the first token (on the CPU backend with a
@@ -63,15 +64,8 @@ struct ExpertStats {
 class ExpertStore : public ExpertProvider {
  public:
   virtual ExpertStats stats() const = 0;
-  // Whether prefetch() can help: lookahead is on and the cache cannot hold every expert.
-  virtual bool wants_prefetch() const = 0;
   // Whether the cache cannot hold every expert (the lossy routing options act only then).
   virtual bool bounded() const = 0;
-  // A guess of the experts `layer` will request next. Reads for those not in memory start once
-  // the current request has started all of its own reads (so they queue behind them), into slots
-  // the eviction policy frees; a guess replaces the previous one. Guesses never fail a request:
-  // a failed read ahead is forgotten and retried when the expert is asked for.
-  virtual void prefetch(int layer, std::span<const int> experts) = 0;
   // How often each (layer, expert) was requested so far: usage()[layer][expert].
   virtual std::vector<std::vector<uint64_t>> usage() const = 0;
 };

@@ -378,28 +378,6 @@ void fail_truncate(int64_t n, int64_t n_past) {
        " (restore a snapshot taken at that length instead)");
 }
 
-void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const Buffer& xn,
-                        const MoeFeedForward& next, int next_layer) {
-  if (xn.rows != 1 || !next.moe || !experts.wants_prefetch() || be.name().rfind("cpu", 0) != 0) return;
-  ScopedTimer timer(be.times().routing);
-  const int64_t E = next.router.rows;
-  int k = std::min<int>(next.routing.top_k, int(E));
-  if (ws.moe_top_k > 0) k = std::min(k, ws.moe_top_k);
-  if (ws.lookahead.cols < E) ws.lookahead = be.alloc(1, E);
-  Buffer logits{ws.lookahead.data, 1, E};
-  be.linear(xn, next.router, nullptr, logits);
-  ws.lookahead_host.resize(size_t(E));
-  be.to_host(logits, ws.lookahead_host.data());
-  std::vector<int>& ids = ws.lookahead_ids;  // kept across calls: no allocation per layer
-  ids.resize(size_t(E));
-  std::iota(ids.begin(), ids.end(), 0);
-  const std::vector<float>& v = ws.lookahead_host;
-  std::partial_sort(ids.begin(), ids.begin() + k, ids.end(),
-                    [&](int a, int b) { return v[size_t(a)] > v[size_t(b)] || (v[size_t(a)] == v[size_t(b)] && a < b); });
-  ids.resize(size_t(k));
-  experts.prefetch(next_layer, ids);
-}
-
 void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
                              Buffer& x, const MoeFeedForward* next, int next_layer, const Vector* next_norm,
                              float eps) const {
@@ -427,7 +405,13 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     p.miss_fallback = ws.miss_fallback;
     p.cache_bias = ws.cache_bias;
   }
-  if (next) guess_next_experts(be, experts, ws, xn, *next, next_layer);
+  if (next && next->moe && T == 1 && experts.wants_prefetch()) {
+    p.next_router = &next->router;
+    p.next_layer = next_layer;
+    p.next_top_k = std::min<int>(next->routing.top_k, int(next->router.rows));
+    if (ws.moe_top_k > 0) p.next_top_k = std::min(p.next_top_k, ws.moe_top_k);
+    if (ws.lookahead_k > 0) p.next_top_k = std::min(p.next_top_k, ws.lookahead_k);
+  }
   be.moe(xn, router, experts, p, out);
   if (!shared.gate) return residual(out);
   Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out

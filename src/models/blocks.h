@@ -69,14 +69,12 @@ struct Workspace {
   Buffer q, k, v;                   // [max_batch, heads * head_dim], [max_batch, kv_dim] x2
   Buffer logits;                    // [max_batch, vocab]
   Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
-  Buffer lookahead;                 // [1, n_experts]: the next layer's router logits (allocated on first use)
   int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
+  int lookahead_k = 0;              // ExpertStoreOptions::lookahead_k (MoeFeedForward::forward)
   KvCacheSpec kv;                   // ModelOptions::kv: how attention layers store K and V
   bool miss_fallback = false;       // ExpertStoreOptions' lossy routing options (MoeFeedForward::forward)
   float cache_bias = 0.0f;
   std::vector<AttentionSpan> attention_spans;  // GqaAttention::forward's, kept between calls
-  std::vector<float> lookahead_host;
-  std::vector<int> lookahead_ids;
 };
 
 // One sequence's rows in a forward pass: rows [row0, row0 + rows) of the workspace hold its
@@ -193,7 +191,8 @@ struct MoeFeedForward {
 
   // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out, ws.attn_out (shared expert) and
   // ws.shared_gate are scratch. `next`, the feed-forward of the next MoE layer (next_layer), lets
-  // the store read ahead while this layer computes (guess_next_experts). ws.miss_fallback and
+  // the store read ahead while this layer computes: on one-token steps whose store wants guesses,
+  // the backend guesses from its router (MoeParams::next_router). ws.miss_fallback and
   // ws.cache_bias apply to decode steps (one token) with a bounded store only: a prefill batch's
   // tokens choose most of a layer's experts, which it reads anyway. With next_norm (the next
   // layer's input norm, eps), the last residual add also writes ws.xn = rmsnorm(x) with it, fused
@@ -202,14 +201,6 @@ struct MoeFeedForward {
                const MoeFeedForward* next = nullptr, int next_layer = -1, const Vector* next_norm = nullptr,
                float eps = 0.0f) const;
 };
-
-// Lookahead: for one decode token on the CPU backend, with a store that cannot hold every expert,
-// the next MoE layer's router applied to this layer's normalized input xn guesses that layer's
-// top-k experts, and the store reads them ahead (ExpertStore::prefetch) behind this layer's own
-// reads. The router's logits alone (no bias, no group limits) make the guess. On CUDA the tier
-// asks the store only for VRAM misses, so reading ahead into host slots is left to it (not yet).
-void guess_next_experts(Backend& be, ExpertStore& experts, Workspace& ws, const Buffer& xn,
-                        const MoeFeedForward& next, int next_layer);
 
 // The index of the first layer after l whose feed-forward is MoE (layers[i].ffn), or -1.
 template <class Layers>

@@ -106,6 +106,7 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
                      [&](int l, int e, const std::string& role) { return expert_tensor_name(naming, l, e, role, model); });
   experts_ = make_expert_store(pack_, *backend_, options.experts);
   ws_.moe_top_k = options.moe_top_k;
+  ws_.lookahead_k = options.experts.lookahead_k;
   // The CUDA tier routes on the device and has no residency test yet.
   if ((options.experts.miss_fallback || options.experts.cache_bias != 0.0f) && backend_->name().rfind("cpu", 0) != 0)
     fail("--miss-fallback and --cache-bias work on the CPU backend only (use --device cpu)");

@@ -236,5 +236,65 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
   }
 }
 
+// Lookahead from disk (--lookahead, a host tier that cannot hold every expert): each decode
+// step's MoE call also runs the next MoE layer's router and hands its top k not in VRAM to the
+// store, which reads them behind the call's own misses. The logits equal everything resident,
+// bit for bit; guesses are made, read ahead and used; and no guess names an expert in VRAM (a
+// VRAM budget of every expert leaves nothing to guess).
+TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::string src =
+      test::fixture("models/qwen3moe_gqa_tied");  // 3 layers of 8 experts, top 2
+  const std::string cache = test::temp_dir("gpu-tier-lookahead");
+  const std::string dir = ensure_pack(src, cache);
+  const double slot_mb =
+      double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
+  struct Result {
+    std::vector<float> logits;
+    ExpertStats store;
+  };
+  auto decode = [&](double vram_mb, double host_mb, bool lookahead) {
+    ModelOptions o;
+    o.device = "cuda";
+    o.precise = true;
+    o.cache_dir = cache;
+    o.gpu_expert_mb = vram_mb;
+    o.experts.cache_mb = host_mb;
+    o.experts.lookahead = lookahead;
+    auto model = load_model(dir, o);
+    Result r;
+    std::vector<float> logits(size_t(model->info().vocab_size));
+    auto seq = model->new_sequence(40);
+    const std::vector<int32_t> prompt = {5, 17, 33, 2, 90};
+    model->forward(prompt, *seq, logits);
+    r.logits = logits;
+    const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+    for (int step = 0; step < 24; ++step) {
+      model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
+      r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+    }
+    r.store = model->expert_stats();
+    return r;
+  };
+  const Result all = decode(-1, -1, false);
+  for (double slots : {1.0, 6.0}) {
+    SCOPED_TRACE(std::to_string(slots) + " VRAM slots");
+    const double host_mb = 6 * slot_mb;  // 6 of the 24 experts
+    const Result off = decode(slots * slot_mb, host_mb, false);
+    const Result on = decode(slots * slot_mb, host_mb, true);
+    EXPECT_EQ(off.logits, all.logits);
+    EXPECT_EQ(on.logits, all.logits);
+    EXPECT_EQ(off.store.predicted, 0u);
+    EXPECT_GT(on.store.predicted, 0u);
+    EXPECT_GT(on.store.predicted_right, 0u);
+    EXPECT_GT(on.store.prefetch_reads, 0u);
+    EXPECT_GT(on.store.prefetch_hits, 0u) << "no read ahead was ever used";
+  }
+  const Result vram_all = decode(-1, 6 * slot_mb, true);  // every expert fits in VRAM
+  EXPECT_EQ(vram_all.logits, all.logits);
+  EXPECT_EQ(vram_all.store.prefetch_reads, 0u);
+}
+
 }  // namespace
 }  // namespace moestream

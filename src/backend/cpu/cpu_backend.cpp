@@ -299,6 +299,7 @@ class CpuBackend final : public Backend {
     const bool together = T <= kTogetherTokens && all_resident(store, p, ids);
     store.request(p.layer, ids);
     if (!skipped_.empty()) store.fetch_later(p.layer, skipped_);
+    if (p.next_router) guess_next_experts(x, p, store);
     int e;
     MlpWeights w;
     if (together) {
@@ -586,6 +587,16 @@ class CpuBackend final : public Backend {
   }
 
   // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.
+  // Lookahead (MoeParams::next_router): the next MoE layer's router on this call's one token
+  // guesses that layer's experts, read behind this call's own reads.
+  void guess_next_experts(const Buffer& x, const MoeParams& p, ExpertProvider& store) {
+    const int64_t E = p.next_router->rows;
+    Buffer logits = scratch(6, 1, E);
+    linear(x.rows_view(0, 1), *p.next_router, nullptr, logits, /*precise=*/true);
+    top_k_ids(std::span<const float>(logits.data, size_t(E)), p.next_top_k, guess_);
+    store.prefetch(p.next_layer, guess_);
+  }
+
   Buffer scratch(int slot, int64_t rows, int64_t cols) {
     if (scratch_.size() <= size_t(slot)) scratch_.resize(size_t(slot) + 1);
     auto& s = scratch_[size_t(slot)];
@@ -594,6 +605,7 @@ class CpuBackend final : public Backend {
   }
 
   ThreadPool pool_;
+  std::vector<int> guess_;             // guess_next_experts'
   std::vector<int64_t> shared_first_;  // linear_shared_input: each matrix's first row in the loop
   std::vector<float> kv_staged_;  // attention_kv: a batch's packed K and V rows before they enter a ring
   bool precise_;                 // float32 activations everywhere

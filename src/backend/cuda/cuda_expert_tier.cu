@@ -372,6 +372,15 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
     cuda::route(logits, T, p, bias, c.sel_ids, c.sel_w, direct, compute_);
   }
 
+  if (p.next_router && !c.resident) {  // lookahead: the next layer's logits of the (one) token
+    const Matrix& next = *p.next_router;
+    if (next.cols != dim)
+      fail("moe: router ", next.name, " has ", next.cols, " columns, the input ", dim);
+    c.next_logits = scratch_.get(kNext, size_t(next.rows));
+    cuda::linear(next, x.data, dim, 1, nullptr, c.next_logits, next.rows, gemm_, compute_,
+                 GemmMath::F32);
+  }
+
   ExpertBatch& b = c.b;
   b.dim = dim;
   b.x = x.data;
@@ -441,6 +450,12 @@ void ExpertTier::run_resident(Call& c) {
 void ExpertTier::read_selection(const Call& c) {
   int* ids_host = staging_.get<int>(kIdsHost, size_t(c.pairs), compute_);
   MS_CUDA_CHECK(cudaMemcpyAsync(ids_host, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost, compute_));
+  if (c.next_logits) {
+    const size_t n = size_t(c.b.params->next_router->rows);
+    float* host = staging_.get<float>(kNextHost, n, compute_);
+    MS_CUDA_CHECK(
+        cudaMemcpyAsync(host, c.next_logits, n * sizeof(float), cudaMemcpyDeviceToHost, compute_));
+  }
   MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
   ++call_;
   pairs_of_.resize(size_t(c.E));
@@ -540,7 +555,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   std::vector<int>& request = request_;
   const size_t n_selected_misses = request.size();
   const bool fill_layer = prefetch_layers_ && tier_ready_ && resident_[size_t(layer)] < E;
-  if (request.empty() && !fill_layer) return;
+  if (request.empty() && !fill_layer) return guess_next_layer(c, experts);
   if (fill_layer) {
     for (int e = 0; e < E; ++e)
       if (pairs_of_[size_t(e)].empty() && (where_[size_t(layer)].empty() || where_[size_t(layer)][size_t(e)] < 0))
@@ -549,6 +564,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   settle_copies();
   victims_ranked_ = false;
   experts.request(layer, request);
+  guess_next_layer(c, experts);  // its reads queue behind this request's
   // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
   // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
   // synchronization of the copy stream.
@@ -615,6 +631,23 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   unsettled_provider_ = &experts;
   unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
   deferred.clear();
+}
+
+// Lookahead: the next MoE layer's top k by its router on this call's input, less those in VRAM,
+// as the provider's guess of that layer's request.
+void ExpertTier::guess_next_layer(const Call& c, ExpertProvider& experts) {
+  if (!c.next_logits) return;
+  const MoeParams& p = *c.b.params;
+  const size_t n = size_t(p.next_router->rows);
+  const float* logits =
+      staging_.get<float>(kNextHost, n, compute_);  // read_selection filled it
+  top_k_ids(std::span<const float>(logits, n), p.next_top_k, guess_);
+  const int next = p.next_layer;
+  if (tier_ready_ && next >= 0 && next < layers_cap_ && !where_[size_t(next)].empty()) {
+    const std::vector<int>& where = where_[size_t(next)];
+    std::erase_if(guess_, [&](int e) { return size_t(e) < where.size() && where[size_t(e)] >= 0; });
+  }
+  experts.prefetch(next, guess_);
 }
 
 // The slot of lowest priority (an empty one first) that this call does not hold. When every slot

@@ -8,7 +8,10 @@
 //    and the misses are requested from the ExpertProvider (its pinned slots are the host tier; it
 //    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
 //    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
-//    rest of layer L is fetched along so that later calls take the first path;
+//    rest of layer L is fetched along so that later calls take the first path. With lookahead
+//    (MoeParams::next_router), the next MoE layer's router runs on the same input and comes back
+//    with the choice; its top k not in VRAM go to the provider as a guess (ExpertProvider::
+//    prefetch), read from disk behind L's own misses;
 //  - decode (at most kGemvMaxTokens tokens) over a lasting provider (a host tier that keeps every
 //    expert it reads, in pinned memory): the first call of L preloads L's experts into the host
 //    tier, and from then on L runs as in the first path, its device table pointing at the VRAM
@@ -130,6 +133,7 @@ class ExpertTier {
     bool in_place = false;  // the layer's experts not in VRAM are read from pinned host memory
     float* sel_w = nullptr;
     int* sel_ids = nullptr;
+    float* next_logits = nullptr;  // lookahead: the next MoE layer's router logits (host path)
     MoeGroups g{};
     ExpertBatch b{};
     float* out = nullptr;
@@ -154,6 +158,7 @@ class ExpertTier {
   void split_hits_and_misses(const Call& c);
   void launch_hits(Call& c, HostGroups& h);
   void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
+  void guess_next_layer(const Call& c, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
   void rank_victims(size_t needed, bool this_call_too = false);
   ExpertUse& use_of(int layer, int expert);
@@ -188,8 +193,8 @@ class ExpertTier {
     if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
   }
 
-  enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kHidden, kY };
-  enum StagingSlot { kIdsHost, kActiveHost, kOffsetHost, kRowTokenHost, kRowOfHost };
+  enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kHidden, kY, kNext };
+  enum StagingSlot { kIdsHost, kActiveHost, kOffsetHost, kRowTokenHost, kRowOfHost, kNextHost };
 
   CudaOptions opt_;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;  // the backend's
@@ -239,7 +244,7 @@ class ExpertTier {
   GpuTierStats stats_;
   std::vector<std::vector<int>> pairs_of_;  // expert -> its (token, slot) pair indices
   std::vector<int64_t> inter_;              // intermediate size of each layer's experts
-  std::vector<int> hits_, request_, deferred_;
+  std::vector<int> hits_, request_, deferred_, guess_;
 
   // Reading in place. host_[layer][expert]: the expert's lasting host copy (lo == nullptr until
   // seen), with its table entry pointing there; a layer is mapped once every expert is known.
