@@ -112,6 +112,19 @@ TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
   }
   EXPECT_GT(reads, 0u);
   EXPECT_GT(used, 0u) << "no read ahead was ever used";
+  // --lookahead-k 1: one guess per MoE call of a decode token instead of the layer's top k, the
+  // same calls (the logits are the same), so the top k's count is a whole multiple of it.
+  ModelOptions opt = base;
+  opt.experts.cache_mb = one_expert_mb * 2.0;
+  opt.experts.lookahead = true;
+  ExpertStats all, one;
+  run_model(dir, opt, &all);
+  opt.experts.lookahead_k = 1;
+  const std::vector<float> got = run_model(dir, opt, &one);
+  EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0) << dir << " --lookahead-k 1";
+  ASSERT_GT(one.predicted, 0u);
+  EXPECT_GT(all.predicted, one.predicted);
+  EXPECT_EQ(all.predicted % one.predicted, 0u) << all.predicted << " guesses of the top k, " << one.predicted << " of one";
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures()),
