@@ -30,6 +30,17 @@ std::vector<float> run(Model& m, const std::vector<int32_t>& ids) {
   return logits;
 }
 
+// CUDA, float32 activations, the pack cache in `cache`, and the two expert tiers' budgets.
+ModelOptions cuda_options(const std::string& cache, double vram_mb, double host_mb) {
+  ModelOptions o;
+  o.device = "cuda";
+  o.precise = true;
+  o.cache_dir = cache;
+  o.gpu_expert_mb = vram_mb;
+  o.experts.cache_mb = host_mb;
+  return o;
+}
+
 TEST(CudaTier, FailedExpertReadLeavesTheTierUsable) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
@@ -56,12 +67,7 @@ TEST(CudaTier, FailedExpertReadLeavesTheTierUsable) {
   for (const auto& [vram_mb, host_mb] :
        {std::pair{0.0, 0.05}, std::pair{0.05, 0.05}, std::pair{-1.0, -1.0}, std::pair{0.05, -1.0}}) {
     SCOPED_TRACE("gpu expert MB " + std::to_string(vram_mb) + ", host " + std::to_string(host_mb));
-    ModelOptions o;
-    o.device = "cuda";
-    o.precise = true;
-    o.cache_dir = cache;
-    o.gpu_expert_mb = vram_mb;
-    o.experts.cache_mb = host_mb;
+    const ModelOptions o = cuda_options(cache, vram_mb, host_mb);
     auto fresh = load_model(dir, o);
     const std::vector<float> want = run(*fresh, ids);
     fresh.reset();
@@ -255,12 +261,7 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
     ExpertStats store;
   };
   auto decode = [&](double vram_mb, double host_mb, bool lookahead) {
-    ModelOptions o;
-    o.device = "cuda";
-    o.precise = true;
-    o.cache_dir = cache;
-    o.gpu_expert_mb = vram_mb;
-    o.experts.cache_mb = host_mb;
+    ModelOptions o = cuda_options(cache, vram_mb, host_mb);
     o.experts.lookahead = lookahead;
     auto model = load_model(dir, o);
     Result r;
