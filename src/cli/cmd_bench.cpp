@@ -267,12 +267,21 @@ void add_bench(CLI::App& app) {
       // of their own, all sequences in one forward_batch call per step; the counters below cover
       // all of them, the rate (tokens of all sequences per second) is their mean.
       const int n_seq = f->batch;
+      // With --warmup, one untimed repetition first, as llama-bench runs one: the decode steps'
+      // first calls (CUDA graphs captured and instantiated, the host tier's layers read, caches
+      // filled) would otherwise land in the first timed repetition.
+      const int warm = opt.experts.warmup ? 1 : 0;
       std::vector<double> rates;
-      const ExpertStats before = model->expert_stats();
-      const std::optional<GpuTierStats> tier_before = gpu_tier_stats(model->backend());
-      const PhaseTimes phases_before = model->backend().times();
+      ExpertStats before = model->expert_stats();
+      std::optional<GpuTierStats> tier_before = gpu_tier_stats(model->backend());
+      PhaseTimes phases_before = model->backend().times();
       double secs = 0;
-      for (int rep = 0; rep < f->repetitions; ++rep) {
+      for (int rep = -warm; rep < f->repetitions; ++rep) {
+        if (rep == 0 && warm) {  // the counters start after the untimed repetition
+          before = model->expert_stats();
+          tier_before = gpu_tier_stats(model->backend());
+          phases_before = model->backend().times();
+        }
         // Greedy decoding as `run --temp 0` and serve's greedy requests do it: each step's token
         // chosen where the logits are (SequenceBatch::greedy), the same step feeding it back.
         std::vector<std::unique_ptr<SequenceState>> seqs;
@@ -288,6 +297,7 @@ void add_bench(CLI::App& app) {
         auto t0 = clock_type::now();
         for (int i = 0; i < f->n_gen; ++i) model->forward_batch(items);
         const double rep_secs = seconds_since(t0);
+        if (rep < 0) continue;
         secs += rep_secs;
         rates.push_back(double(f->n_gen) * n_seq / rep_secs);
       }

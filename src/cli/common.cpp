@@ -130,8 +130,9 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       ->check(CLI::Range(0.0, 1.0));
   cmd.add_flag("--warmup", e.warmup,
                "Read the profile's pinned experts before the first token (CPU with a cache that holds every "
-               "expert: all of them, if they fit in 80% of the available memory; bench: also run one untimed prefill first, so that pp measures warm "
-               "expert tiers; GPU: everything loaded and pinned)");
+               "expert: all of them, if they fit in 80% of the available memory; bench: also one untimed prefill and one "
+               "untimed decode repetition first, so that pp and tg measure warm expert tiers and graphs; GPU: everything "
+               "loaded and pinned)");
   cmd.add_option("--profile-out", profile_out,
                  "Write how often each expert was used to FILE at the end (JSON counts[layer][expert]; run, "
                  "perplexity, logits)");
