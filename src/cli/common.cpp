@@ -112,9 +112,8 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       "Decode with a bounded expert cache (CPU; CUDA with --host-expert-mb): read the next layer's "
       "guessed experts ahead (default off: docs/PERFORMANCE.md)");
   cmd.add_option("--lookahead-k", e.lookahead_k,
-                 "With --lookahead: guess only the next layer's N most likely experts (default 0: "
-                 "as many as it "
-                 "routes to)")
+                 "With --lookahead: guess only the next layer's N most likely experts (default 0: as many "
+                 "as it routes to)")
       ->check(kNonNegative);
   cmd.add_option("--profile", profile_in,
                  "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "

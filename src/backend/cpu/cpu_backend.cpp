@@ -586,7 +586,6 @@ class CpuBackend final : public Backend {
     linear(g, w.down, w.down_bias ? &w.down_bias : nullptr, out);
   }
 
-  // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.
   // Lookahead (MoeParams::next_router): the next MoE layer's router on this call's one token
   // guesses that layer's experts, read behind this call's own reads.
   void guess_next_experts(const Buffer& x, const MoeParams& p, ExpertProvider& store) {
@@ -597,6 +596,7 @@ class CpuBackend final : public Backend {
     store.prefetch(p.next_layer, guess_);
   }
 
+  // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.
   Buffer scratch(int slot, int64_t rows, int64_t cols) {
     if (scratch_.size() <= size_t(slot)) scratch_.resize(size_t(slot) + 1);
     auto& s = scratch_[size_t(slot)];
