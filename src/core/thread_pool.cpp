@@ -91,7 +91,8 @@ void ThreadPool::parallel_for(size_t n, const std::function<void(size_t, size_t)
     return;
   }
   // A few chunks per thread balance uneven work.
-  const size_t chunk = std::max(min_chunk, (n + threads * 4 - 1) / (threads * 4));
+  const size_t chunk =
+      std::max(min_chunk, (n + threads * kChunksPerThread - 1) / (threads * kChunksPerThread));
   const uint32_t epoch = ++epoch_ == 0 ? ++epoch_ : epoch_;  // 0 means "no job"
   Job& job = jobs_[epoch & 1];
   const uint32_t chunks = uint32_t((n + chunk - 1) / chunk);

@@ -30,6 +30,8 @@ class ThreadPool {
   // fn(begin, end) over chunks of [0, n); chunks are at least min_chunk long.
   void parallel_for(size_t n, const std::function<void(size_t, size_t)>& fn, size_t min_chunk = 1);
 
+  // parallel_for cuts a loop into about this many chunks a thread (fewer when min_chunk is larger).
+  static constexpr size_t kChunksPerThread = 4;
   // How long a worker polls for the next job before it sleeps.
   static constexpr int kSpinMicros = 200;
 

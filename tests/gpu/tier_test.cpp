@@ -107,11 +107,7 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
   // The policy of the host path: reading in place (below) has its own test.
   setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
   auto decode = [&](double vram_mb, const std::string& policy) {
-    ModelOptions o;
-    o.device = "cuda";
-    o.precise = true;
-    o.cache_dir = cache;
-    o.gpu_expert_mb = vram_mb;
+    ModelOptions o = cuda_options(cache, vram_mb, -1);
     o.experts.policy = policy;
     auto model = load_model(dir, o);
     const int64_t vocab = model->info().vocab_size;
@@ -172,12 +168,7 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
     GpuTierStats stats;
   };
   auto decode = [&](double vram_mb) {
-    ModelOptions o;
-    o.device = "cuda";
-    o.precise = true;
-    o.cache_dir = cache;
-    o.gpu_expert_mb = vram_mb;
-    auto model = load_model(dir, o);
+    auto model = load_model(dir, cuda_options(cache, vram_mb, -1));
     const int64_t vocab = model->info().vocab_size;
     Result r;
     std::vector<float> logits(static_cast<size_t>(vocab));

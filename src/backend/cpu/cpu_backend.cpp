@@ -28,13 +28,15 @@ size_t rows_per_chunk(int64_t cols, int64_t tokens) {
 
 // The same for a loop over n rows of products that go through the panel GEMM (several tokens:
 // gemm.h): whole panels of kPanelAlign rows per chunk (a chunk cut inside a panel leaves the
-// micro-kernel's lanes idle and dequantizes the panel twice), and no more than the pool's ~4
-// chunks a thread. One token (the GEMV) keeps rows_per_chunk. The chunks change no row's value.
+// micro-kernel's lanes idle and dequantizes the panel twice), and no more chunks than the pool
+// would cut (ThreadPool::kChunksPerThread a thread). One token (the GEMV) keeps rows_per_chunk. The
+// chunks change no row's value.
 constexpr size_t kPanelAlign = 32;  // the AVX-512 panel (AVX2's 16 divides it)
 size_t gemm_rows_per_chunk(int64_t cols, int64_t tokens, size_t n, size_t threads) {
   const size_t base = rows_per_chunk(cols, tokens);
   if (tokens <= 1) return base;
-  const size_t per_thread = (n + threads * 4 - 1) / (threads * 4);
+  const size_t per_thread =
+      (n + threads * ThreadPool::kChunksPerThread - 1) / (threads * ThreadPool::kChunksPerThread);
   return (std::max(base, per_thread) + kPanelAlign - 1) / kPanelAlign * kPanelAlign;
 }
 
