@@ -1,14 +1,18 @@
 // The server's generation engine: requests run concurrently give exactly the tokens a lone
 // generate() gives, the prefix cache reuses states without changing results, cancellation and
 // the queue limit leave nothing behind.
+#include "server/engine.h"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "core/error.h"
 #include "models/generate.h"
-#include "server/engine.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -21,6 +25,13 @@ std::vector<int32_t> drain(Job& job, FinishReason& reason) {
   return out;
 }
 
+// As the server loads models: KV caches that take memory as sequences grow.
+ModelOptions growable() {
+  ModelOptions o;
+  o.kv.growable = true;
+  return o;
+}
+
 std::vector<int32_t> reference(Model& model, const std::vector<int32_t>& prompt, int n) {
   Sampler greedy(SamplingParams{});
   return generate(model, prompt, n, greedy, [](int32_t) { return true; }).tokens;
@@ -29,7 +40,7 @@ std::vector<int32_t> reference(Model& model, const std::vector<int32_t>& prompt,
 class EngineTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    model_ = load_model(test::fixture("models/qwen3moe_gqa_tied"), {});
+    model_ = load_model(test::fixture("models/qwen3moe_gqa_tied"), growable());
     for (int i = 0; i < 5; ++i) {
       std::vector<int32_t> p;
       for (int j = 0; j < 6 + 3 * i; ++j) p.push_back((37 * i + 11 * j + 5) % 200);
@@ -135,6 +146,125 @@ TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
   drain(*b, reason);
 }
 
+// A model whose first forward pass waits until open() (so that requests submitted meanwhile are
+// all queued when the engine goes on); everything else is the wrapped model's.
+class GatedModel final : public Model {
+ public:
+  explicit GatedModel(Model& m) : m_(m) {}
+  void open() {
+    std::lock_guard lock(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  const ModelInfo& info() const override { return m_.info(); }
+  Backend& backend() override { return m_.backend(); }
+  std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
+    return m_.new_sequence(capacity);
+  }
+  ExpertStats expert_stats() const override { return m_.expert_stats(); }
+  std::vector<std::vector<uint64_t>> expert_usage() const override { return m_.expert_usage(); }
+  void forward(std::span<const int32_t> tokens, SequenceState& state,
+               std::span<float> logits) override {
+    m_.forward(tokens, state, logits);
+  }
+  void forward_batch(std::span<const SequenceBatch> items) override {
+    std::unique_lock lock(mu_);
+    cv_.wait(lock, [&] { return open_; });
+    lock.unlock();
+    m_.forward_batch(items);
+  }
+
+ private:
+  Model& m_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool open_ = false;
+};
+
+// Generates prompts[i] with max_tokens n each, all submitted at once to an engine of `parallel`
+// slots with a KV budget that holds two of them at their longest: the third is preempted once
+// they outgrow it, and resumes by recomputing its tokens. Every reply equals its lone run, and the
+// KV memory stays within the budget throughout.
+EngineStats run_over_budget(Model& model, const std::vector<std::vector<int32_t>>& prompts,
+                            const std::vector<std::vector<int32_t>>& expected, int n) {
+  EngineOptions o;
+  o.parallel = int(prompts.size());
+  o.ctx = 128;
+  o.prefill_chunk = 4;
+  int64_t longest = 0;
+  for (const auto& p : prompts) longest = std::max(longest, int64_t(p.size()) + n);
+  auto probe = model.new_sequence(o.ctx);
+  o.kv_budget = 2 * (probe->bytes_at(longest) - probe->bytes_at(0));
+  EXPECT_GT(probe->bytes_at(longest), probe->bytes_at(int64_t(prompts.back().size()) + 1))
+      << "the sequences must outgrow their first memory for the test to preempt";
+  GatedModel gated(model);
+  Engine engine(gated, o);
+  std::atomic<bool> done{false};
+  std::atomic<int64_t> most{0};
+  std::thread watch([&] {
+    while (!done) {
+      most = std::max(most.load(), engine.stats().kv_bytes);
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (const auto& p : prompts) {
+    JobRequest r;
+    r.prompt = p;
+    r.max_tokens = n;
+    jobs.push_back(engine.submit(r));
+  }
+  gated.open();
+  for (size_t i = 0; i < jobs.size(); ++i) {
+    FinishReason reason;
+    EXPECT_EQ(drain(*jobs[i], reason), expected[i]) << "request " << i;
+    EXPECT_EQ(reason, FinishReason::length);
+  }
+  done = true;
+  watch.join();
+  const EngineStats s = engine.stats();
+  EXPECT_LE(most.load(), o.kv_budget);
+  EXPECT_LE(s.kv_bytes, o.kv_budget);
+  EXPECT_EQ(s.paused, 0);
+  EXPECT_EQ(s.active, 0);
+  return s;
+}
+
+TEST_F(EngineTest, KvBudgetPreemptsAndResumesExactly) {
+  const int n = 40;  // 6-12 prompt tokens + 40: past the first page of this fixture's caches
+  std::vector<std::vector<int32_t>> prompts(prompts_.begin(), prompts_.begin() + 3), expected;
+  for (const auto& p : prompts) expected.push_back(reference(*model_, p, n));
+  const EngineStats s = run_over_budget(*model_, prompts, expected, n);
+  EXPECT_GE(s.preemptions, 1);
+}
+
+// The context shrinks to what the KV budget holds for one sequence; a budget that holds less
+// than two positions is refused.
+TEST_F(EngineTest, KvBudgetBoundsTheContext) {
+  EngineOptions o;
+  o.parallel = 2;
+  o.ctx = 128;
+  auto probe = model_->new_sequence(o.ctx);
+  o.kv_budget = probe->bytes_at(20);  // this model has no fixed state: all of it is KV memory
+  {
+    Engine engine(*model_, o);
+    const int64_t ctx = engine.options().ctx;
+    EXPECT_GE(ctx, 20);
+    EXPECT_LT(ctx, 128);
+    EXPECT_LE(probe->bytes_at(ctx), o.kv_budget);
+    EXPECT_GT(probe->bytes_at(ctx + 1), o.kv_budget);
+    test::expect_contains(test::error_of([&] { engine.submit(request(prompts_[0], 100)); }),
+                          {"context"});
+    FinishReason reason;
+    auto fits = engine.submit(request(prompts_[0], 12));
+    EXPECT_EQ(drain(*fits, reason), expected_[0]);
+    EXPECT_LE(engine.stats().kv_bytes, o.kv_budget);
+  }
+  o.kv_budget = 1;
+  test::expect_contains(test::error_of([&] { Engine engine(*model_, o); }),
+                        {"--kv-mb", "2 positions"});
+}
+
 // A model that declares `eos` its end-of-sequence id; everything else is the wrapped model's.
 class EosModel final : public Model {
  public:
@@ -219,6 +349,20 @@ TEST(EngineHybrid, PrefixCacheWithRecurrentState) {
   auto c = engine.submit(r);
   EXPECT_EQ(drain(*c, reason), branch_ref);
   EXPECT_EQ(c->cached_tokens(), 0);
+}
+
+// Preempted hybrid sequences resume exactly too: their recurrent state is recomputed with the rest.
+TEST(EngineHybrid, KvBudgetPreemptsAndResumesExactly) {
+  auto model = load_model(test::fixture("families/qwen3_next_tiny"), growable());
+  const int n = 40;
+  std::vector<std::vector<int32_t>> prompts, expected;
+  for (int i = 0; i < 3; ++i) {
+    std::vector<int32_t> p;
+    for (int j = 0; j < 8 + 2 * i; ++j) p.push_back((29 * i + 13 * j + 7) % 290);
+    prompts.push_back(p);
+    expected.push_back(reference(*model, p, n));
+  }
+  EXPECT_GE(run_over_budget(*model, prompts, expected, n).preemptions, 1);
 }
 
 }  // namespace

@@ -36,6 +36,7 @@ class SequenceStateTest : public ::testing::TestWithParam<std::string> {
   void SetUp() override {
     ModelOptions opt;
     opt.threads = 2;
+    opt.kv.growable = true;  // the server's caches (memory as they grow); the rest hold capacity
     model_ = load_model(GetParam(), opt);
     vocab_ = size_t(model_->info().vocab_size);
   }
@@ -173,6 +174,34 @@ TEST_P(SequenceStateTest, TruncateThenReforward) {
   seq->truncate(0);
   EXPECT_EQ(seq->n_past, 0);
   EXPECT_TRUE(identical(run(*seq, concat({a1, a2}, b1)), fresh(concat({a1, a2}, b1), 0))) << "after truncate(0)";
+}
+
+// KV caches hold memory for the positions reserved, not for the capacity: forward commits what
+// it writes, trim() gives back what lies past n_past, and a sequence grown again after giving
+// memory back continues exactly.
+TEST_P(SequenceStateTest, MemoryFollowsThePositions) {
+  const Tokens a = tokens(40, 13), b = tokens(6, 14);
+  auto seq = model_->new_sequence(kCapacity);
+  const int64_t none = seq->bytes_at(0);
+  EXPECT_EQ(seq->held_bytes(), seq->bytes_at(kCapacity)) << "a new sequence holds its capacity";
+  seq->trim();
+  EXPECT_EQ(seq->held_bytes(), none);
+  EXPECT_LE(seq->bytes_at(40), seq->bytes_at(kCapacity));
+  EXPECT_GT(seq->bytes_at(40), none);
+  const std::vector<float> first = run(*seq, continuation(a));
+  EXPECT_EQ(seq->held_bytes(), seq->bytes_at(40));
+  seq->truncate(0);
+  seq->trim();
+  EXPECT_EQ(seq->held_bytes(), none);
+  EXPECT_TRUE(identical(run(*seq, continuation(a)), first)) << "grown again after trim";
+  // A snapshot holds its positions only; restoring it commits them in the target.
+  auto snap = seq->clone(40);
+  EXPECT_EQ(snap->held_bytes(), snap->bytes_at(40));
+  auto other = model_->new_sequence(kCapacity);
+  other->trim();
+  other->restore(*snap);
+  EXPECT_EQ(other->held_bytes(), other->bytes_at(40));
+  EXPECT_TRUE(identical(run(*other, {b}), run(*seq, {b}))) << "restored";
 }
 
 TEST_P(SequenceStateTest, MismatchesAreErrors) {

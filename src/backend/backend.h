@@ -208,6 +208,25 @@ class Backend {
   virtual Vector load_vector(const TensorView& t) = 0;  // 1-D, converted to float32
   virtual Buffer alloc(int64_t rows, int64_t cols) = 0;  // zero-filled, lives as long as the backend
   virtual void free(Buffer& b) = 0;
+  // Buffers that take memory as they grow (KV caches, SequenceState::reserve): the addresses of all
+  // `rows` rows are reserved at once, so a buffer never moves, but memory stands behind the first
+  // committed rows only, and nothing may touch the others. Rows committed anew read as zeros.
+  // The defaults commit the whole buffer at once (alloc); free() releases either kind.
+  virtual Buffer alloc_growable(int64_t rows, int64_t cols) { return alloc(rows, cols); }
+  // Commits memory for the first `rows` rows of a growable buffer (never shrinks it); an Error
+  // naming the KV memory when there is none left.
+  virtual void commit_rows(Buffer& b, int64_t rows) {}
+  // Gives back the memory behind the rows after the first `rows` (their contents are lost).
+  virtual void decommit_rows(Buffer& b, int64_t rows) {}
+  // Bytes that the first `rows` rows of a growable buffer of `cols` columns commit: rounded up to
+  // the backend's unit (a page on the CPU, the driver's mapping granularity on CUDA).
+  virtual int64_t growable_bytes(int64_t rows, int64_t cols) const {
+    return rows * cols * int64_t(sizeof(float));
+  }
+  // Sets `bytes` of memory aside for growable buffers now, before anything else sizes itself by the
+  // memory left (the CUDA expert cache): commits take it from there and fail once it is used up.
+  // The default does nothing (commits take memory from the system as they come).
+  virtual void reserve_growable_pool(int64_t bytes) {}
   virtual void to_host(const Buffer& b, float* dst) = 0;
   // ids[r] = the greedy token of row r of x (ids.size() == x.rows): the lowest column holding the
   // row's largest value, as Sampler's greedy choice; -1 where the row holds a NaN or +inf, or only

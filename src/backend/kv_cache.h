@@ -27,6 +27,10 @@ struct KvCacheSpec {
   int64_t window = 0;
   int64_t sinks = 0;
   bool ring = true;  // false: keep every row and only mask (the reference the ring is tested against)
+  // Caches that take memory as sequences grow (Backend::alloc_growable; the server's, whose
+  // engine trims them); otherwise each cache is one allocation of its capacity (on CUDA a
+  // 2 MiB chunk per small cache cost decode 1-4%: docs/PERFORMANCE.md).
+  bool growable = false;
 };
 
 // Words of one cache row of cols values in heads heads (0 when cols is 0).

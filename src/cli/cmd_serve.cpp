@@ -18,11 +18,13 @@ struct ServeFlags {
   EngineOptions engine;
   std::string name;
   double max_body_mb = 16;
+  double kv_mb = 0;
 };
 
 void serve(ServeFlags& f) {
   if (f.max_body_mb <= 0) fail("--max-body-mb must be > 0, got ", f.max_body_mb);
   f.serve.max_body_bytes = size_t(f.max_body_mb * 1024 * 1024);
+  f.engine.kv_budget = int64_t(f.kv_mb * 1024 * 1024);
   if (f.serve.api_key.empty())
     if (const char* key = std::getenv("MOESTREAM_API_KEY")) f.serve.api_key = key;
 
@@ -39,10 +41,13 @@ void serve(ServeFlags& f) {
   HttpServer server(*served, f.serve);
   const int port = server.bind();
   std::fprintf(stderr,
-               "moestream serve: model '%s' on http://%s:%d (context %lld, %d in parallel, %d queued at most, "
-               "%d cached sequences%s)\n",
-               served->id.c_str(), f.serve.host.c_str(), port, (long long)served->engine->options().ctx, f.engine.parallel,
-               f.engine.max_queue, f.engine.kv_slots, f.serve.api_key.empty() ? "" : ", API key required");
+               "moestream serve: model '%s' on http://%s:%d (context %lld, %d in parallel, %d "
+               "queued at most, "
+               "%d cached sequences, %lld MiB of KV memory%s)\n",
+               served->id.c_str(), f.serve.host.c_str(), port,
+               (long long)served->engine->options().ctx, f.engine.parallel, f.engine.max_queue,
+               f.engine.kv_slots, (long long)(served->engine->stats().kv_budget >> 20),
+               f.serve.api_key.empty() ? "" : ", API key required");
   std::thread waiter([&] {
     int sig = 0;
     sigwait(&signals, &sig);
@@ -71,6 +76,11 @@ void add_serve(CLI::App& app) {
       ->check(kNonNegative);
   cmd->add_option("--kv-slots", flags->engine.kv_slots,
                   "Sequence states the prefix cache keeps for reuse (default 8; 0 = off)")
+      ->check(kNonNegative);
+  cmd->add_option(
+         "--kv-mb", flags->kv_mb,
+         "KV memory in MB for the requests in flight and the prefix cache together; when full, the "
+         "newest request is preempted and recomputed later (default: --parallel x --ctx)")
       ->check(kNonNegative);
   cmd->add_option("--max-body-mb", flags->max_body_mb, "Largest request body in MB, chunked or not (default 16)");
   cmd->add_option("--header-timeout", flags->serve.header_timeout_s,

@@ -297,6 +297,7 @@ KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t k_di
     k.push_back(alloc_kv_cache(be, kv, capacity, k_dim, heads));
     v.push_back(alloc_kv_cache(be, kv, capacity, v_dim, heads));
   }
+  reserve(capacity);  // a new sequence holds its capacity until trim() (the engine trims its slots)
 }
 
 KvSequence::~KvSequence() {
@@ -316,6 +317,7 @@ void KvSequence::restore(const SequenceState& snapshot) {
   const auto* s = dynamic_cast<const KvSequence*>(&snapshot);
   if (!s) fail("restore: the snapshot is not a KV-cache sequence state (it comes from another model)");
   check_restore(be_, s->be_, capacity_, s->n_past);
+  reserve(s->n_past);
   const int64_t rows = kv_rows_used(s->k, s->n_past);
   copy_state_rows(be_, s->k, k, rows, "K cache");
   copy_state_rows(be_, s->v, v, rows, "V cache");
@@ -335,10 +337,54 @@ void KvSequence::truncate(int64_t n) {
 }
 
 Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int64_t cols, int heads) {
-  return be.alloc(kv_cache_rows(kv, capacity), kv_row_words(kv.type, cols, heads));
+  const int64_t rows = kv_cache_rows(kv, capacity), words = kv_row_words(kv.type, cols, heads);
+  return kv.growable ? be.alloc_growable(rows, words) : be.alloc(rows, words);
+}
+
+void commit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches, int64_t positions) {
+  for (Buffer& b : caches)
+    if (b.data) be.commit_rows(b, std::min(b.rows, kv_cache_rows(kv, positions)));
+}
+
+void decommit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches,
+                 int64_t positions) {
+  for (Buffer& b : caches)
+    if (b.data) be.decommit_rows(b, std::min(b.rows, kv_cache_rows(kv, positions)));
+}
+
+int64_t kv_bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& caches,
+                    int64_t positions) {
+  int64_t n = 0;
+  for (const Buffer& b : caches)
+    if (b.data) n += be.growable_bytes(std::min(b.rows, kv_cache_rows(kv, positions)), b.cols);
+  return n;
 }
 
 int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }
+
+void KvSequence::reserve(int64_t positions) {
+  positions = std::min(positions, capacity_);
+  if (positions <= reserved_) return;
+  commit_kv(be_, kv_, k, positions);
+  commit_kv(be_, kv_, v, positions);
+  reserved_ = positions;
+}
+
+void KvSequence::trim() {
+  if (reserved_ <= n_past) return;
+  decommit_kv(be_, kv_, k, n_past);
+  decommit_kv(be_, kv_, v, n_past);
+  reserved_ = n_past;
+}
+
+int64_t KvSequence::held_bytes() const {
+  return bytes_at(reserved_);
+}
+
+int64_t KvSequence::bytes_at(int64_t positions) const {
+  positions = std::min(positions, capacity_);
+  return kv_bytes_at(be_, kv_, k, positions) + kv_bytes_at(be_, kv_, v, positions);
+}
 
 void copy_state_rows(Backend& be, const std::vector<Buffer>& src, std::vector<Buffer>& dst,
                      int64_t rows, const char* what) {

@@ -133,6 +133,10 @@ class KvSequence : public SequenceState {
   bool can_truncate(int64_t n) const override;
   void truncate(int64_t n) override;
   int64_t bytes() const override;
+  void reserve(int64_t positions) override;
+  void trim() override;
+  int64_t held_bytes() const override;
+  int64_t bytes_at(int64_t positions) const override;
   std::vector<Buffer> k, v;
 
  private:
@@ -140,10 +144,19 @@ class KvSequence : public SequenceState {
   int64_t capacity_, k_dim_, v_dim_;
   KvCacheSpec kv_;
   int heads_;
+  int64_t reserved_ = 0;  // positions committed
 };
 
-// One layer's K or V cache for capacity positions of cols values in heads heads, stored as kv says.
+// One layer's K or V cache for capacity positions of cols values in heads heads, stored as kv says
+// (with kv.growable a buffer that holds memory for the positions reserved).
 Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int64_t cols, int heads);
+// What KV caches of a sequence do to commit, give back and count memory for `positions` positions
+// (the rows a ring keeps at most); buffers without data (layers without a cache) are skipped.
+void commit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches, int64_t positions);
+void decommit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches,
+                 int64_t positions);
+int64_t kv_bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& caches,
+                    int64_t positions);
 // Rows of a snapshot at n_past that hold its positions (all n_past, or the whole ring once it wrapped).
 inline int64_t kv_rows_used(const std::vector<Buffer>& caches, int64_t n_past) {
   for (const Buffer& b : caches)

@@ -1,5 +1,6 @@
 #include "models/deltanet.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/dtype.h"
@@ -26,6 +27,7 @@ HybridSequence::HybridSequence(Backend& be, const std::vector<bool>& linear_laye
       v[l] = alloc_kv_cache(be, kv, capacity, kv_dim, kv_heads);
     }
   }
+  reserve(capacity);  // held until trim(), as KvSequence's
 }
 
 HybridSequence::~HybridSequence() {
@@ -46,6 +48,7 @@ void HybridSequence::restore(const SequenceState& snapshot) {
   const auto* s = dynamic_cast<const HybridSequence*>(&snapshot);
   if (!s) fail("restore: the snapshot is not a Qwen3-Next sequence state (it comes from another model)");
   check_restore(be_, s->be_, capacity_, s->n_past);
+  reserve(s->n_past);
   copy_state_rows(be_, s->k, k, kv_rows_used(s->k, s->n_past), "K cache");
   copy_state_rows(be_, s->v, v, kv_rows_used(s->v, s->n_past), "V cache");
   copy_state_rows(be_, s->conv, conv, zero_.conv.rows, "conv state");
@@ -66,6 +69,31 @@ void HybridSequence::truncate(int64_t n) {
 
 int64_t HybridSequence::bytes() const {
   return state_bytes(k) + state_bytes(v) + state_bytes(conv) + state_bytes(recurrent);
+}
+
+void HybridSequence::reserve(int64_t positions) {
+  positions = std::min(positions, capacity_);
+  if (positions <= reserved_) return;
+  commit_kv(be_, kv_, k, positions);
+  commit_kv(be_, kv_, v, positions);
+  reserved_ = positions;
+}
+
+void HybridSequence::trim() {
+  if (reserved_ <= n_past) return;
+  decommit_kv(be_, kv_, k, n_past);
+  decommit_kv(be_, kv_, v, n_past);
+  reserved_ = n_past;
+}
+
+int64_t HybridSequence::held_bytes() const {
+  return bytes_at(reserved_);
+}
+
+int64_t HybridSequence::bytes_at(int64_t positions) const {
+  positions = std::min(positions, capacity_);
+  return kv_bytes_at(be_, kv_, k, positions) + kv_bytes_at(be_, kv_, v, positions) +
+         state_bytes(conv) + state_bytes(recurrent);
 }
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).

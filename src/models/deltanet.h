@@ -70,6 +70,10 @@ class HybridSequence final : public SequenceState {
   bool can_truncate(int64_t n) const override { return n == n_past || n == 0; }
   void truncate(int64_t n) override;
   int64_t bytes() const override;
+  void reserve(int64_t positions) override;
+  void trim() override;
+  int64_t held_bytes() const override;
+  int64_t bytes_at(int64_t positions) const override;
 
   DeltaNetState delta(int l) { return DeltaNetState{conv[size_t(l)], recurrent[size_t(l)]}; }
 
@@ -85,6 +89,7 @@ class HybridSequence final : public SequenceState {
   int64_t capacity_;
   KvCacheSpec kv_;
   int kv_heads_;
+  int64_t reserved_ = 0;  // positions committed in the KV caches
 };
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).

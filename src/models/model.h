@@ -76,8 +76,20 @@ class SequenceState {
   virtual bool can_truncate(int64_t n) const = 0;
   // Keeps the first n positions (n_past = n); an Error when !can_truncate(n). No allocation.
   virtual void truncate(int64_t n) = 0;
-  // Bytes of backend memory this state holds (sized by capacity, not n_past).
+  // Bytes of backend memory this state may hold: with all capacity() positions.
   virtual int64_t bytes() const = 0;
+
+  // The KV caches can take memory as a sequence grows (Backend::alloc_growable): a new state holds
+  // its whole capacity, trim() gives back what positions past n_past hold, and reserve(n) commits
+  // memory for the first n positions again (at most capacity()); forward does so before it writes,
+  // and restore for the positions it copies. The engine trims its sequences, so they grow.
+  virtual void reserve(int64_t positions) {}
+  virtual void trim() {}
+  // Bytes of backend memory held now (fixed states plus the committed KV rows), and with
+  // `positions` positions committed (in the backend's units of commitment, so never less than held
+  // for them).
+  virtual int64_t held_bytes() const { return bytes(); }
+  virtual int64_t bytes_at(int64_t positions) const { return bytes(); }
 };
 
 // One sequence's share of a batched forward step (Model::forward_batch).

@@ -152,6 +152,10 @@ void DecoderModel::forward_batch(std::span<const SequenceBatch> items) {
       if (items[j].state == it.state && n > 0 && !items[j].tokens.empty())
         fail("forward: one sequence state appears twice in a batch (items ", j, " and ", i, ")");
   }
+  // Memory for the positions this call writes, before any operation (a decode step may become
+  // a CUDA graph, and committing memory is no stream operation).
+  for (const SequenceBatch& it : items)
+    it.state->reserve(it.state->n_past + int64_t(it.tokens.size()));
   Backend& be = *backend_;
   done_.assign(items.size(), 0);
   for (;;) {

@@ -11,6 +11,18 @@ namespace moestream {
 
 using clock_type = std::chrono::steady_clock;
 
+namespace {
+
+// A state's KV memory now, and with `positions` committed (beyond its fixed part).
+int64_t kv_held(const SequenceState& s) {
+  return s.held_bytes() - s.bytes_at(0);
+}
+int64_t kv_at(const SequenceState& s, int64_t positions) {
+  return s.bytes_at(positions) - s.bytes_at(0);
+}
+
+}  // namespace
+
 TokenLogprob token_logprob(std::span<const float> logits, int32_t token, int top) {
   float mx = -std::numeric_limits<float>::infinity();
   for (float x : logits) mx = std::max(mx, x);
@@ -77,11 +89,34 @@ Engine::Engine(Model& model, const EngineOptions& options)
   if (options_.max_queue < 0) fail("the queue limit must be >= 0, got ", options_.max_queue);
   if (options_.ctx < 2) fail("--ctx must be >= 2, got ", options_.ctx);
   if (options_.kv_slots < 0) fail("--kv-slots must be >= 0, got ", options_.kv_slots);
+  if (options_.kv_budget < 0) fail("--kv-mb must be >= 0, got ", options_.kv_budget);
   slots_.resize(size_t(options_.parallel));
   for (Slot& s : slots_) {
     s.state = model_.new_sequence(options_.ctx);
+    s.state->trim();  // memory as it grows
     s.logits.resize(size_t(model_.info().vocab_size));
   }
+  probe_ = model_.new_sequence(options_.ctx);
+  probe_->trim();
+  budget_ = options_.kv_budget > 0 ? options_.kv_budget
+                                   : int64_t(options_.parallel) * kv_at(*probe_, options_.ctx);
+  // A sequence alone must fit: the context shrinks to what the budget holds.
+  if (kv_at(*probe_, options_.ctx) > budget_) {
+    int64_t lo = 0, hi = options_.ctx;  // the most positions whose KV memory fits
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (kv_at(*probe_, mid) <= budget_)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    if (lo < 2)
+      fail("--kv-mb: ", budget_ >> 20, " MiB hold less than 2 positions of this model's KV caches");
+    options_.ctx = lo;
+  }
+  // Set aside before the first forward pass, which sizes the GPU's expert cache by the memory left.
+  model_.backend().reserve_growable_pool(budget_);
+  stats_.kv_budget = budget_;
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -104,6 +139,12 @@ std::shared_ptr<Job> Engine::submit(JobRequest request) {
   if (int64_t(request.prompt.size()) + request.max_tokens > options_.ctx)
     fail("the prompt (", request.prompt.size(), " tokens) plus max_tokens (", request.max_tokens,
          ") exceeds the context of ", options_.ctx, " tokens");
+  // Alone, a request must fit the KV memory.
+  const int64_t need = kv_at(*probe_, int64_t(request.prompt.size()) + request.max_tokens);
+  if (need > budget_)
+    fail("the prompt (", request.prompt.size(), " tokens) plus max_tokens (", request.max_tokens,
+         ") needs ", (need + (1 << 20) - 1) >> 20, " MiB of KV cache, more than the ",
+         budget_ >> 20, " MiB of --kv-mb");
   auto job = std::make_shared<Job>(std::move(request));
   {
     std::lock_guard lock(mu_);
@@ -130,15 +171,9 @@ void Engine::loop() {
       };
       cv_.wait(lock, [&] { return stopping_ || !queue_.empty() || !idle(); });
       if (stopping_) break;
-      for (Slot& s : slots_) {
-        if (!s.job && !queue_.empty()) {
-          s.job = std::move(queue_.front());
-          queue_.pop_front();
-        }
-      }
-      stats_.queued = int(queue_.size());
-      stats_.active = int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return bool(s.job); }));
     }
+    resume_paused();
+    admit();
     for (Slot& s : slots_) {
       if (!s.job || s.sampler) continue;
       try {
@@ -149,11 +184,33 @@ void Engine::loop() {
     }
     step();
     const ExpertStats experts = model_.expert_stats();
+    const int64_t kv = kv_bytes(false);
     std::lock_guard lock(mu_);
     stats_.experts = experts;
+    stats_.kv_bytes = kv;
+    stats_.paused =
+        int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return s.paused; }));
   }
   for (Slot& s : slots_)
     if (s.job) finish(s, FinishReason::cancelled);
+}
+
+void Engine::admit() {
+  std::lock_guard lock(mu_);
+  const bool paused =
+      std::any_of(slots_.begin(), slots_.end(), [](const Slot& s) { return s.paused; });
+  for (Slot& s : slots_) {
+    if (paused || queue_.empty()) break;
+    if (s.job) continue;
+    // Room for its prompt (restored or computed) and its first token, the others as they are.
+    if (!make_room(kv_at(*probe_, int64_t(queue_.front()->request().prompt.size()) + 1))) break;
+    s.job = std::move(queue_.front());
+    queue_.pop_front();
+    s.admitted = ++admissions_;
+  }
+  stats_.queued = int(queue_.size());
+  stats_.active =
+      int(std::count_if(slots_.begin(), slots_.end(), [](const Slot& s) { return bool(s.job); }));
 }
 
 void Engine::start(Slot& s) {
@@ -164,7 +221,10 @@ void Engine::start(Slot& s) {
   s.tokens.assign(r.prompt.begin(), r.prompt.begin() + reused);
   s.context = r.prompt;
   s.generated_ids.clear();
-  s.prompt_done = reused;
+  s.feed = r.prompt;
+  s.feed_done = reused;
+  s.sample_after_feed = true;
+  s.paused = false;
   s.generated = 0;
   s.next = -1;
   s.job->cached_tokens_.store(reused);
@@ -175,36 +235,116 @@ void Engine::start(Slot& s) {
   stats_.cache = cache_.stats();
 }
 
-void Engine::step() {
+int64_t Engine::kv_bytes(bool grow) const {
+  int64_t n = cache_.kv_bytes();
+  for (const Slot& s : slots_) n += kv_held(*s.state);
+  if (grow)
+    for (size_t i = 0; i < items_.size(); ++i) {
+      const SequenceState& st = *items_[i].state;
+      n += std::max<int64_t>(
+          0, st.bytes_at(st.n_past + int64_t(items_[i].tokens.size())) - st.held_bytes());
+    }
+  return n;
+}
+
+bool Engine::make_room(int64_t extra) {
+  while (kv_bytes(false) + extra > budget_)
+    if (!cache_.drop_oldest()) return false;
+  return true;
+}
+
+void Engine::preempt(Slot& s) {
+  // The state is dropped and rebuilt later from s.tokens (what it holds): recomputing costs less
+  // than the memory it would keep while it waits.
+  s.state->truncate(0);
+  s.state->trim();
+  // What to process again: the prompt when nothing was sampled yet, else every token so far.
+  if (s.next >= 0 && s.feed_done == int64_t(s.feed.size())) s.feed = s.tokens;
+  s.feed_done = 0;
+  s.sample_after_feed = s.next < 0;
+  s.tokens.clear();
+  s.paused = true;
+  s.chunk = 0;
+  std::lock_guard lock(mu_);
+  ++stats_.preemptions;
+}
+
+// The paused sequences, oldest first, resume while they fit: each with its tokens so far (or its
+// prompt, if it had not sampled yet) to process again, reusing what the prefix cache holds.
+void Engine::resume_paused() {
+  for (;;) {
+    Slot* oldest = nullptr;
+    for (Slot& s : slots_)
+      if (s.paused && s.job && (!oldest || s.admitted < oldest->admitted)) oldest = &s;
+    if (!oldest) return;
+    Slot& s = *oldest;
+    if (s.job->cancelled()) {
+      finish(s, FinishReason::cancelled);
+      continue;
+    }
+    // Its whole feed and a step of every running sequence must fit.
+    int64_t growth = kv_at(*probe_, int64_t(s.feed.size()) + 1);
+    for (const Slot& o : slots_)
+      if (o.job && !o.paused)
+        growth +=
+            std::max<int64_t>(0, o.state->bytes_at(o.state->n_past + 1) - o.state->held_bytes());
+    if (!make_room(growth)) return;
+    try {
+      const int64_t reused = cache_.restore(s.feed, *s.state);
+      s.tokens.assign(s.feed.begin(), s.feed.begin() + reused);
+      s.feed_done = reused;
+      s.paused = false;
+    } catch (const std::exception& e) {
+      finish(s, FinishReason::failed, e.what());
+    }
+  }
+}
+
+bool Engine::plan_step() {
   items_.clear();
   batch_.clear();
   for (Slot& s : slots_) {
-    if (!s.job) continue;
+    if (!s.job || s.paused) continue;
     if (s.job->cancelled()) {
       finish(s, FinishReason::cancelled);
       continue;
     }
     s.chunk = 0;
-    if (s.prompt_done == int64_t(s.job->request().prompt.size())) {
+    if (s.feed_done == int64_t(s.feed.size())) {
       items_.push_back(s.greedy ? SequenceBatch{std::span<const int32_t>(&s.next, 1), s.state.get(), {}, &s.greedy_id}
                                 : SequenceBatch{std::span<const int32_t>(&s.next, 1), s.state.get(), s.logits});
       batch_.push_back(&s);
     }
   }
-  // Prompt chunks share what is left of prefill_chunk rows after the decode tokens, in slot order.
+  // Feed chunks share what is left of prefill_chunk rows after the decode tokens, in slot order.
   const int64_t step_rows = options_.prefill_chunk > 0 ? options_.prefill_chunk : model_.info().max_batch;
   int64_t budget = std::max<int64_t>(1, step_rows - int64_t(items_.size()));
   for (Slot& s : slots_) {
-    const int64_t left = s.job ? int64_t(s.job->request().prompt.size()) - s.prompt_done : 0;
+    const int64_t left = s.job && !s.paused ? int64_t(s.feed.size()) - s.feed_done : 0;
     if (left <= 0 || budget <= 0) continue;
     s.chunk = std::min(budget, left);
     budget -= s.chunk;
-    const auto chunk = std::span(s.job->request().prompt).subspan(size_t(s.prompt_done), size_t(s.chunk));
+    const auto chunk = std::span(s.feed).subspan(size_t(s.feed_done), size_t(s.chunk));
     items_.push_back(s.greedy ? SequenceBatch{chunk, s.state.get(), {}, &s.greedy_id}
                               : SequenceBatch{chunk, s.state.get(), s.logits});
     batch_.push_back(&s);
   }
-  if (items_.empty()) return;
+  return !items_.empty();
+}
+
+void Engine::step() {
+  // Within the KV budget: the prefix cache gives up states first, then the newest sequence of the
+  // step is preempted, never the last one (a request alone always fits: submit() checks it).
+  for (;;) {
+    if (!plan_step()) return;
+    if (kv_bytes(true) <= budget_) break;
+    if (cache_.drop_oldest()) continue;
+    Slot* newest = nullptr;
+    for (Slot* s : batch_)
+      if (!newest || s->admitted > newest->admitted) newest = s;
+    if (batch_.size() < 2) break;
+    preempt(*newest);
+  }
   const auto t0 = clock_type::now();
   try {
     model_.forward_batch(items_);
@@ -226,13 +366,13 @@ void Engine::step() {
   }
   for (Slot* s : batch_) {
     Job& job = *s->job;
-    const auto& prompt = job.request().prompt;
     try {
       if (s->chunk > 0) {
-        s->tokens.insert(s->tokens.end(), prompt.begin() + s->prompt_done, prompt.begin() + s->prompt_done + s->chunk);
-        s->prompt_done += s->chunk;
+        s->tokens.insert(s->tokens.end(), s->feed.begin() + s->feed_done,
+                         s->feed.begin() + s->feed_done + s->chunk);
+        s->feed_done += s->chunk;
         job.prefill_seconds_.store(job.prefill_seconds_.load() + dt);
-        if (s->prompt_done == int64_t(prompt.size())) sample_and_emit(*s);
+        if (s->feed_done == int64_t(s->feed.size()) && s->sample_after_feed) sample_and_emit(*s);
       } else {
         s->tokens.push_back(s->next);
         job.decode_seconds_.store(job.decode_seconds_.load() + dt);
@@ -281,12 +421,21 @@ void Engine::finish(Slot& s, FinishReason reason, std::string error) {
   // then a forward pass stopped part way and the state is dropped (the next request in this slot
   // starts from the prefix cache or from nothing).
   try {
-    if (reason == FinishReason::failed) s.state->truncate(0);
-    else if (s.state->n_past == int64_t(s.tokens.size())) cache_.store(s.tokens, *s.state);
+    if (reason != FinishReason::failed && !s.paused &&
+        s.state->n_past == int64_t(s.tokens.size()) && make_room(kv_at(*s.state, s.state->n_past)))
+      cache_.store(s.tokens, *s.state);
   } catch (const std::exception&) {
     // Keeping the state is an optimisation; a failure here must not fail the request.
   }
+  try {
+    // The slot's memory goes back (the next request restores from the prefix cache).
+    s.state->truncate(0);
+    s.state->trim();
+  } catch (const std::exception&) {
+  }
+  s.paused = false;
   s.tokens.clear();
+  s.feed.clear();
   std::shared_ptr<Job> job = std::move(s.job);
   s.sampler.reset();
   {

@@ -100,8 +100,16 @@ struct EngineOptions {
   int parallel = 4;            // requests in flight at once: the sequences of a batch
   int max_queue = 64;          // requests waiting beyond those; more are refused
   int64_t ctx = 4096;          // positions per sequence (prompt + generated); ServedModel::load
-                               // takes 0 as the model's own, at most 4096
+                               // takes 0 as the model's own, at most 4096; the engine lowers it
+                               // to what kv_budget holds for one sequence
   int kv_slots = 8;            // sequence states kept by the prefix cache
+  // Bytes of KV memory (the caches of attention layers; not the fixed recurrent states of hybrid
+  // models) for the sequences in flight and the prefix cache's states together (--kv-mb). Sequences
+  // take it as they grow; when a step would need more, the prefix cache gives up states (least
+  // recently used first), then the newest sequence is preempted: its memory is given back and it
+  // waits, to be recomputed from its tokens once there is room, before new requests are admitted.
+  // 0: parallel sequences of ctx positions (every slot can fill its context).
+  int64_t kv_budget = 0;
   // Rows per step: the decoding requests' tokens, then prompt tokens of those still reading their
   // prompts up to this many in all (at least one), so a long prompt does not stall the decoding
   // ones; 0 (the default) takes the model's pass, ModelInfo::max_batch (128 rows on the CPU, 512
@@ -116,6 +124,9 @@ struct EngineStats {
   int64_t prompt_tokens = 0, cached_prompt_tokens = 0, generated_tokens = 0;
   double prefill_seconds = 0, decode_seconds = 0;
   int active = 0, queued = 0;
+  int paused = 0;  // preempted sequences waiting for KV memory
+  int64_t preemptions = 0;
+  int64_t kv_bytes = 0, kv_budget = 0;  // KV memory held (sequences and prefix cache) and allowed
   PrefixCache::Stats cache;
   ExpertStats experts;  // of the model, refreshed after every engine turn
 };
@@ -146,7 +157,13 @@ class Engine {
     std::vector<int32_t> context; // prompt + generated, for the repetition penalty
     std::vector<int32_t> generated_ids;  // for the presence and frequency penalties
     std::unique_ptr<Sampler> sampler;
-    int64_t prompt_done = 0;      // prompt tokens processed
+    // Tokens to process before decoding: the prompt, or after a preemption the sequence so far
+    // (then `next` was sampled already, and the feed's end samples nothing).
+    std::vector<int32_t> feed;
+    int64_t feed_done = 0;  // feed tokens processed
+    bool sample_after_feed = true;
+    bool paused = false;    // preempted: its KV memory given back, waiting for room
+    uint64_t admitted = 0;  // admission order: the newest is preempted first
     int generated = 0;
     int32_t next = -1;            // sampled, not yet forwarded
     std::vector<float> logits;    // of this step's last position
@@ -158,7 +175,18 @@ class Engine {
   };
 
   void loop();
+  // Moves queued jobs into free slots while memory allows (none while a sequence is paused).
+  void admit();
   void start(Slot& slot);
+  // KV memory held by the slots' states and the prefix cache; `grow` adds what the items of the
+  // step being planned (items_) commit for their new positions.
+  int64_t kv_bytes(bool grow) const;
+  // Drops prefix-cache states (least recently used first) until `extra` more bytes fit the budget.
+  bool make_room(int64_t extra);
+  void preempt(Slot& slot);
+  void resume_paused();
+  // The step's items: decode tokens, then feed chunks; false when there is nothing to run.
+  bool plan_step();
   // One forward_batch over the active slots; then each samples and emits.
   void step();
   void sample_and_emit(Slot& slot);
@@ -167,6 +195,10 @@ class Engine {
   Model& model_;
   EngineOptions options_;
   PrefixCache cache_;
+  std::unique_ptr<SequenceState>
+      probe_;           // never run: sizes a sequence's memory (bytes_at) for submit()
+  int64_t budget_ = 0;  // resolved kv_budget
+  uint64_t admissions_ = 0;
   std::vector<Slot> slots_;
   std::vector<float> raw_logits_;  // the model's, for logprobs
   std::vector<SequenceBatch> items_;

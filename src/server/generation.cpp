@@ -35,7 +35,9 @@ std::unique_ptr<ServedModel> ServedModel::load(const std::string& dir, const Mod
   if (has_template) m->chat_template = ChatTemplate::load(dir);
   const HfConfig config = HfConfig::load(dir + "/config.json").text();
   m->defaults = sampling_defaults(load_generation_defaults(dir, config));
-  m->model = load_model(dir, model_options);
+  ModelOptions mo = model_options;
+  mo.kv.growable = true;  // the engine's sequences take KV memory as they grow (--kv-mb)
+  m->model = load_model(dir, mo);
   m->syntax = output_syntax(m->model->info().model_type);
   EngineOptions eo = engine_options;
   if (eo.ctx <= 0) {

@@ -135,6 +135,14 @@ std::string metrics_text(ServerContext& ctx, const TransportStats& t) {
   metric("moestream_requests_queued", "gauge", "Generations waiting for a slot.", s.queued);
   metric("moestream_batch_size", "gauge", "Sequences the engine is generating for (each has a turn per step).", s.active);
   metric("moestream_prefix_cache_entries", "gauge", "Sequence states held by the prefix cache.", s.cache.entries);
+  metric("moestream_requests_paused", "gauge",
+         "Generations preempted for KV memory, waiting to resume.", s.paused);
+  metric("moestream_preemptions_total", "counter",
+         "Generations preempted for KV memory (recomputed later).", double(s.preemptions));
+  metric("moestream_kv_cache_bytes", "gauge", "KV memory held by sequences and the prefix cache.",
+         double(s.kv_bytes));
+  metric("moestream_kv_cache_budget_bytes", "gauge", "KV memory they may hold (--kv-mb).",
+         double(s.kv_budget));
   metric("moestream_expert_hits_total", "counter", "Expert lookups served from the cache.", double(s.experts.hits));
   metric("moestream_expert_misses_total", "counter", "Expert lookups read from disk.", double(s.experts.misses));
   metric("moestream_expert_hit_rate", "gauge", "Expert cache hit rate since start.", s.experts.hit_rate());
@@ -214,10 +222,19 @@ HttpServer::HttpServer(ServedModel& model, const ServeOptions& options)
   svr.Get("/health", [&ctx, this](const httplib::Request&, httplib::Response& res) {
     const EngineStats s = ctx.model.engine->stats();
     const EngineOptions& o = ctx.model.engine->options();
-    ojson h = {{"status", s.requests_failed ? "degraded" : "ok"}, {"model", ctx.model.id},
-               {"slots_total", o.parallel}, {"slots_busy", s.active}, {"active_requests", s.active},
-               {"batch_size", s.active}, {"queued", s.queued},
-               {"prefix_cache_entries", s.cache.entries}, {"failed_requests", s.requests_failed},
+    ojson h = {{"status", s.requests_failed ? "degraded" : "ok"},
+               {"model", ctx.model.id},
+               {"slots_total", o.parallel},
+               {"slots_busy", s.active},
+               {"active_requests", s.active},
+               {"batch_size", s.active},
+               {"queued", s.queued},
+               {"paused", s.paused},
+               {"preemptions", s.preemptions},
+               {"kv_bytes", s.kv_bytes},
+               {"kv_budget_bytes", s.kv_budget},
+               {"prefix_cache_entries", s.cache.entries},
+               {"failed_requests", s.requests_failed},
                {"connections", impl_->transport.stats().open}};
     if (s.requests_failed) h["last_error"] = s.last_error;
     res.set_content(h.dump(-1, ' ', false, ojson::error_handler_t::replace), "application/json");

@@ -61,6 +61,18 @@ void PrefixCache::store(std::span<const int32_t> tokens, const SequenceState& st
   entries_.push_front(Entry{std::vector<int32_t>(tokens.begin(), tokens.end()), std::move(reuse)});
 }
 
+int64_t PrefixCache::kv_bytes() const {
+  int64_t n = 0;
+  for (const Entry& e : entries_) n += e.state->held_bytes() - e.state->bytes_at(0);
+  return n;
+}
+
+bool PrefixCache::drop_oldest() {
+  if (entries_.empty()) return false;
+  entries_.pop_back();
+  return true;
+}
+
 PrefixCache::Stats PrefixCache::stats() const {
   Stats s = stats_;
   s.entries = int(entries_.size());

@@ -27,6 +27,12 @@ class PrefixCache {
   // superseded and dropped; the least recently used entry goes when the cache is full.
   void store(std::span<const int32_t> tokens, const SequenceState& state);
 
+  // KV memory the cached states hold: held_bytes() beyond what each holds with no position
+  // (the fixed recurrent states of hybrid models are not KV memory).
+  int64_t kv_bytes() const;
+  // Drops the least recently used entry; false when there is none.
+  bool drop_oldest();
+
   struct Stats {
     int entries = 0;
     int64_t lookups = 0, hits = 0, reused_tokens = 0;

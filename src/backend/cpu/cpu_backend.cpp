@@ -1,5 +1,7 @@
 // The CPU backend: float32 activations in host memory, weights read in place from the mapping,
 // work split across a thread pool by output rows (linear) or by (token, head) (attention).
+#include <sys/mman.h>
+
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -43,6 +45,11 @@ size_t gemm_rows_per_chunk(int64_t cols, int64_t tokens, size_t n, size_t thread
 class CpuBackend final : public Backend {
  public:
   CpuBackend(int n_threads, bool precise) : pool_(n_threads), precise_(precise) {}
+  ~CpuBackend() override {
+    for (auto& [p, bytes] : growable_) munmap(p, bytes);
+  }
+  CpuBackend(const CpuBackend&) = delete;
+  CpuBackend& operator=(const CpuBackend&) = delete;
 
   std::string name() const override { return "cpu(" + std::to_string(pool_.size()) + " threads)"; }
 
@@ -71,8 +78,34 @@ class CpuBackend final : public Backend {
     return Buffer{p, rows, cols};
   }
   void free(Buffer& b) override {
+    if (auto g = growable_.find(b.data); g != growable_.end()) {
+      munmap(b.data, g->second);
+      growable_.erase(g);
+    }
     allocations_.erase(b.data);
     b = Buffer{};
+  }
+
+  // Growable buffers are anonymous mappings that reserve no swap: the kernel gives a page memory
+  // when it is first written, so committing is only bookkeeping and decommitting hands pages back.
+  Buffer alloc_growable(int64_t rows, int64_t cols) override {
+    const size_t bytes = size_t(std::max<int64_t>(1, growable_bytes(rows, cols)));
+    void* p = mmap(nullptr, bytes, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED) fail("KV cache: cannot reserve ", bytes, " bytes of address space");
+    growable_.emplace(static_cast<float*>(p), bytes);
+    return Buffer{static_cast<float*>(p), rows, cols};
+  }
+  void decommit_rows(Buffer& b, int64_t rows) override {
+    auto g = growable_.find(b.data);
+    if (g == growable_.end()) return;
+    const size_t keep = size_t(growable_bytes(std::min(rows, b.rows), b.cols));
+    if (keep < g->second)
+      madvise(reinterpret_cast<char*>(b.data) + keep, g->second - keep, MADV_DONTNEED);
+  }
+  int64_t growable_bytes(int64_t rows, int64_t cols) const override {
+    constexpr int64_t kPage = 4096;
+    return (rows * cols * int64_t(sizeof(float)) + kPage - 1) / kPage * kPage;
   }
   void to_host(const Buffer& b, float* dst) override {
     std::memcpy(dst, b.data, size_t(b.rows * b.cols) * sizeof(float));
@@ -613,6 +646,7 @@ class CpuBackend final : public Backend {
   bool precise_;                 // float32 activations everywhere
   cpu::PreparedInput input_;     // reused by every linear call
   std::unordered_map<float*, std::unique_ptr<float[]>> allocations_;  // behind alloc()
+  std::unordered_map<float*, size_t> growable_;  // alloc_growable's mappings and their bytes
   std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
   std::vector<std::vector<float>> scratch_;
   std::vector<float> rope_scratch_;

@@ -18,6 +18,7 @@
 #include "backend/cuda/cuda_limits.h"
 #include "backend/cuda/deltanet.h"
 #include "backend/cuda/elementwise.h"
+#include "backend/cuda/growable.h"
 #include "backend/cuda/linear.h"
 #include "backend/cuda/op_profile.h"
 #include "core/quant.h"
@@ -69,6 +70,7 @@ class CudaBackend final : public Backend {
     first_segment_ = env_int("MOESTREAM_CUDA_GRAPH_SEGMENT", 8, 0, 1 << 20);
     append_in_attention_ = env_int("MOESTREAM_CUDA_ATTN_APPEND", 1, 0, 1) == 1;
     tier_ = std::make_unique<ExpertTier>(opt_, compute_, copy_, gemm_, times_, sync_ops_, prof_);
+    growable_ = std::make_unique<GrowableMemory>(0);
   }
 
   ~CudaBackend() override {
@@ -134,8 +136,33 @@ class CudaBackend final : public Backend {
     if (b.data && device_allocs_.erase(b.data)) {
       MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
       MS_CUDA_CHECK(cudaFree(b.data));
+    } else if (b.data && growable_->owns(b.data)) {
+      MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+      growable_->release(b.data);
     }
     b = Buffer{};
+  }
+
+  Buffer alloc_growable(int64_t rows, int64_t cols) override {
+    void* p = growable_->reserve(size_t(std::max<int64_t>(1, rows * cols)) * sizeof(float));
+    return Buffer{static_cast<float*>(p), rows, cols};
+  }
+  void commit_rows(Buffer& b, int64_t rows) override {
+    if (b.data && growable_->owns(b.data))
+      growable_->commit(b.data, size_t(std::min(rows, b.rows) * b.cols) * sizeof(float), compute_);
+  }
+  void decommit_rows(Buffer& b, int64_t rows) override {
+    if (!b.data || !growable_->owns(b.data)) return;
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // no kernel still reads the rows
+    growable_->decommit(
+        b.data, size_t(std::max<int64_t>(0, std::min(rows, b.rows)) * b.cols) * sizeof(float));
+  }
+  int64_t growable_bytes(int64_t rows, int64_t cols) const override {
+    const int64_t g = int64_t(growable_->granularity());
+    return (rows * cols * int64_t(sizeof(float)) + g - 1) / g * g;
+  }
+  void reserve_growable_pool(int64_t bytes) override {
+    growable_->reserve_pool(size_t(std::max<int64_t>(0, bytes)));
   }
 
   void to_host(const Buffer& b, float* dst) override {
@@ -584,6 +611,7 @@ class CudaBackend final : public Backend {
   std::unordered_map<const float*, RopeDevice> rope_tables_;
 
   std::unique_ptr<ExpertTier> tier_;  // routed experts and moe(); made once the streams exist
+  std::unique_ptr<GrowableMemory> growable_;  // the KV caches' memory (alloc_growable)
   uint64_t graph_steps_ = 0;           // steps replayed as CUDA graphs
 };
 
