@@ -341,49 +341,39 @@ Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int6
   return kv.growable ? be.alloc_growable(rows, words) : be.alloc(rows, words);
 }
 
-void commit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches, int64_t positions) {
-  for (Buffer& b : caches)
-    if (b.data) be.commit_rows(b, std::min(b.rows, kv_cache_rows(kv, positions)));
+void KvReservation::reserve(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v,
+                            int64_t n) {
+  if (n <= positions) return;
+  for (auto* caches : {&k, &v})
+    for (Buffer& b : *caches)
+      if (b.data) be.commit_rows(b, std::min(b.rows, kv_cache_rows(kv, n)));
+  positions = n;
 }
 
-void decommit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches,
-                 int64_t positions) {
-  for (Buffer& b : caches)
-    if (b.data) be.decommit_rows(b, std::min(b.rows, kv_cache_rows(kv, positions)));
+void KvReservation::trim(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v,
+                         int64_t n_past) {
+  if (positions <= n_past) return;
+  for (auto* caches : {&k, &v})
+    for (Buffer& b : *caches)
+      if (b.data) be.decommit_rows(b, std::min(b.rows, kv_cache_rows(kv, n_past)));
+  positions = n_past;
 }
 
-int64_t kv_bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& caches,
-                    int64_t positions) {
-  int64_t n = 0;
-  for (const Buffer& b : caches)
-    if (b.data) n += be.growable_bytes(std::min(b.rows, kv_cache_rows(kv, positions)), b.cols);
-  return n;
+int64_t KvReservation::bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& k,
+                                const std::vector<Buffer>& v, int64_t n) {
+  int64_t bytes = 0;
+  for (const auto* caches : {&k, &v})
+    for (const Buffer& b : *caches)
+      if (b.data) bytes += be.growable_bytes(std::min(b.rows, kv_cache_rows(kv, n)), b.cols);
+  return bytes;
 }
 
 int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }
-
-void KvSequence::reserve(int64_t positions) {
-  positions = std::min(positions, capacity_);
-  if (positions <= reserved_) return;
-  commit_kv(be_, kv_, k, positions);
-  commit_kv(be_, kv_, v, positions);
-  reserved_ = positions;
-}
-
-void KvSequence::trim() {
-  if (reserved_ <= n_past) return;
-  decommit_kv(be_, kv_, k, n_past);
-  decommit_kv(be_, kv_, v, n_past);
-  reserved_ = n_past;
-}
-
-int64_t KvSequence::held_bytes() const {
-  return bytes_at(reserved_);
-}
-
+void KvSequence::reserve(int64_t positions) { reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_)); }
+void KvSequence::trim() { reserved_.trim(be_, kv_, k, v, n_past); }
+int64_t KvSequence::held_bytes() const { return bytes_at(reserved_.positions); }
 int64_t KvSequence::bytes_at(int64_t positions) const {
-  positions = std::min(positions, capacity_);
-  return kv_bytes_at(be_, kv_, k, positions) + kv_bytes_at(be_, kv_, v, positions);
+  return KvReservation::bytes_at(be_, kv_, k, v, std::min(positions, capacity_));
 }
 
 void copy_state_rows(Backend& be, const std::vector<Buffer>& src, std::vector<Buffer>& dst,

@@ -114,6 +114,18 @@ struct GqaAttention {
                const RopeTable& rope, Buffer& out) const;
 };
 
+// How many positions of a sequence's K and V caches hold memory (KvSequence's and HybridSequence's
+// reserve, trim and bytes_at): grown by reserve(), cut back to n_past by trim(). A position takes
+// a row of each cache (of a ring: at most its rows); buffers without data (layers without a
+// cache) are skipped.
+struct KvReservation {
+  int64_t positions = 0;
+  void reserve(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n);
+  void trim(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n_past);
+  static int64_t bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& k,
+                          const std::vector<Buffer>& v, int64_t n);
+};
+
 // The KV cache of a decoder-only model: one K and one V buffer per layer, rows of
 // kv_row_words(kv.type, k_dim, heads) words (V: v_dim, where values are narrower than keys), one
 // per position, or with a KV window sinks + window rows (a ring). Rows at n_past and beyond are
@@ -144,19 +156,13 @@ class KvSequence : public SequenceState {
   int64_t capacity_, k_dim_, v_dim_;
   KvCacheSpec kv_;
   int heads_;
-  int64_t reserved_ = 0;  // positions committed
+  KvReservation reserved_;
 };
 
 // One layer's K or V cache for capacity positions of cols values in heads heads, stored as kv says
 // (with kv.growable a buffer that holds memory for the positions reserved).
 Buffer alloc_kv_cache(Backend& be, const KvCacheSpec& kv, int64_t capacity, int64_t cols, int heads);
-// What KV caches of a sequence do to commit, give back and count memory for `positions` positions
-// (the rows a ring keeps at most); buffers without data (layers without a cache) are skipped.
-void commit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches, int64_t positions);
-void decommit_kv(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& caches,
-                 int64_t positions);
-int64_t kv_bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& caches,
-                    int64_t positions);
+
 // Rows of a snapshot at n_past that hold its positions (all n_past, or the whole ring once it wrapped).
 inline int64_t kv_rows_used(const std::vector<Buffer>& caches, int64_t n_past) {
   for (const Buffer& b : caches)

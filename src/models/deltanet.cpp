@@ -71,29 +71,12 @@ int64_t HybridSequence::bytes() const {
   return state_bytes(k) + state_bytes(v) + state_bytes(conv) + state_bytes(recurrent);
 }
 
-void HybridSequence::reserve(int64_t positions) {
-  positions = std::min(positions, capacity_);
-  if (positions <= reserved_) return;
-  commit_kv(be_, kv_, k, positions);
-  commit_kv(be_, kv_, v, positions);
-  reserved_ = positions;
-}
-
-void HybridSequence::trim() {
-  if (reserved_ <= n_past) return;
-  decommit_kv(be_, kv_, k, n_past);
-  decommit_kv(be_, kv_, v, n_past);
-  reserved_ = n_past;
-}
-
-int64_t HybridSequence::held_bytes() const {
-  return bytes_at(reserved_);
-}
-
+void HybridSequence::reserve(int64_t positions) { reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_)); }
+void HybridSequence::trim() { reserved_.trim(be_, kv_, k, v, n_past); }
+int64_t HybridSequence::held_bytes() const { return bytes_at(reserved_.positions); }
 int64_t HybridSequence::bytes_at(int64_t positions) const {
-  positions = std::min(positions, capacity_);
-  return kv_bytes_at(be_, kv_, k, positions) + kv_bytes_at(be_, kv_, v, positions) +
-         state_bytes(conv) + state_bytes(recurrent);
+  return KvReservation::bytes_at(be_, kv_, k, v, std::min(positions, capacity_)) + state_bytes(conv) +
+         state_bytes(recurrent);
 }
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).

@@ -89,7 +89,7 @@ class HybridSequence final : public SequenceState {
   int64_t capacity_;
   KvCacheSpec kv_;
   int kv_heads_;
-  int64_t reserved_ = 0;  // positions committed in the KV caches
+  KvReservation reserved_;
 };
 
 // A zero-centred RMSNorm weight w as the vector 1 + w (added in float32, as transformers does).
