@@ -249,5 +249,14 @@ TEST(Families, ConfigErrorsNameTheField) {
   }
 }
 
+// bench's weight bytes per token: a decoded token reads one row of an untied embedding table,
+// and a tied one whole (it is the output head).
+TEST(ActiveBytes, OneRowOfAnUntiedEmbedding) {
+  const WeightSet untied = WeightSet::open_dir(test::fixture("models/qwen3moe_mha_untied_dense"));
+  const TensorView& e = untied.get("model.embed_tokens.weight");
+  EXPECT_EQ(unread_embedding_bytes(untied), int64_t(e.nbytes) - int64_t(e.nbytes) / e.shape[0]);
+  EXPECT_EQ(unread_embedding_bytes(WeightSet::open_dir(test::fixture("models/qwen3moe_gqa_tied"))), 0);
+}
+
 }  // namespace
 }  // namespace moestream

@@ -276,6 +276,22 @@ void check_pack_experts(const PackManifest& pack, const std::vector<bool>& moe_l
   }
 }
 
+int64_t unread_embedding_bytes(const WeightSet& weights) {
+  const auto& names = weights.names();
+  const auto ends_with = [](const std::string& s, const std::string& tail) {
+    return s.size() >= tail.size() && s.compare(s.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  if (std::none_of(names.begin(), names.end(), [&](const std::string& n) { return ends_with(n, "lm_head.weight"); }))
+    return 0;  // tied: the table is read whole as the output head
+  int64_t unread = 0;
+  for (const auto& name : names) {
+    if (name.find("embed_tokens.") == std::string::npos || name.rfind("mtp", 0) == 0) continue;
+    const TensorView& t = weights.get(name);  // the table, or its scales and biases: a row per token id
+    if (!t.shape.empty() && t.shape[0] > 0) unread += int64_t(t.nbytes) - int64_t(t.nbytes) / t.shape[0];
+  }
+  return unread;
+}
+
 void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManifest& pack,
                       const std::vector<bool>& moe_layers, int n_experts, int top_k) {
   int64_t dense_bytes = 0;
@@ -283,8 +299,8 @@ void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManif
   const int64_t expert_bytes = int64_t(pack.total_expert_bytes());
   const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
   info.weight_bytes = dense_bytes + expert_bytes;
-  info.active_bytes_per_token =
-      dense_bytes + (n_moe ? expert_bytes / (n_moe * n_experts) * n_moe * top_k : 0);
+  info.active_bytes_per_token = dense_bytes - unread_embedding_bytes(weights) +
+                                (n_moe ? expert_bytes / (n_moe * n_experts) * n_moe * top_k : 0);
 }
 
 KvSequence::KvSequence(Backend& be, int n_layers, int64_t capacity, int64_t kv_dim, const KvCacheSpec& kv, int heads)

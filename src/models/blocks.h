@@ -193,7 +193,11 @@ MlpWeights load_mlp(WeightLoader& w, const std::string& prefix, int64_t hidden, 
 void check_pack_experts(const PackManifest& pack, const std::vector<bool>& moe_layers, int n_experts,
                         int64_t hidden, int64_t inter,
                         const std::function<std::string(int, int, const std::string&)>& tensor_name);
-// info.weight_bytes and info.active_bytes_per_token (non-expert weights plus top_k experts per MoE layer).
+// Bytes of the input embedding table that a decoded token does not read: all but its one row,
+// unless the table is also the output head (no lm_head.weight: tied).
+int64_t unread_embedding_bytes(const WeightSet& weights);
+// info.weight_bytes and info.active_bytes_per_token (non-expert weights but the embedding rows a
+// token does not read, plus top_k experts per MoE layer).
 void set_weight_bytes(ModelInfo& info, const WeightSet& weights, const PackManifest& pack,
                       const std::vector<bool>& moe_layers, int n_experts, int top_k);
 

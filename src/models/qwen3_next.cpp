@@ -164,8 +164,8 @@ class Qwen3Next final : public DecoderModel {
     const int64_t expert_bytes = int64_t(pack_.total_expert_bytes());
     const int64_t n_moe = std::count(moe_layers.begin(), moe_layers.end(), true);
     info_.weight_bytes = dense_bytes + expert_bytes;
-    info_.active_bytes_per_token =
-        dense_bytes + (n_moe ? expert_bytes / (n_moe * cfg_.n_experts) * n_moe * cfg_.top_k : 0);
+    info_.active_bytes_per_token = dense_bytes - unread_embedding_bytes(*weights_) +
+                                   (n_moe ? expert_bytes / (n_moe * cfg_.n_experts) * n_moe * cfg_.top_k : 0);
   }
 
   std::unique_ptr<SequenceState> new_sequence(int64_t capacity) override {
