@@ -200,6 +200,35 @@ TEST(CpuGemm, EveryTokenCountAndRowCountMatchesTheReference) {
     }
 }
 
+// One token: a level may compute several rows together (AVX-512: 2- and 4-bit rows four at a
+// time, sharing the activations' loads). Each row's value must not depend on which rows it was
+// computed with: every range of rows gives the bits of each of its rows computed alone.
+TEST(CpuGemm, OneTokenRowsTogetherEqualRowsAlone) {
+  for (int64_t rows : {1, 3, 4, 5, 9, 70})
+    for (const auto& w : every_format(rows)) {
+      const int64_t cols = w->m.cols;
+      const std::vector<float> x = gaussian(size_t(cols), uint32_t(rows * 7 + cols));
+      for (KernelLevel level : test::supported_levels())
+        for (bool precise : {true, false}) {
+          const KernelLevel saved = cpu::kernel_level();
+          cpu::set_kernel_level(level);
+          cpu::PreparedInput in;
+          cpu::prepare_input(w->m, x.data(), 1, precise, in);
+          std::vector<float> alone(static_cast<size_t>(rows));
+          for (int64_t r = 0; r < rows; ++r) cpu::matmul_rows(w->m, in, alone.data(), rows, r, r + 1);
+          for (int64_t r0 = 0; r0 < std::min<int64_t>(rows, 6); ++r0) {
+            std::vector<float> y(size_t(rows), std::nanf(""));
+            cpu::matmul_rows(w->m, in, y.data(), rows, r0, rows);
+            for (int64_t r = r0; r < rows; ++r)
+              ASSERT_EQ(y[size_t(r)], alone[size_t(r)])
+                  << w->what << " " << cpu::kernel_level_name(level) << (precise ? " f32" : " int8")
+                  << " rows [" << r0 << ", " << rows << ") row " << r;
+          }
+          cpu::set_kernel_level(saved);
+        }
+    }
+}
+
 // q, k and v of one format through the CPU backend's linear_shared_input (x prepared once, all
 // their rows in one parallel loop) equal three linear() calls bit for bit, the bias included, on
 // both activation paths; matrices of different formats go one by one, with the same results.

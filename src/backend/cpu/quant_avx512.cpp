@@ -441,6 +441,71 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
   }
 }
 
+// Rows r .. r + R - 1 of a 2- or 4-bit matrix times one token: y[j] is row r + j's product,
+// computed exactly as dot_precise_row computes it (the same tables, lanes, accumulators and
+// order of operations), with the rows interleaved chunk by chunk. The rows share the loads of the
+// activations and the set-up of a call, and their independent chains overlap, which a single
+// row's loop (about 13 operations a chunk on two ports, then its reduction) leaves idle.
+// The codes at next (next_lines cache lines) are prefetched along the way, a few lines a chunk:
+// asked for all at once, they would fill the core's line fill buffers and stall the loads.
+template <int BITS, int GS, bool MX, int R>
+MS_AVX512 void dot_precise_rows(const Matrix& w, int64_t r, const float* x, float* y, const uint8_t* next,
+                                int64_t next_lines) {
+  static_assert(BITS == 2 || BITS == 4);
+  const int64_t groups = w.cols / GS, full = w.cols / 64, row_bytes = w.cols * BITS / 8;
+  const int64_t chunks = (w.cols + 63) / 64;
+  const uint8_t* codes = static_cast<const uint8_t*>(w.data) + r * row_bytes;
+  const DType dt = w.quant.scale_dtype;
+  __m512 acc[R][4];
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
+  alignas(64) float sf[R][16], bf[R][16];
+  for (int64_t g0 = 0; g0 < groups; g0 += 16) {
+    const int64_t n = std::min<int64_t>(16, groups - g0);
+    for (int j = 0; j < R; ++j) {
+      __m512 s16, b16;
+      if constexpr (MX) {
+        const __mmask16 m = __mmask16((1u << n) - 1);
+        const uint8_t* e8 = static_cast<const uint8_t*>(w.scales) + (r + j) * groups + g0;
+        const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, e8));
+        s16 = _mm512_maskz_scalef_ps(m, _mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
+        b16 = _mm512_mul_ps(s16, _mm512_set1_ps(-kMxfp4AffineBiasCodes));
+      } else {
+        s16 = load_half_n(static_cast<const uint16_t*>(w.scales) + (r + j) * groups + g0, n, dt);
+        b16 = load_half_n(static_cast<const uint16_t*>(w.biases) + (r + j) * groups + g0, n, dt);
+      }
+      _mm512_store_ps(sf[j], s16);
+      _mm512_store_ps(bf[j], b16);
+    }
+    const int64_t c_end = ((g0 + n) * GS + 63) / 64;
+    for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
+      for (int64_t l = c * next_lines / chunks; l < (c + 1) * next_lines / chunks; ++l)
+        __builtin_prefetch(next + l * 64);
+      auto k = [&](int i) { return (c * 64 + 16 * i) / GS - g0; };
+      const float* xc = x + c * 64;
+      const __m512 x0 = _mm512_loadu_ps(xc), x1 = _mm512_loadu_ps(xc + 16);
+      const __m512 x2 = _mm512_loadu_ps(xc + 32), x3 = _mm512_loadu_ps(xc + 48);
+#pragma GCC unroll 8
+      for (int j = 0; j < R; ++j) {
+        const uint8_t* p = codes + j * row_bytes + c * 8 * BITS;
+        const __m512 t0 = dequant_table<BITS, MX>(sf[j][k(0)], bf[j][k(0)]);
+        const __m512 t2 = GS == 32 ? dequant_table<BITS, MX>(sf[j][k(2)], bf[j][k(2)]) : t0;
+        acc[j][0] = _mm512_fmadd_ps(_mm512_permutexvar_ps(table_index<BITS>(p, 0), t0), x0, acc[j][0]);
+        acc[j][1] = _mm512_fmadd_ps(_mm512_permutexvar_ps(table_index<BITS>(p, 1), t0), x1, acc[j][1]);
+        if (c < full) {
+          acc[j][2] = _mm512_fmadd_ps(_mm512_permutexvar_ps(table_index<BITS>(p, 2), t2), x2, acc[j][2]);
+          acc[j][3] = _mm512_fmadd_ps(_mm512_permutexvar_ps(table_index<BITS>(p, 3), t2), x3, acc[j][3]);
+        } else {
+          acc[j][2] = _mm512_fmadd_ps(_mm512_setzero_ps(), x2, acc[j][2]);
+          acc[j][3] = _mm512_fmadd_ps(_mm512_setzero_ps(), x3, acc[j][3]);
+        }
+      }
+    }
+  }
+  for (int j = 0; j < R; ++j)
+    y[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[j][0], acc[j][1]), _mm512_add_ps(acc[j][2], acc[j][3])));
+}
+
 // Scales and biases of rows r .. r + m (m <= 16) for groups [0, n): grid[g * 32 + j] and
 // grid[g * 32 + 16 + j] for row r + j (zeros for j >= m), exactly as RowGroups gives them.
 // Also prefetches the scales and biases of rows r + ahead .. r + ahead + 15, which the caller
@@ -673,6 +738,17 @@ struct Avx512 {
       a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xc + 48), a3);
     });
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+  // One token on 2- and 4-bit rows: kPreciseRows rows at a time (dot_precise_rows).
+  static constexpr int64_t kPreciseRows = 4;
+  static constexpr bool precise_rows(int bits) { return bits == 2 || bits == 4; }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dot_precise_rows(const Matrix& w, int64_t r, int64_t m, const float* x, float* y,
+                                         const uint8_t* next, int64_t next_lines) {
+    if constexpr (precise_rows(BITS)) {
+      if (m == kPreciseRows) return detail::dot_precise_rows<BITS, GS, MX, kPreciseRows>(w, r, x, y, next, next_lines);
+      for (int64_t j = 0; j < m; ++j) detail::dot_precise_rows<BITS, GS, MX, 1>(w, r + j, x, y + j, next, 0);
+    }
   }
   // Rows of whole chunks, as the padded activations.
   static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }

@@ -111,6 +111,18 @@ inline void prefetch_quant_row(const Matrix& w, int64_t r) {
   prefetch_bytes(row_scales(w, r), row_groups(w) * 2);
   prefetch_bytes(row_biases(w, r), row_groups(w) * 2);
 }
+// The scales and biases (MXFP4: exponents) of rows r .. r + m - 1 of a quantized matrix whose
+// groups are GS columns (contiguous rows: one range each).
+template <int GS, bool MX>
+inline void prefetch_quant_sides(const Matrix& w, int64_t r, int64_t m) {
+  const int64_t groups = w.cols / GS;
+  if (MX) {
+    prefetch_bytes(static_cast<const uint8_t*>(w.scales) + r * groups, m * groups);
+    return;
+  }
+  prefetch_bytes(static_cast<const uint16_t*>(w.scales) + r * groups, m * groups * 2);
+  prefetch_bytes(static_cast<const uint16_t*>(w.biases) + r * groups, m * groups * 2);
+}
 // Row r of a plain matrix.
 inline void prefetch_plain_row(const Matrix& w, int64_t r) {
   const int64_t bytes = w.cols * int64_t(dtype_size(w.dtype));

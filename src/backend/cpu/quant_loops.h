@@ -3,7 +3,9 @@
 // them over rows and tokens and dispatches on the weight format:
 //
 //   one token      each row streamed once, the row about 4 KB ahead prefetched
-//                  (Isa::dot_plain_row, Isa::dot_int8_row, Isa::dot_precise_row);
+//                  (Isa::dot_plain_row, Isa::dot_int8_row, Isa::dot_precise_row; where
+//                  Isa::precise_rows(BITS), Isa::kPreciseRows rows at a time by
+//                  Isa::dot_precise_rows, which prefetches the next rows' codes as it goes);
 //   several tokens each row unpacked (int8 path: Isa::unpack_row into Isa::unpacked_bytes(cols)
 //                  bytes, then Isa::dot_int8_unpacked per token) or dequantized / converted to
 //                  float (Isa::dequantize_row, Isa::plain_row_to_f32, rows
@@ -85,6 +87,23 @@ struct QuantLoops {
                              int64_t r1) {
     if (in.T == 1) {
       const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
+      if constexpr (Isa::precise_rows(BITS)) {
+        // The codes `ahead` rows on (rounded up to whole steps of R rows) are prefetched while
+        // a step runs; the scales and biases, a few lines, at its start.
+        constexpr int64_t R = Isa::kPreciseRows;
+        const int64_t lead = (ahead + R - 1) / R * R, code_bytes = row_code_bytes(w);
+        for (int64_t r = r0; r < r1; r += R) {
+          const int64_t m = std::min(R, r1 - r), next = std::min(m, r1 - r - lead);
+          const uint8_t* codes = nullptr;
+          if (next > 0) {
+            codes = static_cast<const uint8_t*>(w.data) + (r + lead) * code_bytes;
+            prefetch_quant_sides<GS, MX>(w, r + lead, next);
+          }
+          Isa::template dot_precise_rows<BITS, GS, MX>(w, r, m, in.xf.data(), y + r, codes,
+                                                       next > 0 ? (next * code_bytes + 63) / 64 : 0);
+        }
+        return;
+      }
       for (int64_t r = r0; r < r1; ++r) {
         if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
         y[r] = Isa::template dot_precise_row<BITS, GS, MX>(w, r, in.xf.data());
