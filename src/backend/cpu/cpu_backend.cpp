@@ -11,6 +11,7 @@
 #include <unordered_map>
 
 #include "backend/backend.h"
+#include "backend/cpu/attention_blocks.h"
 #include "backend/cpu/deltanet.h"
 #include "backend/cpu/kernels.h"
 #include "backend/cpu/kv_attention.h"
@@ -216,6 +217,17 @@ class CpuBackend final : public Backend {
     // Value j of kv head h: v_base + j * v_stride + h * v_head.
     const float* v_base = p.values_in_keys ? k_cache.data : v_cache.data;
     const int64_t v_stride = p.values_in_keys ? kv_dim : v_dim, v_head = p.values_in_keys ? hd : vd;
+    if (T > 1) {  // a prompt chunk: by blocks of queries (attention_blocks.h)
+      cpu::KeyRows rows;
+      rows.key = [&](int64_t j, int h, float* dst) {
+        std::memcpy(dst, k_cache.data + j * kv_dim + int64_t(h) * hd, size_t(hd) * sizeof(float));
+      };
+      rows.value = [&](int64_t j, int h, float* dst) {
+        std::memcpy(dst, v_base + j * v_stride + int64_t(h) * v_head, size_t(vd) * sizeof(float));
+      };
+      cpu::attention_by_blocks(pool_, q, p, rows, out);
+      return;
+    }
     const int group = p.n_heads / p.n_kv_heads;
     pool_.parallel_for(size_t(T * p.n_heads), [&](size_t i0, size_t i1) {
       thread_local std::vector<float> scores;
