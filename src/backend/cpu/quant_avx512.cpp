@@ -241,6 +241,12 @@ struct RowGroups {
       : scales(MX ? static_cast<const void*>(row_exponents(w, r)) : row_scales(w, r)),
         biases(MX ? nullptr : row_biases(w, r)),
         dt(w.quant.scale_dtype) {}
+  // The same, with the row's group count given (no division).
+  MS_AVX512 RowGroups(const Matrix& w, int64_t r, int64_t groups)
+      : scales(MX ? static_cast<const void*>(static_cast<const uint8_t*>(w.scales) + r * groups)
+                  : static_cast<const uint16_t*>(w.scales) + r * groups),
+        biases(MX ? nullptr : static_cast<const uint16_t*>(w.biases) + r * groups),
+        dt(w.quant.scale_dtype) {}
   // Groups g0 .. g0 + n (n <= 16); zeros after them.
   MS_AVX512 void load(int64_t g0, int64_t n, __m512& s, __m512& b) const {
     if constexpr (MX) {
@@ -283,26 +289,51 @@ struct UnpackedRow {
   MS_AVX512 __m512i half(int64_t c) const { return chunk(c); }
 };
 
-// sum over the 4 codes of each int32 lane of codes * x^, as floats: 16 partial sums of chunk c.
-MS_AVX512 inline __m512 chunk_sum(__m512i codes, const TokenInt8& x, int64_t c) {
-  const __m512i xq = _mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64));
-  const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, xq);
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(isum), _mm512_loadu_ps(x.lane_scale + c * 16));
+// Token x's int8 activations of chunk c and their lanes' scales.
+struct ChunkX {
+  __m512i q;
+  __m512 scale;
+  MS_AVX512 ChunkX(const TokenInt8& x, int64_t c)
+      : q(_mm512_loadu_si512(reinterpret_cast<const __m512i*>(x.q + c * 64))),
+        scale(_mm512_loadu_ps(x.lane_scale + c * 16)) {}
+};
+
+// sum over the 4 codes of each int32 lane of codes * x^, as floats: 16 partial sums of a chunk;
+// chunk_sum_add adds them to `to` in the same fma (written out, so that no inlining decides
+// whether the compiler contracts a multiply and an add).
+MS_AVX512 inline __m512 chunk_sum(__m512i codes, const ChunkX& x) {
+  const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x.q);
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(isum), x.scale);
+}
+MS_AVX512 inline __m512 chunk_sum_add(__m512i codes, const ChunkX& x, __m512 to) {
+  const __m512i isum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), codes, x.q);
+  return _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), x.scale, to);
 }
 
-// The int8 dot product of one row with one token. Two accumulators alternate between groups
-// (or chunks) so that the chain of fmas into them does not bound the loop.
-template <int BITS, int GS, bool MX, class Row>
-MS_AVX512 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t cols,
-                         const TokenInt8& x) {
-  const int64_t groups = cols / GS;
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps(), acc_bias = _mm512_setzero_ps();
-  alignas(64) float sf[16];
+// The int8 dot products of R rows with one token: y[j] for row[j] and its groups params[j]. Two
+// accumulators a row alternate between groups (or chunks) so that the chain of fmas into them
+// does not bound the loop. The rows share the activations' loads and run interleaved, each with
+// its own sums in the same order as alone (R = 1). The codes at next (next_lines cache lines) are
+// prefetched a few lines a chunk, as dot_precise_rows does.
+template <int BITS, int GS, bool MX, int R, class Row>
+MS_AVX512 void dot_int8_rows(const Row* row, const RowGroups<MX>* params, int64_t cols, const TokenInt8& x,
+                             float* y, const uint8_t* next = nullptr, int64_t next_lines = 0) {
+  const int64_t groups = cols / GS, chunks = (cols + 63) / 64;
+  const auto prefetch = [&](int64_t c) {
+    for (int64_t l = c * next_lines / chunks; l < (c + 1) * next_lines / chunks; ++l) __builtin_prefetch(next + l * 64);
+  };
+  __m512 acc0[R], acc1[R], acc_bias[R];
+  for (int j = 0; j < R; ++j) acc0[j] = acc1[j] = acc_bias[j] = _mm512_setzero_ps();
+  alignas(64) float sf[R][16];
   for (int64_t g0 = 0; g0 < groups; g0 += 16) {
     const int64_t n = std::min<int64_t>(16, groups - g0);
-    __m512 s, b;
-    params.load(g0, n, s, b);
-    acc_bias = _mm512_fmadd_ps(b, _mm512_loadu_ps(x.group_sum + g0), acc_bias);
+    __m512 s[R];
+    const __m512 group_sum = _mm512_loadu_ps(x.group_sum + g0);
+    for (int j = 0; j < R; ++j) {
+      __m512 b;
+      params[j].load(g0, n, s[j], b);
+      acc_bias[j] = _mm512_fmadd_ps(b, group_sum, acc_bias[j]);
+    }
     if constexpr (GS == 32) {
       // A chunk spans two groups: lanes 0-7 (codes 0-31) and lanes 8-15 (codes 32-63); `pick`
       // spreads their two scales over those lanes.
@@ -311,39 +342,73 @@ MS_AVX512 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t co
       const int64_t end = g0 / 2 + n / 2;
       int64_t c = g0 / 2;
       for (; c + 2 <= end; c += 2) {
-        const __m512 f0 = chunk_sum(row.chunk(c), x, c);
-        const __m512 f1 = chunk_sum(row.chunk(c + 1), x, c + 1);
-        acc0 = _mm512_fmadd_ps(f0, _mm512_permutexvar_ps(pick, s), acc0);
-        pick = _mm512_add_epi32(pick, two);
-        acc1 = _mm512_fmadd_ps(f1, _mm512_permutexvar_ps(pick, s), acc1);
-        pick = _mm512_add_epi32(pick, two);
+        prefetch(c);
+        prefetch(c + 1);
+        const ChunkX x0(x, c), x1(x, c + 1);
+        const __m512i pick1 = _mm512_add_epi32(pick, two);
+#pragma GCC unroll 8
+        for (int j = 0; j < R; ++j) {
+          const __m512 f0 = chunk_sum(row[j].chunk(c), x0);
+          const __m512 f1 = chunk_sum(row[j].chunk(c + 1), x1);
+          acc0[j] = _mm512_fmadd_ps(f0, _mm512_permutexvar_ps(pick, s[j]), acc0[j]);
+          acc1[j] = _mm512_fmadd_ps(f1, _mm512_permutexvar_ps(pick1, s[j]), acc1[j]);
+        }
+        pick = _mm512_add_epi32(pick1, two);
       }
       if (c < end) {
-        acc0 = _mm512_fmadd_ps(chunk_sum(row.chunk(c), x, c), _mm512_permutexvar_ps(pick, s), acc0);
+        prefetch(c);
+        const ChunkX xc(x, c);
+        for (int j = 0; j < R; ++j)
+          acc0[j] = _mm512_fmadd_ps(chunk_sum(row[j].chunk(c), xc), _mm512_permutexvar_ps(pick, s[j]), acc0[j]);
         pick = _mm512_add_epi32(pick, two);
         ++c;
       }
-      if (n % 2)  // the row's last group, alone in a half chunk
-        acc1 = _mm512_fmadd_ps(chunk_sum(row.half(c), x, c), _mm512_permutexvar_ps(pick, s), acc1);
+      if (n % 2) {  // the row's last group, alone in a half chunk
+        prefetch(c);
+        const ChunkX xc(x, c);
+        for (int j = 0; j < R; ++j)
+          acc1[j] = _mm512_fmadd_ps(chunk_sum(row[j].half(c), xc), _mm512_permutexvar_ps(pick, s[j]), acc1[j]);
+      }
     } else {
       constexpr int kChunks = GS / 64;  // per group
-      _mm512_store_ps(sf, s);
-      auto group_sum = [&](int64_t g) MS_AVX512 {
-        __m512 sum = chunk_sum(row.chunk(g * kChunks), x, g * kChunks);
-        for (int j = 1; j < kChunks; ++j)
-          sum = _mm512_add_ps(sum, chunk_sum(row.chunk(g * kChunks + j), x, g * kChunks + j));
-        return sum;
+      for (int j = 0; j < R; ++j) _mm512_store_ps(sf[j], s[j]);
+      // Group g's sums of every row: its chunks' sums added in order.
+      const auto group_sums = [&](int64_t g, __m512* sum) MS_AVX512 {
+        for (int i = 0; i < kChunks; ++i) {
+          const int64_t c = g * kChunks + i;
+          prefetch(c);
+          const ChunkX xc(x, c);
+#pragma GCC unroll 8
+          for (int j = 0; j < R; ++j)
+            sum[j] = i == 0 ? chunk_sum(row[j].chunk(c), xc) : chunk_sum_add(row[j].chunk(c), xc, sum[j]);
+        }
       };
       int64_t k = 0;
+      __m512 a[R], b[R];
       for (; k + 2 <= n; k += 2) {
-        const __m512 a = group_sum(g0 + k), b = group_sum(g0 + k + 1);
-        acc0 = _mm512_fmadd_ps(a, _mm512_set1_ps(sf[k]), acc0);
-        acc1 = _mm512_fmadd_ps(b, _mm512_set1_ps(sf[k + 1]), acc1);
+        group_sums(g0 + k, a);
+        group_sums(g0 + k + 1, b);
+        for (int j = 0; j < R; ++j) {
+          acc0[j] = _mm512_fmadd_ps(a[j], _mm512_set1_ps(sf[j][k]), acc0[j]);
+          acc1[j] = _mm512_fmadd_ps(b[j], _mm512_set1_ps(sf[j][k + 1]), acc1[j]);
+        }
       }
-      if (k < n) acc0 = _mm512_fmadd_ps(group_sum(g0 + k), _mm512_set1_ps(sf[k]), acc0);
+      if (k < n) {
+        group_sums(g0 + k, a);
+        for (int j = 0; j < R; ++j) acc0[j] = _mm512_fmadd_ps(a[j], _mm512_set1_ps(sf[j][k]), acc0[j]);
+      }
     }
   }
-  return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0, acc1), acc_bias));
+  for (int j = 0; j < R; ++j)
+    y[j] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc0[j], acc1[j]), acc_bias[j]));
+}
+
+// The int8 dot product of one row with one token.
+template <int BITS, int GS, bool MX, class Row>
+MS_AVX512 float dot_int8(const Row& row, const RowGroups<MX>& params, int64_t cols, const TokenInt8& x) {
+  float y;
+  dot_int8_rows<BITS, GS, MX, 1>(&row, &params, cols, x, &y);
+  return y;
 }
 
 // vpermb controls that spread codes 16 i .. 16 i + 15 of a chunk over the low bytes of 16
@@ -739,16 +804,31 @@ struct Avx512 {
     });
     return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
   }
-  // One token on 2- and 4-bit rows: kPreciseRows rows at a time (dot_precise_rows).
-  static constexpr int64_t kPreciseRows = 4;
+  // One token: kOneTokenRows rows at a time, on the float path for 2- and 4-bit rows
+  // (dot_precise_rows), on the int8 path for every width (dot_int8_rows).
+  static constexpr int64_t kOneTokenRows = 4;
   static constexpr bool precise_rows(int bits) { return bits == 2 || bits == 4; }
+  static constexpr bool int8_rows() { return true; }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dot_precise_rows(const Matrix& w, int64_t r, int64_t m, const float* x, float* y,
                                          const uint8_t* next, int64_t next_lines) {
     if constexpr (precise_rows(BITS)) {
-      if (m == kPreciseRows) return detail::dot_precise_rows<BITS, GS, MX, kPreciseRows>(w, r, x, y, next, next_lines);
+      if (m == kOneTokenRows) return detail::dot_precise_rows<BITS, GS, MX, kOneTokenRows>(w, r, x, y, next, next_lines);
       for (int64_t j = 0; j < m; ++j) detail::dot_precise_rows<BITS, GS, MX, 1>(w, r + j, x, y + j, next, 0);
     }
+  }
+  template <int BITS, int GS, bool MX>
+  MS_AVX512 static void dot_int8_rows(const Matrix& w, int64_t r, int64_t m, const TokenInt8& x, float* y,
+                                      const uint8_t* next, int64_t next_lines) {
+    static_assert(kOneTokenRows == 4);
+    const int64_t groups = w.cols / GS, bytes = row_code_bytes(w);
+    const uint8_t* codes = static_cast<const uint8_t*>(w.data) + r * bytes;
+    if (m == kOneTokenRows) {
+      const PackedRow<BITS, MX> rows[4] = {{codes}, {codes + bytes}, {codes + 2 * bytes}, {codes + 3 * bytes}};
+      const RowGroups<MX> params[4] = {{w, r, groups}, {w, r + 1, groups}, {w, r + 2, groups}, {w, r + 3, groups}};
+      return detail::dot_int8_rows<BITS, GS, MX, 4>(rows, params, w.cols, x, y, next, next_lines);
+    }
+    for (int64_t j = 0; j < m; ++j) y[j] = dot_int8_row<BITS, GS, MX>(w, r + j, x);
   }
   // Rows of whole chunks, as the padded activations.
   static int64_t dequantized_stride(const Matrix&, const PreparedInput& in) { return in.stride; }

@@ -4,8 +4,9 @@
 //
 //   one token      each row streamed once, the row about 4 KB ahead prefetched
 //                  (Isa::dot_plain_row, Isa::dot_int8_row, Isa::dot_precise_row; where
-//                  Isa::precise_rows(BITS), Isa::kPreciseRows rows at a time by
-//                  Isa::dot_precise_rows, which prefetches the next rows' codes as it goes);
+//                  Isa::int8_rows() / Isa::precise_rows(BITS), Isa::kOneTokenRows rows at a
+//                  time by Isa::dot_int8_rows / Isa::dot_precise_rows, which prefetch the next
+//                  rows' codes as they go: one_token_steps);
 //   several tokens each row unpacked (int8 path: Isa::unpack_row into Isa::unpacked_bytes(cols)
 //                  bytes, then Isa::dot_int8_unpacked per token) or dequantized / converted to
 //                  float (Isa::dequantize_row, Isa::plain_row_to_f32, rows
@@ -60,6 +61,12 @@ struct QuantLoops {
     if (in.T == 1) {
       const TokenInt8 x = token_int8(in, 0);
       const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
+      if constexpr (Isa::int8_rows()) {
+        one_token_steps<GS, MX>(w, r0, r1, ahead, [&](int64_t r, int64_t m, const uint8_t* next, int64_t lines) {
+          Isa::template dot_int8_rows<BITS, GS, MX>(w, r, m, x, y + r, next, lines);
+        });
+        return;
+      }
       for (int64_t r = r0; r < r1; ++r) {
         if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
         y[r] = Isa::template dot_int8_row<BITS, GS, MX>(w, r, x);
@@ -88,20 +95,9 @@ struct QuantLoops {
     if (in.T == 1) {
       const int64_t ahead = prefetch_rows_ahead(row_code_bytes(w));
       if constexpr (Isa::precise_rows(BITS)) {
-        // The codes `ahead` rows on (rounded up to whole steps of R rows) are prefetched while
-        // a step runs; the scales and biases, a few lines, at its start.
-        constexpr int64_t R = Isa::kPreciseRows;
-        const int64_t lead = (ahead + R - 1) / R * R, code_bytes = row_code_bytes(w);
-        for (int64_t r = r0; r < r1; r += R) {
-          const int64_t m = std::min(R, r1 - r), next = std::min(m, r1 - r - lead);
-          const uint8_t* codes = nullptr;
-          if (next > 0) {
-            codes = static_cast<const uint8_t*>(w.data) + (r + lead) * code_bytes;
-            prefetch_quant_sides<GS, MX>(w, r + lead, next);
-          }
-          Isa::template dot_precise_rows<BITS, GS, MX>(w, r, m, in.xf.data(), y + r, codes,
-                                                       next > 0 ? (next * code_bytes + 63) / 64 : 0);
-        }
+        one_token_steps<GS, MX>(w, r0, r1, ahead, [&](int64_t r, int64_t m, const uint8_t* next, int64_t lines) {
+          Isa::template dot_precise_rows<BITS, GS, MX>(w, r, m, in.xf.data(), y + r, next, lines);
+        });
         return;
       }
       for (int64_t r = r0; r < r1; ++r) {
@@ -118,6 +114,25 @@ struct QuantLoops {
              ViaRows{Isa::dequantized_stride(w, in), [&](int64_t r, float* dst) {
                        Isa::template dequantize_row<BITS, GS, MX>(w, r, dst);
                      }});
+    }
+  }
+
+  // One token over rows [r0, r1) of a quantized matrix, Isa::kOneTokenRows at a time:
+  // step(r, m, next, lines) computes rows r .. r + m - 1 and prefetches the codes at next (lines
+  // cache lines: the rows `ahead` on, rounded up to whole steps) as it goes; the scales and
+  // biases of those rows, a few lines, are prefetched here at its start.
+  template <int GS, bool MX, class Step>
+  static void one_token_steps(const Matrix& w, int64_t r0, int64_t r1, int64_t ahead, Step step) {
+    constexpr int64_t R = Isa::kOneTokenRows;
+    const int64_t lead = (ahead + R - 1) / R * R, code_bytes = row_code_bytes(w);
+    for (int64_t r = r0; r < r1; r += R) {
+      const int64_t m = std::min(R, r1 - r), next = std::min(m, r1 - r - lead);
+      const uint8_t* codes = nullptr;
+      if (next > 0) {
+        codes = static_cast<const uint8_t*>(w.data) + (r + lead) * code_bytes;
+        prefetch_quant_sides<GS, MX>(w, r + lead, next);
+      }
+      step(r, m, codes, next > 0 ? (next * code_bytes + 63) / 64 : 0);
     }
   }
 
