@@ -67,6 +67,8 @@ struct PreparedInput {
 void prepare_input(const Matrix& w, const float* x, int64_t T, bool precise, PreparedInput& in);
 
 // y[t * ldy + r] = dot(W[r, :], x[t, :]) for rows r in [r0, r1) and every token t.
+// For T = 1 a level may compute a few rows together (AVX-512: four), each with its own sums in
+// its own order: a row's value does not depend on the range it is computed in.
 // For T > 1 each weight row is unpacked once and reused for all tokens. The SIMD levels then run
 // a small GEMM (gemm.h), which sums in another order than T = 1 does, so a token's outputs can
 // differ in the last bits between a batch and a single-token call (the weights and activations
