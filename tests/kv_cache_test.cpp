@@ -103,6 +103,20 @@ struct AttnCase {
   bool values_in_keys = false;
 };
 
+AttentionParams attention_params(const AttnCase& c, const KvCacheSpec& kv, int64_t n_past) {
+  AttentionParams p;
+  p.n_heads = c.n_heads;
+  p.n_kv_heads = c.n_kv_heads;
+  p.head_dim = c.head_dim;
+  p.scale = 1.0f / std::sqrt(float(c.head_dim));
+  p.n_past = n_past;
+  p.sliding_window = c.sliding_window;
+  p.v_head_dim = c.v_head_dim ? c.v_head_dim : c.head_dim;
+  p.values_in_keys = c.values_in_keys;
+  p.kv = kv;
+  return p;
+}
+
 std::vector<float> run_attention(const AttnCase& c, const KvCacheSpec& kv, const std::vector<int64_t>& calls,
                                  int64_t capacity) {
   auto be = make_cpu_backend(2, true);
@@ -120,17 +134,7 @@ std::vector<float> run_attention(const AttnCase& c, const KvCacheSpec& kv, const
       const std::vector<float> g = test::gaussian(size_t(b->rows * b->cols), seed++, 2.0f);
       std::copy(g.begin(), g.end(), b->data);
     }
-    AttentionParams p;
-    p.n_heads = c.n_heads;
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = c.head_dim;
-    p.scale = 1.0f / std::sqrt(float(c.head_dim));
-    p.n_past = n_past;
-    p.sliding_window = c.sliding_window;
-    p.v_head_dim = int(vd);
-    p.values_in_keys = c.values_in_keys;
-    p.kv = kv;
-    be->attention(q, k, v, kc, vc, p, o);
+    be->attention(q, k, v, kc, vc, attention_params(c, kv, n_past), o);
     outs.insert(outs.end(), o.data, o.data + T * out_dim);
     n_past += T;
   }
@@ -257,16 +261,7 @@ std::vector<float> attend_cut(const AttnCase& c, const KvCacheSpec& kv, int64_t 
     std::copy_n(q.begin() + n_past * q_dim, T * q_dim, qb.data);
     std::copy_n(k.begin() + n_past * kv_dim, T * kv_dim, kb.data);
     std::copy_n(v.begin() + n_past * v_dim, T * v_dim, vb.data);
-    AttentionParams p;
-    p.n_heads = c.n_heads;
-    p.n_kv_heads = c.n_kv_heads;
-    p.head_dim = c.head_dim;
-    p.scale = 1.0f / std::sqrt(float(c.head_dim));
-    p.n_past = n_past;
-    p.v_head_dim = int(vd);
-    p.values_in_keys = c.values_in_keys;
-    p.kv = kv;
-    be->attention(qb, kb, vb, kc, vc, p, o);
+    be->attention(qb, kb, vb, kc, vc, attention_params(c, kv, n_past), o);
     outs.insert(outs.end(), o.data, o.data + T * out_dim);
     n_past += T;
   }
