@@ -515,10 +515,6 @@ struct Avx2 {
   static constexpr int64_t kOneTokenRows = 1;
   static constexpr bool precise_rows(int) { return false; }
   static constexpr bool int8_rows() { return false; }
-  template <int BITS, int GS, bool MX>
-  static void dot_precise_rows(const Matrix&, int64_t, int64_t, const float*, float*, const uint8_t*, int64_t) {}
-  template <int BITS, int GS, bool MX>
-  static void dot_int8_rows(const Matrix&, int64_t, int64_t, const TokenInt8&, float*, const uint8_t*, int64_t) {}
   // Several tokens on the int8 path: each row unpacked once, then one dot product per token.
   static constexpr int64_t kInt8Rows = 1, kInt8MinTokens = 0;
   template <int BITS, int GS, bool MX>

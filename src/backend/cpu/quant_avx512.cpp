@@ -289,6 +289,13 @@ struct UnpackedRow {
   MS_AVX512 __m512i half(int64_t c) const { return chunk(c); }
 };
 
+// Chunk c's share (of `chunks`) of the `lines` cache lines at next, prefetched: the one-token
+// kernels ask for the next rows' codes a few lines a chunk, since asked for all at once they
+// would fill the core's line fill buffers and stall the loads.
+inline void prefetch_share(const uint8_t* next, int64_t lines, int64_t c, int64_t chunks) {
+  for (int64_t l = c * lines / chunks; l < (c + 1) * lines / chunks; ++l) __builtin_prefetch(next + l * 64);
+}
+
 // Token x's int8 activations of chunk c and their lanes' scales.
 struct ChunkX {
   __m512i q;
@@ -314,14 +321,12 @@ MS_AVX512 inline __m512 chunk_sum_add(__m512i codes, const ChunkX& x, __m512 to)
 // accumulators a row alternate between groups (or chunks) so that the chain of fmas into them
 // does not bound the loop. The rows share the activations' loads and run interleaved, each with
 // its own sums in the same order as alone (R = 1). The codes at next (next_lines cache lines) are
-// prefetched a few lines a chunk, as dot_precise_rows does.
+// prefetched along the way (prefetch_share).
 template <int BITS, int GS, bool MX, int R, class Row>
 MS_AVX512 void dot_int8_rows(const Row* row, const RowGroups<MX>* params, int64_t cols, const TokenInt8& x,
                              float* y, const uint8_t* next = nullptr, int64_t next_lines = 0) {
   const int64_t groups = cols / GS, chunks = (cols + 63) / 64;
-  const auto prefetch = [&](int64_t c) {
-    for (int64_t l = c * next_lines / chunks; l < (c + 1) * next_lines / chunks; ++l) __builtin_prefetch(next + l * 64);
-  };
+  const auto prefetch = [&](int64_t c) { prefetch_share(next, next_lines, c, chunks); };
   __m512 acc0[R], acc1[R], acc_bias[R];
   for (int j = 0; j < R; ++j) acc0[j] = acc1[j] = acc_bias[j] = _mm512_setzero_ps();
   alignas(64) float sf[R][16];
@@ -511,8 +516,7 @@ MS_AVX512 inline void for_each_dequantized(const Matrix& w, int64_t r, F&& f) {
 // order of operations), with the rows interleaved chunk by chunk. The rows share the loads of the
 // activations and the set-up of a call, and their independent chains overlap, which a single
 // row's loop (about 13 operations a chunk on two ports, then its reduction) leaves idle.
-// The codes at next (next_lines cache lines) are prefetched along the way, a few lines a chunk:
-// asked for all at once, they would fill the core's line fill buffers and stall the loads.
+// The codes at next (next_lines cache lines) are prefetched along the way (prefetch_share).
 template <int BITS, int GS, bool MX, int R>
 MS_AVX512 void dot_precise_rows(const Matrix& w, int64_t r, const float* x, float* y, const uint8_t* next,
                                 int64_t next_lines) {
@@ -520,7 +524,6 @@ MS_AVX512 void dot_precise_rows(const Matrix& w, int64_t r, const float* x, floa
   const int64_t groups = w.cols / GS, full = w.cols / 64, row_bytes = w.cols * BITS / 8;
   const int64_t chunks = (w.cols + 63) / 64;
   const uint8_t* codes = static_cast<const uint8_t*>(w.data) + r * row_bytes;
-  const DType dt = w.quant.scale_dtype;
   __m512 acc[R][4];
   for (int j = 0; j < R; ++j)
     for (int i = 0; i < 4; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -529,23 +532,13 @@ MS_AVX512 void dot_precise_rows(const Matrix& w, int64_t r, const float* x, floa
     const int64_t n = std::min<int64_t>(16, groups - g0);
     for (int j = 0; j < R; ++j) {
       __m512 s16, b16;
-      if constexpr (MX) {
-        const __mmask16 m = __mmask16((1u << n) - 1);
-        const uint8_t* e8 = static_cast<const uint8_t*>(w.scales) + (r + j) * groups + g0;
-        const __m512i e = _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(m, e8));
-        s16 = _mm512_maskz_scalef_ps(m, _mm512_set1_ps(1.0f), _mm512_cvtepi32_ps(_mm512_sub_epi32(e, _mm512_set1_epi32(128))));
-        b16 = _mm512_mul_ps(s16, _mm512_set1_ps(-kMxfp4AffineBiasCodes));
-      } else {
-        s16 = load_half_n(static_cast<const uint16_t*>(w.scales) + (r + j) * groups + g0, n, dt);
-        b16 = load_half_n(static_cast<const uint16_t*>(w.biases) + (r + j) * groups + g0, n, dt);
-      }
+      RowGroups<MX>(w, r + j, groups).load(g0, n, s16, b16);
       _mm512_store_ps(sf[j], s16);
       _mm512_store_ps(bf[j], b16);
     }
     const int64_t c_end = ((g0 + n) * GS + 63) / 64;
     for (int64_t c = g0 * GS / 64; c < c_end; ++c) {
-      for (int64_t l = c * next_lines / chunks; l < (c + 1) * next_lines / chunks; ++l)
-        __builtin_prefetch(next + l * 64);
+      prefetch_share(next, next_lines, c, chunks);
       auto k = [&](int i) { return (c * 64 + 16 * i) / GS - g0; };
       const float* xc = x + c * 64;
       const __m512 x0 = _mm512_loadu_ps(xc), x1 = _mm512_loadu_ps(xc + 16);
@@ -812,10 +805,8 @@ struct Avx512 {
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dot_precise_rows(const Matrix& w, int64_t r, int64_t m, const float* x, float* y,
                                          const uint8_t* next, int64_t next_lines) {
-    if constexpr (precise_rows(BITS)) {
-      if (m == kOneTokenRows) return detail::dot_precise_rows<BITS, GS, MX, kOneTokenRows>(w, r, x, y, next, next_lines);
-      for (int64_t j = 0; j < m; ++j) detail::dot_precise_rows<BITS, GS, MX, 1>(w, r + j, x, y + j, next, 0);
-    }
+    if (m == kOneTokenRows) return detail::dot_precise_rows<BITS, GS, MX, kOneTokenRows>(w, r, x, y, next, next_lines);
+    for (int64_t j = 0; j < m; ++j) detail::dot_precise_rows<BITS, GS, MX, 1>(w, r + j, x, y + j, next, 0);
   }
   template <int BITS, int GS, bool MX>
   MS_AVX512 static void dot_int8_rows(const Matrix& w, int64_t r, int64_t m, const TokenInt8& x, float* y,

@@ -65,11 +65,11 @@ struct QuantLoops {
         one_token_steps<GS, MX>(w, r0, r1, ahead, [&](int64_t r, int64_t m, const uint8_t* next, int64_t lines) {
           Isa::template dot_int8_rows<BITS, GS, MX>(w, r, m, x, y + r, next, lines);
         });
-        return;
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-        y[r] = Isa::template dot_int8_row<BITS, GS, MX>(w, r, x);
+      } else {
+        for (int64_t r = r0; r < r1; ++r) {
+          if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
+          y[r] = Isa::template dot_int8_row<BITS, GS, MX>(w, r, x);
+        }
       }
       return;
     }
@@ -98,11 +98,11 @@ struct QuantLoops {
         one_token_steps<GS, MX>(w, r0, r1, ahead, [&](int64_t r, int64_t m, const uint8_t* next, int64_t lines) {
           Isa::template dot_precise_rows<BITS, GS, MX>(w, r, m, in.xf.data(), y + r, next, lines);
         });
-        return;
-      }
-      for (int64_t r = r0; r < r1; ++r) {
-        if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
-        y[r] = Isa::template dot_precise_row<BITS, GS, MX>(w, r, in.xf.data());
+      } else {
+        for (int64_t r = r0; r < r1; ++r) {
+          if (r + ahead < r1) prefetch_quant_row(w, r + ahead);
+          y[r] = Isa::template dot_precise_row<BITS, GS, MX>(w, r, in.xf.data());
+        }
       }
       return;
     }
