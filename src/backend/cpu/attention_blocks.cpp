@@ -1,9 +1,9 @@
 #include "backend/cpu/attention_blocks.h"
 
 #include <algorithm>
-#include <utility>
 #include <cmath>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "backend/cpu/kernels.h"
