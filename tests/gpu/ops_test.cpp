@@ -746,9 +746,12 @@ TEST_F(Pair, MoeEveryExpertFormat) {
 }
 
 // A decode step of several tokens routes them in one launch (route_few, grid row per token) and
-// runs each expert's rows one at a time: each token's MoE output equals its lone step's bit for
-// bit (the batched decode's exactness), for the routers the single-token tile reads, 160
-// experts (20 blocks a token), through the host round trip (first round) and resident (second).
+// runs chunks of an expert's rows against one read of its weights (resident) or its rows one at
+// a time (host round trip): each token's MoE output equals its lone step's bit for bit (the
+// batched decode's exactness), for the routers the single-token tile reads, 160 experts (20
+// blocks a token), through the host round trip (first round) and resident (second). Tokens
+// repeat in the second half of the inputs, so that experts get 2 to 8 rows: chunks with a
+// remainder, and several chunks of one expert.
 TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
   const int E = 160;
   const int64_t dim = 256, inter = 64;
@@ -765,8 +768,13 @@ TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
     p.top_k = 6;
     p.norm_topk_prob = true;
     for (int round = 0; round < 2; ++round) {
-      for (int64_t T : {2, 5, 8}) {
-        const std::vector<float> xv = random(size_t(T * dim), uint32_t(50 + T));
+      for (int64_t T : {2, 5, 8, -3, -5, -8}) {
+        const int64_t distinct = T > 0 ? T : T == -8 ? 1 : 2;  // rows of x before they repeat
+        T = T > 0 ? T : -T;
+        const std::vector<float> rows = random(size_t(distinct * dim), uint32_t(50 + T + distinct));
+        std::vector<float> xv(size_t(T * dim));
+        for (int64_t t = 0; t < T; ++t)
+          std::copy_n(rows.begin() + (t % distinct) * dim, dim, xv.begin() + t * dim);
         Buffer x = g->alloc(T, dim), out = g->alloc(T, dim), lone = g->alloc(1, dim);
         ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
         g->moe(x, rg, experts, p, out);

@@ -355,6 +355,7 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
   g.offset = scratch_.get<int>(kOffset, size_t(std::min<int64_t>(E, pairs) + 1));
   g.row_token = scratch_.get<int>(kRowToken, size_t(pairs));
   g.row_of = scratch_.get<int>(kRowOf, size_t(pairs));
+  g.row_chunk = scratch_.get<int>(kRowChunk, size_t(pairs));
   if (tier_ready_ && n_experts_ != E) fail("moe: layer ", layer, " has ", E, " experts, an earlier one ", n_experts_);
   const bool in_vram = tier_ready_ && layer < layers_cap_ && resident_[size_t(layer)] == E && formats_known(formats_, layer);
   c.in_place = in_place && !in_vram;
@@ -431,8 +432,9 @@ void ExpertTier::run_resident(Call& c) {
   }
   bind_layer(c);
   if (c.T > 1) {
+    if (b.few_tokens) b.rows_per_block = cuda::expert_rows_per_block(c.pairs, c.K, c.dim, b.inter);
     prof_.begin(compute_);
-    cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, c.g, compute_);
+    cuda::group_by_expert(c.sel_ids, c.T, c.K, c.E, b.rows_per_block, c.g, compute_);
     if (prof_.on()) prof_.end(compute_, op_label("moe group by expert", c.T));
   }
   b.count_on_device = true;

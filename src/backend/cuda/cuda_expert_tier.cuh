@@ -193,7 +193,7 @@ class ExpertTier {
     if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
   }
 
-  enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kHidden, kY, kNext };
+  enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kRowChunk, kHidden, kY, kNext };
   enum StagingSlot { kIdsHost, kActiveHost, kOffsetHost, kRowTokenHost, kRowOfHost, kNextHost };
 
   CudaOptions opt_;

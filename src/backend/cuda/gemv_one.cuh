@@ -84,9 +84,12 @@ __device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_
   }
 }
 
-// acc[m][r] gains pack . x for M x R loaded packs: the arithmetic of gemv_warp's inner loop.
-template <int KIND, bool SF16, int M, int R>
-__device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], const float* xv, float (&acc)[M][R]) {
+// acc[t][m][r] gains pack . x_t for M x R loaded packs and the activation rows x_t = xv + t *
+// stride, t < nt <= NT (all NT when NT is 1): the codes are decoded once for every row, and each
+// row's sums run exactly as they run for that row alone (the arithmetic of gemv_warp's inner loop).
+template <int KIND, bool SF16, int M, int R, int NT>
+__device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], const float* xv, int64_t stride, int nt,
+                                          float (&acc)[NT][M][R]) {
   float q[M][R][32];
 #pragma unroll
   for (int m = 0; m < M; ++m)
@@ -96,53 +99,68 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
       else if constexpr (is_quant(KIND)) load_codes<KIND>(raw[m][r].w, q[m][r]);
       else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
     }
-  float d[M][R];
-  float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
+  float d[NT][M][R];
+  float sx[NT];  // sum of this pack of x_t: multiplies the affine bias
 #pragma unroll
-  for (int m = 0; m < M; ++m)
-#pragma unroll
-    for (int r = 0; r < R; ++r) d[m][r] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const float4 x4 = reinterpret_cast<const float4*>(xv)[j];
-    if constexpr (is_affine(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
+  for (int t = 0; t < NT; ++t) {
+    sx[t] = 0.0f;
 #pragma unroll
     for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        d[m][r] = fmaf(q[m][r][4 * j], x4.x, d[m][r]);
-        d[m][r] = fmaf(q[m][r][4 * j + 1], x4.y, d[m][r]);
-        d[m][r] = fmaf(q[m][r][4 * j + 2], x4.z, d[m][r]);
-        d[m][r] = fmaf(q[m][r][4 * j + 3], x4.w, d[m][r]);
-      }
+      for (int r = 0; r < R; ++r) d[t][m][r] = 0.0f;
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const RawPack<KIND>& p = raw[m][r];
-      if constexpr (is_affine(KIND))
-        acc[m][r] += fmaf(scale_value<SF16>(uint16_t(p.scale)), d[m][r], scale_value<SF16>(uint16_t(p.bias)) * sx);
-      else if constexpr (KIND == kMxfp4) acc[m][r] = fmaf(mxfp4_scale(p.scale), d[m][r], acc[m][r]);
-      else if constexpr (KIND == kFp8) acc[m][r] = fmaf(__uint_as_float(p.scale), d[m][r], acc[m][r]);
-      else acc[m][r] += d[m][r];
+    for (int t = 0; t < NT; ++t)
+      if (NT == 1 || t < nt) {
+        const float4 x4 = reinterpret_cast<const float4*>(xv + t * stride)[j];
+        if constexpr (is_affine(KIND)) sx[t] += (x4.x + x4.y) + (x4.z + x4.w);
+#pragma unroll
+        for (int m = 0; m < M; ++m)
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            d[t][m][r] = fmaf(q[m][r][4 * j], x4.x, d[t][m][r]);
+            d[t][m][r] = fmaf(q[m][r][4 * j + 1], x4.y, d[t][m][r]);
+            d[t][m][r] = fmaf(q[m][r][4 * j + 2], x4.z, d[t][m][r]);
+            d[t][m][r] = fmaf(q[m][r][4 * j + 3], x4.w, d[t][m][r]);
+          }
+      }
+#pragma unroll
+  for (int t = 0; t < NT; ++t)
+    if (NT == 1 || t < nt) {
+#pragma unroll
+      for (int m = 0; m < M; ++m)
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const RawPack<KIND>& p = raw[m][r];
+          float& a = acc[t][m][r];
+          if constexpr (is_affine(KIND))
+            a += fmaf(scale_value<SF16>(uint16_t(p.scale)), d[t][m][r], scale_value<SF16>(uint16_t(p.bias)) * sx[t]);
+          else if constexpr (KIND == kMxfp4) a = fmaf(mxfp4_scale(p.scale), d[t][m][r], a);
+          else if constexpr (KIND == kFp8) a = fmaf(__uint_as_float(p.scale), d[t][m][r], a);
+          else a += d[t][m][r];
+        }
     }
 }
 
-// acc[m][r] = row row0 + r of w[m] . x for one staged x row (xs, padded as stage_x lays it out);
-// `cur` holds the packs at p = lane, loaded by load_first before staging. ONE_PASS: a row has at
-// most 32 packs (no second pass, no buffer for it). All lanes get the sums.
-template <int KIND, bool SF16, int M, int R, bool ONE_PASS>
+// acc[t][m][r] = row row0 + r of w[m] . x_t for nt <= NT staged x rows (x_t at xs + t * stride,
+// padded as stage_x lays it out); `cur` holds the packs at p = lane, loaded by load_first before
+// staging. Each row's weights are read once for all nt rows of x. ONE_PASS: a row has at most 32
+// packs (no second pass, no buffer for it). All lanes get the sums.
+template <int KIND, bool SF16, int M, int R, bool ONE_PASS, int NT>
 __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
-                                         const float* xs, float (&acc)[M][R]) {
+                                         const float* xs, int64_t stride, int nt, float (&acc)[NT][M][R]) {
   const int lane = threadIdx.x & 31;
   const int64_t packs = w[0]->cols >> 5;
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = 0.0f;
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[t][m][r] = 0.0f;
   if constexpr (ONE_PASS) {
-    if (lane < packs) dot_packs<KIND, SF16, M, R>(cur, xs + lane * 36, acc);
+    if (lane < packs) dot_packs<KIND, SF16, M, R, NT>(cur, xs + lane * 36, stride, nt, acc);
   } else {
   for (int64_t p = lane; p < packs; p += 32) {
     if constexpr (one_double_buffered<KIND, M, R>()) {
@@ -154,7 +172,7 @@ __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t
 #pragma unroll
           for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 32, next[m][r]);
       }
-      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+      dot_packs<KIND, SF16, M, R, NT>(cur, xs + p * 36, stride, nt, acc);
       if (more) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
@@ -168,14 +186,24 @@ __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t
 #pragma unroll
           for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p, cur[m][r]);
       }
-      dot_packs<KIND, SF16, M, R>(cur, xs + p * 36, acc);
+      dot_packs<KIND, SF16, M, R, NT>(cur, xs + p * 36, stride, nt, acc);
     }
   }
   }
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+  for (int t = 0; t < NT; ++t)
 #pragma unroll
-    for (int r = 0; r < R; ++r) acc[m][r] = warp_sum(acc[m][r]);
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (NT == 1 || t < nt) acc[t][m][r] = warp_sum(acc[t][m][r]);
+}
+
+// The same for one x row.
+template <int KIND, bool SF16, int M, int R, bool ONE_PASS>
+__device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
+                                         const float* xs, float (&acc)[M][R]) {
+  dot_rows<KIND, SF16, M, R, ONE_PASS, 1>(w, row0, cur, xs, 0, 1, reinterpret_cast<float (&)[1][M][R]>(acc));
 }
 
 template <int KIND, int M, int R>
@@ -189,12 +217,21 @@ __device__ __forceinline__ void load_first(const WeightRef* const (&w)[M], int64
   }
 }
 
+// Row t < nt of xs (at xs + t * padded_cols(cols)) = the x row at x_of(t) [cols] (cols % 32 == 0,
+// rows 16-byte aligned); ends with the block synchronized.
+template <class XOf>
+__device__ __forceinline__ void stage_rows(XOf x_of, int nt, int64_t cols, float* xs) {
+  for (int t = 0; t < nt; ++t) {
+    const float4* x4 = reinterpret_cast<const float4*>(x_of(t));
+    float* row = xs + t * padded_cols(cols);
+    for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x) *reinterpret_cast<float4*>(row + padded(4 * i)) = x4[i];
+  }
+  __syncthreads();
+}
+
 // xs [padded_cols(cols)] = x [cols] (cols % 32 == 0); ends with the block synchronized.
 __device__ __forceinline__ void stage_row(const float* __restrict__ x, int64_t cols, float* xs) {
-  const float4* x4 = reinterpret_cast<const float4*>(x);
-  for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x)
-    *reinterpret_cast<float4*>(xs + padded(4 * i)) = x4[i];
-  __syncthreads();
+  stage_rows([&](int) { return x; }, 1, cols, xs);
 }
 
 }  // namespace moestream::cuda

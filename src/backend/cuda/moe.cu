@@ -8,6 +8,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
+#include <string_view>
 
 #include "backend/cuda/gemv_one.cuh"
 
@@ -200,10 +202,13 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3)
 constexpr int kGroupWarps = 8;
 constexpr int kGroupThreads = 32 * kGroupWarps;
 
-__global__ void __launch_bounds__(kGroupThreads) group_kernel(const int* sel, int total, int n_experts, MoeGroups g) {
+__global__ void __launch_bounds__(kGroupThreads)
+    group_kernel(const int* sel, int total, int n_experts, int chunk, MoeGroups g) {
   wait_prior_grid();
   allow_next_grid();
   extern __shared__ int cursor[];  // [warp][expert]: the warp's pairs of the expert, then its next row
+  int* first_row = cursor + kGroupWarps * n_experts;  // [expert]: its first row (chunk > 0)
+  int* rows_of = first_row + n_experts;               // [expert]: its rows (chunk > 0)
   __shared__ int warp_rows[kGroupWarps], warp_active[kGroupWarps];
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   for (int i = tid; i < kGroupWarps * n_experts; i += kGroupThreads) cursor[i] = 0;
@@ -254,6 +259,10 @@ __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int* sel, in
       g.offset[n] = row;
       ++n;
     }
+    if (chunk > 0) {
+      first_row[e] = row;
+      rows_of[e] = count;
+    }
     row += count;
   }
   if (tid == kGroupThreads - 1) {  // its prefix ends at every expert
@@ -274,6 +283,10 @@ __global__ void __launch_bounds__(kGroupThreads) group_kernel(const int* sel, in
     if (ok) {
       g.row_token[pos] = i;  // the pair index; the kernels divide by k for the token
       g.row_of[i] = pos;
+      if (chunk > 0) {
+        const int rel = pos - first_row[e];
+        g.row_chunk[pos] = rel % chunk ? 0 : (e << 4) | min(chunk, rows_of[e] - rel);
+      }
     }
   }
 }
@@ -347,62 +360,77 @@ __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
   }
 }
 
-// Single-token expert kernels (every active expert has one row; correct for more, one at a
-// time), on the tile of gemv_one.cuh.
-template <int KIND, bool SF16>
-__global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertArgs a) {
+// Single-token expert kernels (every active expert has one row), on the tile of gemv_one.cuh.
+// CHUNK 0: a block per active expert, its rows in turn. CHUNK > 0 (a batched decode step, groups
+// built on the device): a block per chunk of up to CHUNK rows of one expert, whose weights are
+// read and decoded once for them. Each row's value is the one it gets alone either way.
+template <int CHUNK>
+__device__ __forceinline__ bool block_rows(const ExpertArgs& a, int& e, int& r0, int& r1) {
+  return CHUNK > 0 ? block_chunk(a, e, r0, r1) : block_expert(a, e, r0, r1);
+}
+
+template <int KIND, bool SF16, int CHUNK>
+__global__ void __launch_bounds__(kOneWarps * 32, CHUNK > 2 ? 2 : 3) gate_up_one_kernel(ExpertArgs a) {
   wait_prior_grid();
   allow_next_grid();
-  constexpr int R = one_rows<KIND, 2>();
+  constexpr int R = one_rows<KIND, 2>(), NT = CHUNK > 0 ? CHUNK : 1;
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!block_expert(a, e, r0, r1)) return;
+  if (!block_rows<CHUNK>(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
   const int lane = threadIdx.x & 31;
-  for (int pr = r0; pr < r1; ++pr) {
-    const float* x = a.x + int64_t(a.g.row_token[pr] / a.k) * a.dim;  // read before the weights
+  for (int pr = r0; pr < r1; pr += NT) {
+    const int nt = min(NT, r1 - pr);
+    const float* x[NT];  // read before the weights
+#pragma unroll
+    for (int t = 0; t < NT; ++t) x[t] = a.x + int64_t(a.g.row_token[pr + min(t, nt - 1)] / a.k) * a.dim;
     RawPack<KIND> cur[2][R];
     load_first<KIND, 2, R>(w, row0, cur);
-    if (pr > r0) __syncthreads();  // the previous row's reads of smem are done
-    stage_row(x, a.dim, smem);
-    float acc[2][R];
-    dot_rows<KIND, SF16, 2, R, false>(w, row0, cur, smem, acc);
+    if (pr > r0) __syncthreads();  // the previous rows' reads of smem are done
+    stage_rows([&](int t) { return x[t]; }, nt, a.dim, smem);
+    float acc[NT][2][R];
+    dot_rows<KIND, SF16, 2, R, false, NT>(w, row0, cur, smem, padded_cols(a.dim), nt, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (lane == r && row0 + r < a.inter) {
-        const float gv = acc[0][r] + (d.gate_bias ? d.gate_bias[row0 + r] : 0.0f);
-        const float uv = acc[1][r] + (d.up_bias ? d.up_bias[row0 + r] : 0.0f);
-        a.hidden[int64_t(pr) * a.inter + row0 + r] = activation(a, gv, uv);
-      }
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (t < nt && lane == r && row0 + r < a.inter) {
+          const float gv = acc[t][0][r] + (d.gate_bias ? d.gate_bias[row0 + r] : 0.0f);
+          const float uv = acc[t][1][r] + (d.up_bias ? d.up_bias[row0 + r] : 0.0f);
+          a.hidden[int64_t(pr + t) * a.inter + row0 + r] = activation(a, gv, uv);
+        }
   }
 }
 
 // ONE_PASS (inter <= 1024): no buffer for a second pass, 4 blocks per SM.
-template <int KIND, bool SF16, bool ONE_PASS>
-__global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
+template <int KIND, bool SF16, bool ONE_PASS, int CHUNK>
+__global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : CHUNK > 2 ? 2 : 3) down_one_kernel(ExpertArgs a) {
   wait_prior_grid();
   allow_next_grid();
-  constexpr int R = one_rows<KIND, 1>();
+  constexpr int R = one_rows<KIND, 1>(), NT = CHUNK > 0 ? CHUNK : 1;
   extern __shared__ float smem[];
   int e, r0, r1;
-  if (!block_expert(a, e, r0, r1)) return;
+  if (!block_rows<CHUNK>(a, e, r0, r1)) return;
   const DevExpert& d = a.table[e];
   const WeightRef* const w[1] = {&d.down};
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
   const int lane = threadIdx.x & 31;
-  for (int pr = r0; pr < r1; ++pr) {
+  for (int pr = r0; pr < r1; pr += NT) {
+    const int nt = min(NT, r1 - pr);
     RawPack<KIND> cur[1][R];
     load_first<KIND, 1, R>(w, row0, cur);
     if (pr > r0) __syncthreads();
-    stage_row(a.hidden + int64_t(pr) * a.inter, a.inter, smem);
-    float acc[1][R];
-    dot_rows<KIND, SF16, 1, R, ONE_PASS>(w, row0, cur, smem, acc);
+    stage_rows([&](int t) { return a.hidden + int64_t(pr + t) * a.inter; }, nt, a.inter, smem);
+    float acc[NT][1][R];
+    dot_rows<KIND, SF16, 1, R, ONE_PASS, NT>(w, row0, cur, smem, padded_cols(a.inter), nt, acc);
 #pragma unroll
-    for (int r = 0; r < R; ++r)
-      if (lane == r && row0 + r < a.dim)
-        a.y[int64_t(pr) * a.dim + row0 + r] = acc[0][r] + (d.down_bias ? d.down_bias[row0 + r] : 0.0f);
+    for (int t = 0; t < NT; ++t)
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+        if (t < nt && lane == r && row0 + r < a.dim)
+          a.y[int64_t(pr + t) * a.dim + row0 + r] = acc[t][0][r] + (d.down_bias ? d.down_bias[row0 + r] : 0.0f);
   }
 }
 
@@ -500,11 +528,25 @@ bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams&
   return launched;
 }
 
-void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s) {
-  const size_t smem = size_t(kGroupWarps) * n_experts * sizeof(int);
+void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, int chunk, MoeGroups g, cudaStream_t s) {
+  if (chunk < 0 || chunk > 8) fail("cuda moe: chunks of ", chunk, " rows (at most 8)");
+  const size_t smem = size_t(kGroupWarps + 2) * n_experts * sizeof(int);
   constexpr size_t kStatic = 2 * kGroupWarps * sizeof(int), kMax = 48 * 1024 - kStatic;  // group_kernel's own
-  if (smem > kMax) fail("cuda moe: ", n_experts, " experts (at most ", kMax / sizeof(int) / kGroupWarps, ")");
-  launch(group_kernel, 1, kGroupThreads, smem, s, sel_ids, int(T * k), n_experts, g);
+  if (smem > kMax) fail("cuda moe: ", n_experts, " experts (at most ", kMax / sizeof(int) / (kGroupWarps + 2), ")");
+  launch(group_kernel, 1, kGroupThreads, smem, s, sel_ids, int(T * k), n_experts, chunk, g);
+}
+
+int expert_rows_per_block(int64_t pairs, int k, int64_t dim, int64_t inter) {
+  static const int chosen = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_EXPERT_ROWS");
+    const std::string_view s = v ? v : "";
+    return s == "0" ? 0 : s == "1" ? 1 : s == "4" ? 4 : 2;
+  }();
+  if (pairs <= k) return 0;  // one token: every expert has one row
+  // The chunk's staged rows: 2 rows of hidden 4096 are 37 KB.
+  int rows = chosen;
+  while (rows > 1 && size_t(rows) * padded_cols(std::max(dim, inter)) * sizeof(float) > 80 * 1024) rows /= 2;
+  return rows;
 }
 
 ExpertArgs expert_args(const ExpertBatch& b) {
@@ -553,20 +595,31 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
   // One token, or a few (each expert's rows in turn): the single-token kernels where they read
   // the format (x rows 16-byte aligned).
   const bool one = b.few_tokens && (b.dim & 31) == 0 && (b.inter & 31) == 0 && (reinterpret_cast<uintptr_t>(b.x) & 15) == 0;
+  // Chunks only where the groups were built on the device with them (every row is in a chunk).
+  const int chunk = b.count_on_device ? b.rows_per_block : 0;
   const bool prof = b.profile && b.profile->on();
   if (prof) b.profile->begin(s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (one_token_kind(KIND)) {
       const size_t smem = size_t(padded_cols(b.dim)) * sizeof(float);
       if (one && smem <= limit) {
-        static bool configured = false;
-        if (!configured) {
-          MS_CUDA_CHECK(cudaFuncSetAttribute(gate_up_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
-          configured = true;
+        auto run = [&]<int CHUNK>() {
+          static bool configured = false;
+          if (!configured) {
+            MS_CUDA_CHECK(cudaFuncSetAttribute(gate_up_one_kernel<KIND, SF16, CHUNK>,
+                                               cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+            configured = true;
+          }
+          launch(gate_up_one_kernel<KIND, SF16, CHUNK>,
+                 dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(CHUNK ? b.pairs : n_blocks)),
+                 kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
+        };
+        switch (chunk) {
+          case 4: run.template operator()<4>(); break;
+          case 2: run.template operator()<2>(); break;
+          case 1: run.template operator()<1>(); break;
+          default: run.template operator()<0>();
         }
-        launch(gate_up_one_kernel<KIND, SF16>,
-               dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(n_blocks)),
-               kOneWarps * 32, smem, s, a);
         return;
       }
     }
@@ -589,19 +642,27 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
     if constexpr (one_token_kind(KIND)) {
       const size_t smem = size_t(padded_cols(b.inter)) * sizeof(float);
       if (one && smem <= limit) {
-        auto run = [&]<bool ONE_PASS>() {
+        auto run = [&]<bool ONE_PASS, int CHUNK>() {
           static bool configured = false;
           if (!configured) {
-            MS_CUDA_CHECK(cudaFuncSetAttribute(down_one_kernel<KIND, SF16, ONE_PASS>,
+            MS_CUDA_CHECK(cudaFuncSetAttribute(down_one_kernel<KIND, SF16, ONE_PASS, CHUNK>,
                                                cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
             configured = true;
           }
-          launch(down_one_kernel<KIND, SF16, ONE_PASS>,
-                 dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(n_blocks)),
-                 kOneWarps * 32, smem, s, a);
+          launch(down_one_kernel<KIND, SF16, ONE_PASS, CHUNK>,
+                 dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(CHUNK ? b.pairs : n_blocks)),
+                 kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
         };
-        if (b.inter <= 32 * 32) run.template operator()<true>();
-        else run.template operator()<false>();
+        auto by_chunk = [&]<bool ONE_PASS>() {
+          switch (chunk) {
+            case 4: run.template operator()<ONE_PASS, 4>(); break;
+            case 2: run.template operator()<ONE_PASS, 2>(); break;
+            case 1: run.template operator()<ONE_PASS, 1>(); break;
+            default: run.template operator()<ONE_PASS, 0>();
+          }
+        };
+        if (b.inter <= 32 * 32) by_chunk.template operator()<true>();
+        else by_chunk.template operator()<false>();
         return;
       }
     }

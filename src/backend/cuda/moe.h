@@ -38,6 +38,9 @@ struct MoeGroups {
   int* offset;      // [<= min(E, T*k) + 1]
   int* row_token;   // [T*k]
   int* row_of;      // [T*k]
+  // Groups of several tokens built on the device: row r starts a chunk of up to `chunk` rows of
+  // one expert (group_by_expert's) when row_chunk[r] = (expert << 4) | rows in it, else 0.
+  int* row_chunk;   // [T*k]
 };
 
 // sel_ids/sel_w [T, k]: each token's experts in ascending id order and their weights. With
@@ -52,8 +55,9 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
 bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams& p, const float* router_bias,
                float* logits, int* sel_ids, float* sel_w, const MoeGroups* direct_groups, unsigned* blocks_done,
                cudaStream_t s);
-// Groups built on the device (every expert resident): active experts in ascending order.
-void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, MoeGroups g, cudaStream_t s);
+// Groups built on the device (every expert resident): active experts in ascending order, and
+// each expert's rows cut into chunks of `chunk` rows (1 to 8; 0: no chunks).
+void group_by_expert(const int* sel_ids, int64_t T, int k, int n_experts, int chunk, MoeGroups g, cudaStream_t s);
 
 struct ExpertBatch {
   const DevExpert* table;  // row of this layer: table[expert]
@@ -68,10 +72,13 @@ struct ExpertBatch {
   float* y;           // [T*k, dim]
   const MoeParams* params;
   // The call has at most kGemvMaxTokens tokens (one decode token, or a batched decode step: most
-  // active experts get one or two rows): the decode kernels, an expert's rows in turn (a second
-  // row reads the weights from L2), each row computed as a lone decode step computes it; the
-  // tensor-core kernels would pad every expert's rows to tiles of 16.
+  // active experts get one or two rows): the decode kernels, each row computed as a lone decode
+  // step computes it; the tensor-core kernels would pad every expert's rows to tiles of 16.
   bool few_tokens = false;
+  // With few tokens and groups built on the device: a block of the decode kernels per chunk of
+  // this many rows of one expert (the groups' row_chunk; expert_rows_per_block), the chunk's rows
+  // against one read of the weights. 0: a block per expert, its rows in turn.
+  int rows_per_block = 0;
   // When the layer mixes formats: the format_pair of gate_up and down, and the kernels skip the
   // experts of other formats (the caller runs each of the layer's formats); -1 runs every expert.
   int only_formats = -1;
@@ -100,6 +107,9 @@ struct ExpertArgs {
   float limit, alpha;
 };
 ExpertArgs expert_args(const ExpertBatch& b);
+// The rows_per_block a call of `pairs` (token, expert) pairs of rows [dim] and [inter] takes
+// (MOESTREAM_CUDA_EXPERT_ROWS=0, 1, 2 or 4 chooses another, for comparison).
+int expert_rows_per_block(int64_t pairs, int k, int64_t dim, int64_t inter);
 
 #ifdef __CUDACC__
 // The expert of this block (blockIdx.y indexes the batch's active experts) and its rows
@@ -112,6 +122,16 @@ __device__ __forceinline__ bool block_expert(const ExpertArgs& a, int& expert, i
   if (a.only_formats >= 0 && a.table[expert].formats != a.only_formats) return false;
   r0 = a.g.offset[ai];
   r1 = a.g.offset[ai + 1];
+  return true;
+}
+// The same when blockIdx.y indexes rows (rows_per_block > 0): the chunk that starts at row y.
+__device__ __forceinline__ bool block_chunk(const ExpertArgs& a, int& expert, int& r0, int& r1) {
+  const int c = a.g.row_chunk[blockIdx.y];
+  if (c == 0) return false;
+  expert = c >> 4;
+  if (a.only_formats >= 0 && a.table[expert].formats != a.only_formats) return false;
+  r0 = int(blockIdx.y);
+  r1 = r0 + (c & 15);
   return true;
 }
 #endif
