@@ -369,11 +369,26 @@ __device__ __forceinline__ bool block_rows(const ExpertArgs& a, int& e, int& r0,
   return CHUNK > 0 ? block_chunk(a, e, r0, r1) : block_expert(a, e, r0, r1);
 }
 
+// Rows of x a block computes against one read of the weights in chunks of CHUNK rows: the chunk's,
+// but one at a time for MXFP4 (its decoded values and the chunk's sums do not fit the registers of
+// 3 blocks an SM: ptxas spilled 130-800 bytes a thread).
+template <int KIND, int CHUNK>
+constexpr int chunk_tokens() {
+  return CHUNK > 0 && KIND != kMxfp4 ? CHUNK : 1;
+}
+// Rows per warp for M matrices: half of one_rows's for 4 rows of x at once, so that their sums fit
+// the registers of 3 blocks an SM.
+template <int KIND, int M, int CHUNK>
+constexpr int chunk_rows() {
+  constexpr int r = one_rows<KIND, M>();
+  return chunk_tokens<KIND, CHUNK>() >= 4 && r > 1 ? r / 2 : r;
+}
+
 template <int KIND, bool SF16, int CHUNK>
-__global__ void __launch_bounds__(kOneWarps * 32, CHUNK > 2 ? 2 : 3) gate_up_one_kernel(ExpertArgs a) {
+__global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertArgs a) {
   wait_prior_grid();
   allow_next_grid();
-  constexpr int R = one_rows<KIND, 2>(), NT = CHUNK > 0 ? CHUNK : 1;
+  constexpr int R = chunk_rows<KIND, 2, CHUNK>(), NT = chunk_tokens<KIND, CHUNK>();
   extern __shared__ float smem[];
   int e, r0, r1;
   if (!block_rows<CHUNK>(a, e, r0, r1)) return;
@@ -406,10 +421,10 @@ __global__ void __launch_bounds__(kOneWarps * 32, CHUNK > 2 ? 2 : 3) gate_up_one
 
 // ONE_PASS (inter <= 1024): no buffer for a second pass, 4 blocks per SM.
 template <int KIND, bool SF16, bool ONE_PASS, int CHUNK>
-__global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : CHUNK > 2 ? 2 : 3) down_one_kernel(ExpertArgs a) {
+__global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
   wait_prior_grid();
   allow_next_grid();
-  constexpr int R = one_rows<KIND, 1>(), NT = CHUNK > 0 ? CHUNK : 1;
+  constexpr int R = chunk_rows<KIND, 1, CHUNK>(), NT = chunk_tokens<KIND, CHUNK>();
   extern __shared__ float smem[];
   int e, r0, r1;
   if (!block_rows<CHUNK>(a, e, r0, r1)) return;
@@ -611,7 +626,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
             configured = true;
           }
           launch(gate_up_one_kernel<KIND, SF16, CHUNK>,
-                 dim3(blocks_for(b.inter, kOneWarps * one_rows<KIND, 2>()), unsigned(CHUNK ? b.pairs : n_blocks)),
+                 dim3(blocks_for(b.inter, kOneWarps * chunk_rows<KIND, 2, CHUNK>()), unsigned(CHUNK ? b.pairs : n_blocks)),
                  kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
         };
         switch (chunk) {
@@ -650,7 +665,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
             configured = true;
           }
           launch(down_one_kernel<KIND, SF16, ONE_PASS, CHUNK>,
-                 dim3(blocks_for(b.dim, kOneWarps * one_rows<KIND, 1>()), unsigned(CHUNK ? b.pairs : n_blocks)),
+                 dim3(blocks_for(b.dim, kOneWarps * chunk_rows<KIND, 1, CHUNK>()), unsigned(CHUNK ? b.pairs : n_blocks)),
                  kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
         };
         auto by_chunk = [&]<bool ONE_PASS>() {
