@@ -130,7 +130,7 @@ Engine::~Engine() {
   for (auto& job : queue_) job->finish(FinishReason::cancelled);
 }
 
-std::shared_ptr<Job> Engine::submit(JobRequest request) {
+void Engine::check(const JobRequest& request) const {
   if (request.prompt.empty()) fail("the prompt is empty");
   // Checked here, not in the batch, so that one request's bad token fails only that request.
   const int64_t vocab = model_.info().vocab_size;
@@ -145,16 +145,28 @@ std::shared_ptr<Job> Engine::submit(JobRequest request) {
     fail("the prompt (", request.prompt.size(), " tokens) plus max_tokens (", request.max_tokens,
          ") needs ", (need + (1 << 20) - 1) >> 20, " MiB of KV cache, more than the ",
          budget_ >> 20, " MiB of --kv-mb");
-  auto job = std::make_shared<Job>(std::move(request));
+}
+
+std::shared_ptr<Job> Engine::submit(JobRequest request) {
+  std::vector<JobRequest> one;
+  one.push_back(std::move(request));
+  return submit_all(std::move(one)).front();
+}
+
+std::vector<std::shared_ptr<Job>> Engine::submit_all(std::vector<JobRequest> requests) {
+  for (const JobRequest& r : requests) check(r);
+  std::vector<std::shared_ptr<Job>> jobs;
+  for (JobRequest& r : requests) jobs.push_back(std::make_shared<Job>(std::move(r)));
   {
     std::lock_guard lock(mu_);
     // Requests in the system: waiting, plus those in slots (counted once the loop admits them).
-    if (int(queue_.size()) + stats_.active >= options_.parallel + options_.max_queue) throw QueueFull();
-    queue_.push_back(job);
+    if (int(queue_.size() + jobs.size()) - 1 + stats_.active >= options_.parallel + options_.max_queue)
+      throw QueueFull();
+    queue_.insert(queue_.end(), jobs.begin(), jobs.end());
     stats_.queued = int(queue_.size());
   }
   cv_.notify_all();
-  return job;
+  return jobs;
 }
 
 EngineStats Engine::stats() const {

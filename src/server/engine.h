@@ -145,11 +145,16 @@ class Engine {
 
   // Queues a request; throws QueueFull when max_queue requests already wait.
   std::shared_ptr<Job> submit(JobRequest request);
+  // Queues several requests at once (a request's n choices): the loop admits them in the same
+  // turn when slots are free, so their batches, and so their tokens, do not depend on timing.
+  std::vector<std::shared_ptr<Job>> submit_all(std::vector<JobRequest> requests);
   EngineStats stats() const;
   const EngineOptions& options() const { return options_; }
   Model& model() { return model_; }
 
  private:
+  void check(const JobRequest& request) const;  // the errors submit() throws for one request
+
   struct Slot {
     std::unique_ptr<SequenceState> state;
     std::shared_ptr<Job> job;

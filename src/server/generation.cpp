@@ -112,18 +112,35 @@ class StopFilter {
 
 }  // namespace
 
-Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std::move(options)) {
+JobRequest Generation::request_for(ServedModel& m, const GenerateOptions& o) {
   JobRequest request;
-  request.prompt = o_.prompt;
-  request.sampling = o_.sampling;
-  request.max_tokens = o_.max_tokens;
-  request.logprobs = o_.logprobs;
-  request.ignore_eos = o_.ignore_eos;
-  if (o_.grammar) request.constraint = std::make_shared<GrammarConstraint>(m.token_bytes(), o_.grammar);
-  else if (o_.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
-  else if (o_.tool_call_grammar)
-    request.constraint = std::make_shared<TriggeredConstraint>(m.token_bytes(), "<tool_call>", o_.tool_call_grammar);
-  job_ = m.engine->submit(std::move(request));
+  request.prompt = o.prompt;
+  request.sampling = o.sampling;
+  request.max_tokens = o.max_tokens;
+  request.logprobs = o.logprobs;
+  request.ignore_eos = o.ignore_eos;
+  if (o.grammar) request.constraint = std::make_shared<GrammarConstraint>(m.token_bytes(), o.grammar);
+  else if (o.json_object) request.constraint = std::make_shared<JsonObjectConstraint>(m.token_bytes());
+  else if (o.tool_call_grammar)
+    request.constraint = std::make_shared<TriggeredConstraint>(m.token_bytes(), "<tool_call>", o.tool_call_grammar);
+  return request;
+}
+
+Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std::move(options)) {
+  job_ = m.engine->submit(request_for(m, o_));
+}
+
+Generation::Generation(ServedModel& m, GenerateOptions options, std::shared_ptr<Job> job)
+    : m_(m), o_(std::move(options)), job_(std::move(job)) {}
+
+std::vector<std::unique_ptr<Generation>> Generation::start_all(ServedModel& m, std::vector<GenerateOptions> options) {
+  std::vector<JobRequest> requests;
+  for (const GenerateOptions& o : options) requests.push_back(request_for(m, o));
+  std::vector<std::shared_ptr<Job>> jobs = m.engine->submit_all(std::move(requests));
+  std::vector<std::unique_ptr<Generation>> gens;
+  for (size_t i = 0; i < options.size(); ++i)
+    gens.push_back(std::unique_ptr<Generation>(new Generation(m, std::move(options[i]), std::move(jobs[i]))));
+  return gens;
 }
 
 Generation::~Generation() {

@@ -82,6 +82,8 @@ struct GenerateResult {
 class Generation {
  public:
   Generation(ServedModel& m, GenerateOptions options);
+  // Several generations queued at once (Engine::submit_all): a request's choices.
+  static std::vector<std::unique_ptr<Generation>> start_all(ServedModel& m, std::vector<GenerateOptions> options);
   ~Generation();  // a request not run to its end is cancelled
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;
@@ -96,6 +98,9 @@ class Generation {
   std::vector<TokenLogprob> take_logprobs() { return std::exchange(pending_logprobs_, {}); }
 
  private:
+  Generation(ServedModel& m, GenerateOptions options, std::shared_ptr<Job> job);
+  static JobRequest request_for(ServedModel& m, const GenerateOptions& o);
+
   ServedModel& m_;
   GenerateOptions o_;
   std::shared_ptr<Job> job_;

@@ -59,16 +59,18 @@ ojson usage_json(const GenerateResult& r) {
 
 bool is_blank(const std::string& s) { return s.find_first_not_of(" \t\r\n") == std::string::npos; }
 
-// The n generations of a request, queued at once (the engine runs them side by side). Choice i
-// samples with its own seed derived from the request's, so sampled choices differ and a seeded
-// request repeats exactly; greedy choices are identical.
+// The n generations of a request, queued at once (the engine admits them in one turn and runs
+// them side by side, so their batches do not depend on timing). Choice i samples with its own
+// seed derived from the request's, so sampled choices differ and a seeded request repeats
+// exactly; greedy choices are identical.
 std::vector<std::shared_ptr<Generation>> start_choices(ServedModel& m, const GenerateOptions& o, int n) {
-  std::vector<std::shared_ptr<Generation>> gens;
+  std::vector<GenerateOptions> options;
   for (int i = 0; i < n; ++i) {
-    GenerateOptions oi = o;
-    oi.sampling.seed = o.sampling.seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
-    gens.push_back(std::make_shared<Generation>(m, oi));
+    options.push_back(o);
+    options.back().sampling.seed = o.sampling.seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
   }
+  std::vector<std::shared_ptr<Generation>> gens;
+  for (auto& g : Generation::start_all(m, std::move(options))) gens.push_back(std::move(g));
   return gens;
 }
 
