@@ -133,13 +133,13 @@ Generation::Generation(ServedModel& m, GenerateOptions options) : m_(m), o_(std:
 Generation::Generation(ServedModel& m, GenerateOptions options, std::shared_ptr<Job> job)
     : m_(m), o_(std::move(options)), job_(std::move(job)) {}
 
-std::vector<std::unique_ptr<Generation>> Generation::start_all(ServedModel& m, std::vector<GenerateOptions> options) {
+std::vector<std::shared_ptr<Generation>> Generation::start_all(ServedModel& m, std::vector<GenerateOptions> options) {
   std::vector<JobRequest> requests;
   for (const GenerateOptions& o : options) requests.push_back(request_for(m, o));
   std::vector<std::shared_ptr<Job>> jobs = m.engine->submit_all(std::move(requests));
-  std::vector<std::unique_ptr<Generation>> gens;
+  std::vector<std::shared_ptr<Generation>> gens;
   for (size_t i = 0; i < options.size(); ++i)
-    gens.push_back(std::unique_ptr<Generation>(new Generation(m, std::move(options[i]), std::move(jobs[i]))));
+    gens.push_back(std::shared_ptr<Generation>(new Generation(m, std::move(options[i]), std::move(jobs[i]))));
   return gens;
 }
 

@@ -83,7 +83,7 @@ class Generation {
  public:
   Generation(ServedModel& m, GenerateOptions options);
   // Several generations queued at once (Engine::submit_all): a request's choices.
-  static std::vector<std::unique_ptr<Generation>> start_all(ServedModel& m, std::vector<GenerateOptions> options);
+  static std::vector<std::shared_ptr<Generation>> start_all(ServedModel& m, std::vector<GenerateOptions> options);
   ~Generation();  // a request not run to its end is cancelled
   Generation(const Generation&) = delete;
   Generation& operator=(const Generation&) = delete;

@@ -69,9 +69,7 @@ std::vector<std::shared_ptr<Generation>> start_choices(ServedModel& m, const Gen
     options.push_back(o);
     options.back().sampling.seed = o.sampling.seed + uint64_t(i) * 0x9E3779B97F4A7C15ull;
   }
-  std::vector<std::shared_ptr<Generation>> gens;
-  for (auto& g : Generation::start_all(m, std::move(options))) gens.push_back(std::move(g));
-  return gens;
+  return Generation::start_all(m, std::move(options));
 }
 
 void write_event(httplib::DataSink& sink, const ojson& j) {

@@ -478,6 +478,17 @@ __global__ void combine_kernel(const float* y, const float* w, const int* row_of
   out[i] = s;
 }
 
+// f.template operator()<CHUNK>() for a call's rows_per_block (the instances the kernels have).
+template <class F>
+void with_chunk(int chunk, F&& f) {
+  switch (chunk) {
+    case 4: f.template operator()<4>(); break;
+    case 2: f.template operator()<2>(); break;
+    case 1: f.template operator()<1>(); break;
+    default: f.template operator()<0>();
+  }
+}
+
 int tokens_per_pass(int64_t cols) {
   int nt = kTokens;
   while (nt > 0 && gemv_smem_bytes(cols, nt) > max_gemv_smem()) --nt;
@@ -627,14 +638,9 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
           }
           launch(gate_up_one_kernel<KIND, SF16, CHUNK>,
                  dim3(blocks_for(b.inter, kOneWarps * chunk_rows<KIND, 2, CHUNK>()), unsigned(CHUNK ? b.pairs : n_blocks)),
-                 kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
+                 kOneWarps * 32, chunk_tokens<KIND, CHUNK>() * smem, s, a);
         };
-        switch (chunk) {
-          case 4: run.template operator()<4>(); break;
-          case 2: run.template operator()<2>(); break;
-          case 1: run.template operator()<1>(); break;
-          default: run.template operator()<0>();
-        }
+        with_chunk(chunk, run);
         return;
       }
     }
@@ -666,18 +672,10 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
           }
           launch(down_one_kernel<KIND, SF16, ONE_PASS, CHUNK>,
                  dim3(blocks_for(b.dim, kOneWarps * chunk_rows<KIND, 1, CHUNK>()), unsigned(CHUNK ? b.pairs : n_blocks)),
-                 kOneWarps * 32, (CHUNK ? CHUNK : 1) * smem, s, a);
+                 kOneWarps * 32, chunk_tokens<KIND, CHUNK>() * smem, s, a);
         };
-        auto by_chunk = [&]<bool ONE_PASS>() {
-          switch (chunk) {
-            case 4: run.template operator()<ONE_PASS, 4>(); break;
-            case 2: run.template operator()<ONE_PASS, 2>(); break;
-            case 1: run.template operator()<ONE_PASS, 1>(); break;
-            default: run.template operator()<ONE_PASS, 0>();
-          }
-        };
-        if (b.inter <= 32 * 32) by_chunk.template operator()<true>();
-        else by_chunk.template operator()<false>();
+        if (b.inter <= 32 * 32) with_chunk(chunk, [&]<int CHUNK>() { run.template operator()<true, CHUNK>(); });
+        else with_chunk(chunk, [&]<int CHUNK>() { run.template operator()<false, CHUNK>(); });
         return;
       }
     }
