@@ -96,6 +96,32 @@ TEST(Cli, MalformedValuesGiveOneShortLine) {
   }
 }
 
+// `moestream profile` counts each token's chosen experts on the CPU backend (the default even on a
+// GPU machine); the CUDA tier routes on the device, so a profile asked of it is refused in one
+// line rather than written from the few uses its store sees.
+TEST(Cli, ProfileCountsEveryTokensExpertsOnTheCpu) {
+  const std::string dir = test::temp_dir("cli-profile");
+  std::ofstream(dir + "/text.txt") << "The quick brown fox jumps over the lazy dog, again and again.";
+  const auto r = cli("profile -m " + chat_model() + " -f " + dir + "/text.txt -o " + dir + "/p.json -t 2", cache_env());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json p = json::parse(test::read_file(dir + "/p.json"));
+  const int64_t tokens = p["tokens"].get<int64_t>();
+  const json cfg = json::parse(test::read_file(chat_model() + "/config.json"));
+  const int64_t k = cfg["num_experts_per_tok"].get<int64_t>();
+  ASSERT_GT(tokens, 5);
+  for (const auto& layer : p["counts"]) {
+    int64_t sum = 0;
+    for (const auto& c : layer) sum += c.get<int64_t>();
+    EXPECT_EQ(sum, tokens * k);  // one count per token and chosen expert
+  }
+  const auto gpu = cli("profile -m " + chat_model() + " -f " + dir + "/text.txt -o " + dir + "/q.json --device cuda",
+                       cache_env());
+  EXPECT_NE(gpu.exit_code, 0);
+  EXPECT_EQ(lines(gpu.err), 1u) << gpu.err;
+  EXPECT_NE(gpu.err.find("--device cpu"), std::string::npos) << gpu.err;
+  EXPECT_FALSE(fs::exists(dir + "/q.json"));
+}
+
 TEST(Cli, NearMissesGetDidYouMean) {
   auto r = cli("run -m " + chat_model() + " -p x --ctx-siz 64");
   EXPECT_NE(r.exit_code, 0);

@@ -33,6 +33,8 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& o) {
       c.total_experts = o.total_experts;
       c.host_expert_mb = o.host_expert_mb;
       c.policy = o.cache_policy;
+      c.profile = o.profile;
+      c.pin_share = o.pin_share;
       return make_cuda_backend(c);
     }
     if (o.device == "cuda") fail("--device cuda: ", why);

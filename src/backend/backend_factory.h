@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 
@@ -20,6 +21,10 @@ struct BackendOptions {
   int64_t total_experts = 0;      // routed experts in the pack
   double host_expert_mb = -1;     // the ExpertStore's budget (ExpertStoreOptions::cache_mb)
   std::string cache_policy = "lcp";  // CUDA: the VRAM slots' eviction policy (ExpertStoreOptions::policy)
+  // CUDA: the usage profile whose hottest experts are pinned in VRAM (ExpertStoreOptions::profile,
+  // pin_share of the VRAM slots).
+  std::vector<std::vector<double>> profile;
+  double pin_share = 0.5;
 };
 
 // Fails naming --device when the device is unknown, or is "cuda" and unusable (a build without
@@ -38,6 +43,7 @@ struct GpuTierStats {
   // Decode read in place: MoE calls so run, the experts they read from pinned host memory (each
   // distinct expert of a call counted once), and misses copied into VRAM slots after their call.
   uint64_t in_place_calls = 0, bytes_in_place = 0, promotions = 0;
+  uint64_t pinned = 0;          // experts the profile pins in VRAM (loaded or not yet)
   uint64_t bytes_promoted = 0;  // copied by those promotions (not in bytes_h2d, whose time is measured)
   double h2d_seconds = 0;     // GPU time of those copies
   uint64_t slot_bytes = 0, slots = 0;

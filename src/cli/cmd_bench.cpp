@@ -352,6 +352,7 @@ void add_bench(CLI::App& app) {
             {"in_place_layer_calls", t1.in_place_calls - t0s.in_place_calls},
             {"in_place_bytes_per_token", double(t1.bytes_in_place - t0s.bytes_in_place) / double(generated)},
             {"promotions", t1.promotions - t0s.promotions},
+            {"pinned_experts", t1.pinned},
             {"pcie_gb_per_s_while_copying", t1.h2d_seconds > t0s.h2d_seconds
                                                ? double(t1.bytes_h2d - t0s.bytes_h2d) / (t1.h2d_seconds - t0s.h2d_seconds) / 1e9
                                                : 0.0},

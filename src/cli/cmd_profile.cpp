@@ -26,6 +26,9 @@ void add_profile(CLI::App& app) {
   cmd->add_option("-o,--output", f->model.profile_out, "Where to write the profile (JSON)")->required();
   cmd->add_option("--max-tokens", f->max_tokens, "Tokens of the file to run (default 4096)")->check(kPositive);
   cmd->callback([f] {
+    // Expert use is counted on the CPU backend (the CUDA tier routes on the device).
+    if (f->model.options.device == "auto") f->model.options.device = "cpu";
+    if (f->model.options.device != "cpu") fail("profile: --device ", f->model.options.device, ": expert use is counted on the CPU backend only (--device cpu)");
     const std::string text = read_file(f->file);
     auto tok = Tokenizer::load(ensure_pack(f->model.dir, f->model.options.cache_dir));
     std::vector<int32_t> ids = tok->encode(text);

@@ -117,7 +117,8 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       ->check(kNonNegative);
   cmd.add_option("--profile", profile_in,
                  "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "
-                 "--expert-cache-mb, its hottest experts are never evicted")
+                 "--expert-cache-mb, its hottest experts are never evicted; on CUDA when VRAM cannot hold every "
+                 "expert, its hottest are loaded into VRAM first and kept there (--pin-share of the slots)")
       ->check(CLI::Validator(
           [&e](std::string& path) {
             std::string why;
@@ -125,7 +126,7 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
             return std::string();
           },
           "FILE"));
-  cmd.add_option("--pin-share", e.pin_share, "Share of the expert cache the profile may pin (default 0.5)")
+  cmd.add_option("--pin-share", e.pin_share, "Share of the expert cache (on CUDA: of the VRAM expert slots) the profile may pin (default 0.5)")
       ->check(CLI::Range(0.0, 1.0));
   cmd.add_flag("--warmup", e.warmup,
                "Read the profile's pinned experts before the first token (CPU with a cache that holds every "
@@ -199,6 +200,9 @@ uint64_t peak_rss_bytes() {
 void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
   const ExpertStats s = model.expert_stats();
   if (!flags.profile_out.empty()) {
+    // The CUDA tier routes on the device: the expert store sees only its misses, not every use.
+    if (model.backend().name().rfind("cpu", 0) != 0)
+      fail("--profile-out: expert use is counted on the CPU backend only; run with --device cpu");
     const nlohmann::json j = {{"note", "counts[layer][expert]: how often each expert was requested (moestream --profile-out)"},
                               {"tokens", c.prompt_tokens + c.generated_tokens},
                               {"counts", model.expert_usage()}};
@@ -259,6 +263,7 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
       j["vram_in_place_layer_calls"] = g->in_place_calls;
       j["pcie_bytes_read_in_place"] = g->bytes_in_place;
       j["vram_promotions"] = g->promotions;
+      j["vram_pinned_experts"] = g->pinned;
       j["pcie_bytes_promoted"] = g->bytes_promoted;
     }
     std::fprintf(stderr, "%s\n", j.dump().c_str());

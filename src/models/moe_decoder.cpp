@@ -64,6 +64,8 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   bo.max_expert_bytes = pack_.max_expert_size();
   bo.host_expert_mb = options.experts.cache_mb;
   bo.cache_policy = options.experts.policy;
+  bo.profile = options.experts.profile;
+  bo.pin_share = options.experts.pin_share;
   for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
   backend_ = make_backend(bo);
   info_.max_batch = backend_->name().rfind("cuda", 0) == 0 ? kCudaMaxBatch : kCpuMaxBatch;

@@ -288,5 +288,73 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
   EXPECT_EQ(vram_all.store.prefetch_reads, 0u);
 }
 
+// A usage profile (--profile) on CUDA when VRAM cannot hold every expert: its hottest experts, up
+// to --pin-share of the VRAM slots, are never evicted, and when the steps read in place they are
+// promoted into VRAM before any other (the host round trip loads them when first used). Pinning
+// the experts this run uses least leaves one slot to the policy, so the run hits less than
+// without a profile (if the pinned experts could be evicted, it would hit as often); the logits
+// stay those of everything resident, bit for bit, read in place or through the host round trip.
+TEST(CudaTier, ProfilePinsItsExpertsInVram) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::string src = test::fixture("models/qwen3moe_gqa_tied");  // 3 layers of 8 experts, top 2
+  const std::string cache = test::temp_dir("gpu-tier-profile");
+  const std::string dir = ensure_pack(src, cache);
+  const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
+  const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+  const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+  struct Result {
+    std::vector<float> logits;
+    GpuTierStats stats;
+    std::vector<std::vector<uint64_t>> usage;
+  };
+  auto decode = [&](ModelOptions o) {
+    auto model = load_model(dir, o);
+    Result r;
+    std::vector<float> logits(size_t(model->info().vocab_size));
+    auto seq = model->new_sequence(64);
+    model->forward(prompt, *seq, logits);
+    r.logits = logits;
+    for (int step = 0; step < 24; ++step) {
+      model->forward(std::span(&cycle[(5 * step) % 8], 1), *seq, logits);
+      r.logits.insert(r.logits.end(), logits.begin(), logits.end());
+    }
+    if (const auto s = gpu_tier_stats(model->backend())) r.stats = *s;
+    r.usage = model->expert_usage();
+    return r;
+  };
+  ModelOptions cpu = cuda_options(cache, -1, -1);
+  cpu.device = "cpu";
+  const Result counted = decode(cpu);  // the CPU backend counts every use
+  const Result all = decode(cuda_options(cache, -1, -1));
+  // The experts used least (never used: most of all) as the profile's hottest.
+  std::vector<std::vector<double>> coldest;
+  for (const auto& layer : counted.usage) {
+    coldest.emplace_back();
+    for (uint64_t n : layer) coldest.back().push_back(1000.0 - double(n));
+  }
+  ASSERT_EQ(coldest.size(), 3u);
+  ASSERT_EQ(coldest[0].size(), 8u);
+  for (const char* in_place : {"1", "0"}) {
+    SCOPED_TRACE(std::string("MOESTREAM_CUDA_IN_PLACE=") + in_place);
+    setenv("MOESTREAM_CUDA_IN_PLACE", in_place, 1);
+    const Result plain = decode(cuda_options(cache, 6 * slot_mb, -1));
+    ModelOptions o = cuda_options(cache, 6 * slot_mb, -1);
+    o.experts.profile = coldest;
+    o.experts.pin_share = 1.0;  // every slot but one
+    const Result pinned = decode(o);
+    unsetenv("MOESTREAM_CUDA_IN_PLACE");
+    EXPECT_EQ(plain.logits, all.logits);
+    EXPECT_EQ(pinned.logits, all.logits);
+    EXPECT_EQ(plain.stats.pinned, 0u);
+    EXPECT_EQ(pinned.stats.pinned, 5u);
+    EXPECT_GT(plain.stats.hits, 0u);
+    if (std::string(in_place) == "1") {
+      EXPECT_LT(pinned.stats.hits, plain.stats.hits) << "pinned experts were evicted";
+      EXPECT_GE(pinned.stats.promotions, 5u);
+    }
+  }
+}
+
 }  // namespace
 }  // namespace moestream

@@ -6,6 +6,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "backend/backend.h"
 #include "backend/backend_factory.h"
@@ -20,6 +21,11 @@ struct CudaOptions {
   int64_t total_experts = 0;      // routed experts of the model, for sizing the slot arena
   double host_expert_mb = -1;     // the ExpertStore's budget (the pinned host tier); < 0: unbounded
   std::string policy = "lcp";     // which VRAM slot a miss takes (backend/eviction.h), as the store's
+  // A usage profile (profile[layer][expert] counts, ExpertStoreOptions::profile): when the slots
+  // cannot hold every expert, its hottest experts, up to pin_share of the slots, are brought into
+  // VRAM as soon as their host copies are known and never evicted.
+  std::vector<std::vector<double>> profile;
+  double pin_share = 0.5;
 };
 
 // Whether a CUDA device can be used; when not, `why` says what is missing.

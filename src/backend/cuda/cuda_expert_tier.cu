@@ -182,6 +182,32 @@ void ExpertTier::init(const MoeParams& p, uint64_t first_expert_bytes) {
   slot_call_.assign(n_slots_, 0);
   slot_busy_.assign(n_slots_, 0);
   tier_ready_ = true;
+  pin_hottest();
+}
+
+// The profile's hottest experts, up to pin_share of the slots (at least one slot stays free of
+// them), marked in hot_; none when the slots hold every expert anyway.
+void ExpertTier::pin_hottest() {
+  if (opt_.profile.empty() || prefetch_layers_) return;
+  struct Hot {
+    double count;
+    int layer, expert;
+  };
+  std::vector<Hot> all;
+  for (size_t l = 0; l < opt_.profile.size(); ++l) {
+    const auto& counts = opt_.profile[l];
+    if (!counts.empty() && counts.size() != size_t(n_experts_))
+      fail("profile: layer ", l, " has ", counts.size(), " counts, the model's MoE layers have ", n_experts_, " experts");
+    for (size_t e = 0; e < counts.size(); ++e)
+      if (counts[e] > 0) all.push_back({counts[e], int(l), int(e)});
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Hot& a, const Hot& b) { return a.count > b.count; });
+  const size_t n = std::min({all.size(), size_t(std::clamp(opt_.pin_share, 0.0, 1.0) * double(n_slots_)),
+                             size_t(n_slots_ - 1)});
+  hot_.assign(opt_.profile.size(), {});
+  for (size_t l = 0; l < opt_.profile.size(); ++l) hot_[l].assign(opt_.profile[l].size(), 0);
+  for (size_t i = 0; i < n; ++i) hot_[size_t(all[i].layer)][size_t(all[i].expert)] = 1;
+  stats_.pinned = n;
 }
 
 void ExpertTier::ensure_table(int layer) {
@@ -238,6 +264,7 @@ void ExpertTier::rank_victims(size_t needed, bool this_call_too) {
   for (uint64_t s = 0; s < n_slots_; ++s) {
     if ((slot_call_[s] == call_ && !this_call_too) || slot_busy_[s]) continue;
     const auto [layer, expert] = slot_owner_[s];
+    if (hot(layer, expert)) continue;  // pinned
     const double p = layer < 0 ? -std::numeric_limits<double>::infinity()
                                : policy_->priority(use_of(layer, expert), call_, ticks_per_token);
     victims_.emplace_back(p, int(s));
@@ -756,6 +783,7 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
   if (where_[size_t(layer)][size_t(expert)] < 0) {
     table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.dev;
     mark_dirty(layer);
+    if (hot(layer, expert)) candidates_.emplace_back(layer, expert);  // promoted at the next step
   }
 }
 
@@ -858,7 +886,9 @@ void ExpertTier::start_promotions() {
   for (const auto& [layer, e] : candidates_) {
     const HostExpert& h = host_[size_t(layer)][size_t(e)];
     if (where_[size_t(layer)][size_t(e)] < 0 && !h.promoting && h.bytes <= slot_bytes_)
-      ranked.push_back({policy_->priority(use_of(layer, e), call_, ticks_per_token), {layer, e}});
+      ranked.push_back({hot(layer, e) ? std::numeric_limits<double>::infinity()
+                                      : policy_->priority(use_of(layer, e), call_, ticks_per_token),
+                        {layer, e}});
   }
   candidates_.clear();
   std::sort(ranked.begin(), ranked.end(), [](const auto& a, const auto& b) { return a.first > b.first; });

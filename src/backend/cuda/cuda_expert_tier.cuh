@@ -161,6 +161,10 @@ class ExpertTier {
   void guess_next_layer(const Call& c, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
   void rank_victims(size_t needed, bool this_call_too = false);
+  void pin_hottest();
+  bool hot(int layer, int expert) const {
+    return size_t(layer) < hot_.size() && size_t(expert) < hot_[size_t(layer)].size() && hot_[size_t(layer)][size_t(expert)];
+  }
   ExpertUse& use_of(int layer, int expert);
   void combine_through_host(Call& c, HostGroups& h);
   void bind_layer(Call& c);
@@ -231,6 +235,9 @@ class ExpertTier {
   size_t next_victim_ = 0;
   bool victims_ranked_ = false;
   std::vector<std::vector<int>> where_;   // [layer][expert] -> slot or -1
+  // [layer][expert]: pinned by the profile (CudaOptions::profile): promoted before any other
+  // candidate once its host copy is known, never a victim.
+  std::vector<std::vector<char>> hot_;
   std::vector<int> resident_;             // experts of each layer in VRAM
   int full_layers_ = 0;                   // layers with every expert in VRAM
   // [layer]: the (gate/up, down) formats of the experts loaded so far, in order of first sight;
