@@ -39,6 +39,18 @@ TEST(Synth, Qwen35PresetHasTheModelsShape) {
   EXPECT_EQ(s.moe_intermediate, 1024);
   EXPECT_EQ(s.shared_intermediate, 1024);
   EXPECT_EQ(s.full_attention_interval, 4);  // 45 linear + 15 full attention layers
+  const SynthShape m = synth_preset("qwen3.5-35b-a3b");
+  EXPECT_EQ(m.layers, 40);
+  EXPECT_EQ(m.hidden, 2048);
+  EXPECT_EQ(m.experts, 256);
+  EXPECT_EQ(m.top_k, 8);
+  EXPECT_EQ(m.moe_intermediate, 512);
+  EXPECT_EQ(m.shared_intermediate, 512);
+  EXPECT_EQ(m.heads, 16);
+  EXPECT_EQ(m.kv_heads, 2);
+  EXPECT_EQ(m.head_dim, 256);
+  EXPECT_EQ(m.linear_v_heads, 32);
+  EXPECT_EQ(m.vocab, 248320);
 }
 
 TEST(Synth, Qwen35PresetAtTinyWidthRunsAndStreamsBitIdentically) {

@@ -91,7 +91,7 @@ void add_synth(CLI::App& app) {
   auto f = std::make_shared<Flags>();
   CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight Qwen3-MoE (or Qwen3.5 hybrid) directly as a pack");
   cmd->add_option("-o,--output", f->out, "Output directory (must not exist)")->required();
-  cmd->add_option("--preset", f->preset, "Shape: tiny | small | qwen3-30b-a3b | qwen3-235b-a22b | qwen3.5-397b-a17b (default small); the flags "
+  cmd->add_option("--preset", f->preset, "Shape: tiny | small | qwen3-30b-a3b | qwen3-235b-a22b | qwen3.5-35b-a3b | qwen3.5-397b-a17b (default small); the flags "
                   "below override it");
   cmd->add_option("--layers", f->layers, "Layers");
   cmd->add_option("--hidden", f->hidden, "Hidden size");

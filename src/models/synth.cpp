@@ -183,7 +183,7 @@ void add_hybrid_layer(const SynthShape& s, const std::string& p, bool linear, Ad
 }  // namespace
 
 std::vector<std::string> synth_preset_names() {
-  return {"tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-397b-a17b"};
+  return {"tiny", "small", "qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3.5-35b-a3b", "qwen3.5-397b-a17b"};
 }
 
 SynthShape synth_preset(const std::string& name) {
@@ -196,6 +196,20 @@ SynthShape synth_preset(const std::string& name) {
     s = {151936, 2048, 48, 32, 4, 128, 128, 8, 768, 6144, 0};
   } else if (name == "qwen3-235b-a22b") {
     s = {151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 12288, 0};
+  } else if (name == "qwen3.5-35b-a3b") {
+    // Qwen3.5-35B-A3B's text model (Qwen3.6-35B-A3B has the same shape): 40 layers, 3 Gated
+    // DeltaNet to 1 gated attention, 256 experts of width 512 with 8 routed + 1 shared per token,
+    // hidden 2048, attention 16 query / 2 KV heads of 256 (a quarter rotated), DeltaNet 16 key /
+    // 32 value heads of 128, vocabulary 248320.
+    s = {248320, 2048, 40, 16, 2, 256, 256, 8, 512, 0, 0};
+    s.full_attention_interval = 4;
+    s.linear_k_heads = 16;
+    s.linear_v_heads = 32;
+    s.linear_head_dim = 128;
+    s.linear_conv_kernel = 4;
+    s.shared_intermediate = 512;
+    s.partial_rotary = 0.25;
+    s.rope_theta = 10000000.0;
   } else if (name == "qwen3.5-397b-a17b") {
     // Qwen3.5-397B-A17B's text model (its public config.json): 60 layers, 3 Gated DeltaNet to 1
     // gated attention, 512 experts of width 1024 with 10 routed + 1 shared per token, hidden 4096,

@@ -36,7 +36,7 @@ struct SynthOptions {
   uint64_t seed = 42;
 };
 
-// Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-397b-a17b (hybrid). Error
+// Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b and qwen3.5-397b-a17b (hybrids). Error
 // lists them when unknown.
 SynthShape synth_preset(const std::string& name);
 std::vector<std::string> synth_preset_names();

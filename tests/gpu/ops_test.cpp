@@ -589,32 +589,37 @@ TEST_F(Pair, LinearPerHeadAndMlp) {
   }
 }
 
+// The small shape (value heads of 48: a partial tile of columns) and Qwen3.5's (16 key and 32 value
+// heads of 128).
 TEST_F(Pair, GatedDeltaNetPrefillThenDecode) {
-  DeltaNetParams p;
-  p.n_k_heads = 2;
-  p.n_v_heads = 4;
-  p.k_head_dim = 32;
-  p.v_head_dim = 48;
-  p.conv_kernel = 4;
-  const int64_t key_dim = 64, value_dim = 4 * 48, conv_dim = 2 * key_dim + value_dim;
-  std::vector<float> conv = random(size_t(conv_dim * 4), 1, 0.3f), A_log = random(4, 2, 0.5f),
-                     dt = random(4, 3, 0.5f), norm = random(48, 4);
-  auto vec = [&](Backend& be, const char* name, std::vector<float>& v) {
-    return be.load_vector(TensorView{name, DType::F32, {int64_t(v.size())}, v.data(), v.size() * 4});
-  };
-  DeltaNetWeights wc{vec(*cpu, "conv", conv), vec(*cpu, "A_log", A_log), vec(*cpu, "dt", dt), vec(*cpu, "norm", norm)};
-  DeltaNetWeights wg{vec(*gpu, "conv", conv), vec(*gpu, "A_log", A_log), vec(*gpu, "dt", dt), vec(*gpu, "norm", norm)};
-  Buf sconv = zeros(3, conv_dim), srec = zeros(4 * 32, 48);
-  DeltaNetState stc{sconv.c, srec.c}, stg{sconv.g, srec.g};
-  uint32_t seed = 50;
-  for (int64_t T : {int64_t(70), int64_t(1), int64_t(1), int64_t(2)}) {
-    Buf qkv = buf(T, conv_dim, seed++), z = buf(T, value_dim, seed++), b = buf(T, 4, seed++), a = buf(T, 4, seed++);
-    Buf out = poisoned(T, value_dim);
-    cpu->gated_delta_net(qkv.c, z.c, b.c, a.c, wc, p, stc, out.c);
-    gpu->gated_delta_net(qkv.g, z.g, b.g, a.g, wg, p, stg, out.g);
-    EXPECT_LT(err(out), 1e-4) << "T " << T;
-    EXPECT_LT(test::relative_error(host(*gpu, stg.recurrent), host(*cpu, stc.recurrent)), 1e-4) << "T " << T;
-    EXPECT_EQ(test::relative_error(host(*gpu, stg.conv), host(*cpu, stc.conv)), 0.0) << "T " << T;
+  for (const auto& [nk, nv, dk, dv] : {std::array<int, 4>{2, 4, 32, 48}, std::array<int, 4>{16, 32, 128, 128}}) {
+    SCOPED_TRACE(std::to_string(nv) + " value heads of " + std::to_string(dv));
+    DeltaNetParams p;
+    p.n_k_heads = nk;
+    p.n_v_heads = nv;
+    p.k_head_dim = dk;
+    p.v_head_dim = dv;
+    p.conv_kernel = 4;
+    const int64_t key_dim = int64_t(nk) * dk, value_dim = int64_t(nv) * dv, conv_dim = 2 * key_dim + value_dim;
+    std::vector<float> conv = random(size_t(conv_dim * 4), 1, 0.3f), A_log = random(size_t(nv), 2, 0.5f),
+                       dt = random(size_t(nv), 3, 0.5f), norm = random(size_t(dv), 4);
+    auto vec = [&](Backend& be, const char* name, std::vector<float>& v) {
+      return be.load_vector(TensorView{name, DType::F32, {int64_t(v.size())}, v.data(), v.size() * 4});
+    };
+    DeltaNetWeights wc{vec(*cpu, "conv", conv), vec(*cpu, "A_log", A_log), vec(*cpu, "dt", dt), vec(*cpu, "norm", norm)};
+    DeltaNetWeights wg{vec(*gpu, "conv", conv), vec(*gpu, "A_log", A_log), vec(*gpu, "dt", dt), vec(*gpu, "norm", norm)};
+    Buf sconv = zeros(3, conv_dim), srec = zeros(int64_t(nv) * dk, dv);
+    DeltaNetState stc{sconv.c, srec.c}, stg{sconv.g, srec.g};
+    uint32_t seed = 50;
+    for (int64_t T : {int64_t(70), int64_t(1), int64_t(1), int64_t(2)}) {
+      Buf qkv = buf(T, conv_dim, seed++), z = buf(T, value_dim, seed++), b = buf(T, nv, seed++), a = buf(T, nv, seed++);
+      Buf out = poisoned(T, value_dim);
+      cpu->gated_delta_net(qkv.c, z.c, b.c, a.c, wc, p, stc, out.c);
+      gpu->gated_delta_net(qkv.g, z.g, b.g, a.g, wg, p, stg, out.g);
+      EXPECT_LT(err(out), 1e-4) << "T " << T;
+      EXPECT_LT(test::relative_error(host(*gpu, stg.recurrent), host(*cpu, stc.recurrent)), 1e-4) << "T " << T;
+      EXPECT_EQ(test::relative_error(host(*gpu, stg.conv), host(*cpu, stc.conv)), 0.0) << "T " << T;
+    }
   }
 }
 
