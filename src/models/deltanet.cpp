@@ -210,10 +210,12 @@ void linear_attention(Backend& be, const LinearAttention& d, const DeltaNetParam
   const int64_t T = x.rows;
   Buffer qkv = buf.qkv.rows_view(0, T), z = buf.z.rows_view(0, T), core = buf.core.rows_view(0, T);
   Buffer b = buf.b.rows_view(0, T), a = buf.a.rows_view(0, T);
-  be.linear(x, d.qkv_proj, nullptr, qkv);
-  be.linear(x, d.z_proj, nullptr, z);
-  be.linear(x, d.b_proj, nullptr, b);
-  be.linear(x, d.a_proj, nullptr, a);
+  {  // one launch on CUDA where the four share a format (Backend::linear_shared_input)
+    const Matrix* w[4] = {&d.qkv_proj, &d.z_proj, &d.b_proj, &d.a_proj};
+    const Vector* none[4] = {};
+    Buffer* o[4] = {&qkv, &z, &b, &a};
+    be.linear_shared_input(x, w, none, o);
+  }
   for (const RowSpan& s : seqs) {
     DeltaNetState state = static_cast<HybridSequence&>(*s.state).delta(l);
     const auto part = [&s](const Buffer& buffer) { return buffer.rows_view(s.row0, s.rows); };

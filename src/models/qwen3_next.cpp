@@ -203,10 +203,12 @@ class Qwen3Next final : public DecoderModel {
     const int64_t T = x.rows;
     Buffer q = ws_.q.rows_view(0, T), k = ws_.k.rows_view(0, T), v = ws_.v.rows_view(0, T);
     Buffer gate = gate_.rows_view(0, T);
-    be.linear(x, a.q_proj, nullptr, q);
-    be.linear(x, a.gate_proj, nullptr, gate);
-    be.linear(x, a.k_proj, nullptr, k);
-    be.linear(x, a.v_proj, nullptr, v);
+    {
+      const Matrix* w[4] = {&a.q_proj, &a.gate_proj, &a.k_proj, &a.v_proj};
+      const Vector* none[4] = {};
+      Buffer* o[4] = {&q, &gate, &k, &v};
+      be.linear_shared_input(x, w, none, o);
+    }
     be.rmsnorm(q, a.q_norm, norm_eps, cfg_.head_dim, q);
     be.rmsnorm(k, a.k_norm, norm_eps, cfg_.head_dim, k);
     Buffer attn = ws_.attn_out.rows_view(0, T);
