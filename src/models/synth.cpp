@@ -180,6 +180,20 @@ void add_hybrid_layer(const SynthShape& s, const std::string& p, bool linear, Ad
   matrix(p + "mlp.shared_expert_gate.weight", 1, h);
 }
 
+// What the Qwen3.5 MoE models share: 3 Gated DeltaNet layers to 1 gated attention, attention
+// with 2 KV heads of 256 (a quarter of each rotated, theta 1e7), DeltaNet 16 key heads of 128 and
+// `v_heads` value heads of 128, conv kernel 4, and a shared expert as wide as a routed one.
+void qwen35_hybrid(SynthShape& s, int v_heads) {
+  s.full_attention_interval = 4;
+  s.linear_k_heads = 16;
+  s.linear_v_heads = v_heads;
+  s.linear_head_dim = 128;
+  s.linear_conv_kernel = 4;
+  s.shared_intermediate = s.moe_intermediate;
+  s.partial_rotary = 0.25;
+  s.rope_theta = 10000000.0;
+}
+
 }  // namespace
 
 std::vector<std::string> synth_preset_names() {
@@ -197,33 +211,17 @@ SynthShape synth_preset(const std::string& name) {
   } else if (name == "qwen3-235b-a22b") {
     s = {151936, 4096, 94, 64, 4, 128, 128, 8, 1536, 12288, 0};
   } else if (name == "qwen3.5-35b-a3b") {
-    // Qwen3.5-35B-A3B's text model (Qwen3.6-35B-A3B has the same shape): 40 layers, 3 Gated
-    // DeltaNet to 1 gated attention, 256 experts of width 512 with 8 routed + 1 shared per token,
-    // hidden 2048, attention 16 query / 2 KV heads of 256 (a quarter rotated), DeltaNet 16 key /
-    // 32 value heads of 128, vocabulary 248320.
+    // Qwen3.5-35B-A3B's text model (Qwen3.6-35B-A3B has the same shape): 40 layers, 256 experts
+    // of width 512 with 8 routed + 1 shared per token, hidden 2048, attention 16 query heads,
+    // DeltaNet 32 value heads.
     s = {248320, 2048, 40, 16, 2, 256, 256, 8, 512, 0, 0};
-    s.full_attention_interval = 4;
-    s.linear_k_heads = 16;
-    s.linear_v_heads = 32;
-    s.linear_head_dim = 128;
-    s.linear_conv_kernel = 4;
-    s.shared_intermediate = 512;
-    s.partial_rotary = 0.25;
-    s.rope_theta = 10000000.0;
+    qwen35_hybrid(s, 32);
   } else if (name == "qwen3.5-397b-a17b") {
-    // Qwen3.5-397B-A17B's text model (its public config.json): 60 layers, 3 Gated DeltaNet to 1
-    // gated attention, 512 experts of width 1024 with 10 routed + 1 shared per token, hidden 4096,
-    // attention 32 query / 2 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 64 value heads
-    // of 128, vocabulary 248320.
+    // Qwen3.5-397B-A17B's text model (its public config.json): 60 layers, 512 experts of width
+    // 1024 with 10 routed + 1 shared per token, hidden 4096, attention 32 query heads, DeltaNet
+    // 64 value heads.
     s = {248320, 4096, 60, 32, 2, 256, 512, 10, 1024, 0, 0};
-    s.full_attention_interval = 4;
-    s.linear_k_heads = 16;
-    s.linear_v_heads = 64;
-    s.linear_head_dim = 128;
-    s.linear_conv_kernel = 4;
-    s.shared_intermediate = 1024;
-    s.partial_rotary = 0.25;
-    s.rope_theta = 10000000.0;
+    qwen35_hybrid(s, 64);
   } else {
     std::string names;
     for (const auto& n : synth_preset_names()) names += (names.empty() ? "" : ", ") + n;
