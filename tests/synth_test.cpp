@@ -5,6 +5,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "io/pack.h"
@@ -77,6 +78,55 @@ TEST(Synth, Qwen35PresetAtTinyWidthRunsAndStreamsBitIdentically) {
   // The CLI runs it too.
   auto run = test::run_cli("run -m " + out + " -p hello -n 4 --temp 0 --device cpu");
   EXPECT_EQ(run.exit_code, 0) << run.err;
+}
+
+// synth --hf: the same weights as a Hugging Face checkpoint (bf16 shards with their index, one
+// tensor per expert in the Hub's names), as llama.cpp's converter reads it for scripts/peer-bench.
+// Packed by moestream it gives the logits of the pack synth writes directly, bit for bit, for the
+// hybrid and the plain Qwen3-MoE shape; --tokenizer brings a real tokenizer and its end of turn.
+TEST(Synth, HfCheckpointHoldsThePacksWeights) {
+  const std::string root = test::temp_dir("synth-hf");
+  const std::vector<int32_t> ids = {1, 50, 300, 7, 99, 258, 3, 77, 500, 12};
+  for (const std::string preset : {"qwen3.5-35b-a3b", "small"}) {
+    SCOPED_TRACE(preset);
+    const std::string shape = " --preset " + preset + " --layers 4 --hidden 64 --experts 16 --moe-intermediate 32 "
+                              "--vocab 512 --heads 4 --kv-heads 2 --zipf 1";
+    const std::string pack = root + "/" + preset + "-pack", hf = root + "/" + preset + "-hf";
+    auto r = test::run_cli("synth -o " + pack + shape);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    r = test::run_cli("synth -o " + hf + shape + " --hf");
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(hf + "/moestream-pack.json"));
+    const auto index = nlohmann::json::parse(test::read_file(hf + "/model.safetensors.index.json"));
+    EXPECT_EQ(index["weight_map"]["model.layers.3.mlp.experts.15.down_proj.weight"], "model-00005-of-00005.safetensors");
+    EXPECT_EQ(index["weight_map"]["lm_head.weight"], "model-00001-of-00005.safetensors");
+    ModelOptions opt;
+    opt.threads = 2;
+    opt.cache_dir = root + "/cache";
+    auto direct = load_model(pack, opt), packed = load_model(hf, opt);
+    std::vector<float> a(size_t(direct->info().vocab_size)), b(a.size());
+    auto sa = direct->new_sequence(16), sb = packed->new_sequence(16);
+    direct->forward(ids, *sa, a);
+    packed->forward(ids, *sb, b);
+    EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size() * 4), 0);
+  }
+  // A real tokenizer: its files copied, its end of turn in the configs.
+  const std::string tok = test::source_dir() + "/.cache/tokenizer-qwen3";
+  const std::string with_tok = root + "/tok-hf";
+  auto r = test::run_cli("synth -o " + with_tok + " --preset tiny --vocab 151936 --hf --tokenizer " + tok);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(test::read_file(with_tok + "/tokenizer.json"), test::read_file(tok + "/tokenizer.json"));
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(with_tok + "/config.json"))["eos_token_id"], 151645);
+  // Refused in one line: quantized experts in a checkpoint, a vocabulary below the tokenizer's ids.
+  r = test::run_cli("synth -o " + root + "/q4-hf --preset tiny --hf --quant q4");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--quant bf16"), std::string::npos) << r.err;
+  r = test::run_cli("synth -o " + root + "/small-vocab --preset tiny --hf --tokenizer " + tok);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("--vocab"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(root + "/small-vocab"));
+  for (const auto& e : std::filesystem::directory_iterator(root))
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
 }
 
 }  // namespace

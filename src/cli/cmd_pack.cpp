@@ -89,7 +89,7 @@ void add_synth(CLI::App& app) {
     SynthOptions options;
   };
   auto f = std::make_shared<Flags>();
-  CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight Qwen3-MoE (or Qwen3.5 hybrid) directly as a pack");
+  CLI::App* cmd = app.add_subcommand("synth", "Write a random-weight Qwen3-MoE (or Qwen3.5 hybrid) directly as a pack (or, with --hf, a checkpoint)");
   cmd->add_option("-o,--output", f->out, "Output directory (must not exist)")->required();
   cmd->add_option("--preset", f->preset, "Shape: tiny | small | qwen3-30b-a3b | qwen3-235b-a22b | qwen3.5-35b-a3b | qwen3.5-397b-a17b (default small); the flags "
                   "below override it");
@@ -106,6 +106,12 @@ void add_synth(CLI::App& app) {
   cmd->add_option("--group-size", f->options.group_size, "Quantization group size (default 64)");
   cmd->add_option("--zipf", f->options.zipf, "Bias routers so expert popularity ~ rank^-A");
   cmd->add_option("--seed", f->options.seed, "Random seed (default 42)");
+  cmd->add_flag("--hf", f->options.hf,
+                "Write a Hugging Face checkpoint (bf16 safetensors shards, one tensor per expert) instead of a pack, "
+                "for other engines' converters (scripts/peer-bench); the same values as the pack");
+  cmd->add_option("--tokenizer", f->options.tokenizer_dir,
+                  "Copy tokenizer.json and tokenizer_config.json from DIR instead of writing a synthetic byte-level "
+                  "tokenizer (its ids must be below --vocab)");
   cmd->callback([f] {
     SynthShape s = synth_preset(f->preset);
     if (f->layers) s.layers = *f->layers;
@@ -118,6 +124,11 @@ void add_synth(CLI::App& app) {
     if (f->head_dim) s.head_dim = *f->head_dim;
     if (f->vocab) s.vocab = *f->vocab;
     write_synthetic_pack(f->out, s, f->options);
+    if (f->options.hf) {
+      std::fprintf(stderr, "wrote %s: a Hugging Face checkpoint of %d layers, %d experts per layer (bf16)\n",
+                   f->out.c_str(), s.layers, s.experts);
+      return;
+    }
     const PackManifest m = PackManifest::load(f->out);
     std::fprintf(stderr, "wrote %s: %d layers, %d experts per layer, %.3f GB of experts (%s)\n",
                  f->out.c_str(), s.layers, s.experts, m.total_expert_bytes() / 1e9,

@@ -4,10 +4,13 @@
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <set>
 #include <thread>
+#include <unistd.h>
 
 #include "core/dtype.h"
 #include "core/error.h"
@@ -95,6 +98,32 @@ json tokenizer_json(int64_t vocab_size) {
             {"continuing_subword_prefix", ""}, {"end_of_word_suffix", ""}, {"fuse_unk", false},
             {"byte_fallback", false}, {"ignore_merges", false}, {"vocab", vocab},
             {"merges", json::array()}}}};
+}
+
+// The id of <|im_end|> in the tokenizer at dir (its end of turn), which must be below vocab.
+int32_t tokenizer_eos(const std::string& dir, int64_t vocab) {
+  const std::string path = dir + "/tokenizer.json";
+  std::ifstream in(path);
+  if (!in) fail("--tokenizer: ", path, " not found");
+  json t;
+  try {
+    t = json::parse(in);
+  } catch (const std::exception&) {
+    fail("--tokenizer: ", path, " is not JSON");
+  }
+  int64_t most = -1, eos = -1;
+  if (t.contains("model") && t["model"].contains("vocab") && t["model"]["vocab"].is_object())
+    for (const auto& [piece, id] : t["model"]["vocab"].items())
+      if (id.is_number_integer()) most = std::max<int64_t>(most, id.get<int64_t>());
+  if (t.contains("added_tokens") && t["added_tokens"].is_array())
+    for (const json& a : t["added_tokens"]) {
+      if (!a.contains("id") || !a["id"].is_number_integer()) continue;
+      most = std::max<int64_t>(most, a["id"].get<int64_t>());
+      if (a.value("content", "") == "<|im_end|>") eos = a["id"].get<int64_t>();
+    }
+  if (most >= vocab) fail("--tokenizer: ", path, " has ids up to ", most, ", at or above --vocab ", vocab);
+  if (eos < 0) fail("--tokenizer: ", path, " has no <|im_end|> token");
+  return int32_t(eos);
 }
 
 void write_json(const std::string& path, const json& j) {
@@ -232,6 +261,7 @@ SynthShape synth_preset(const std::string& name) {
 
 void write_synthetic_pack(const std::string& dir, const SynthShape& s, const SynthOptions& o) {
   const int bits = quant_bits(o.quant);
+  if (o.hf && bits) fail("synth --hf writes bf16 experts (--quant bf16): each engine quantizes the checkpoint itself");
   if (bits && (s.hidden % o.group_size || s.moe_intermediate % o.group_size))
     fail("--group-size ", o.group_size, " must divide hidden (", s.hidden, ") and moe-intermediate (", s.moe_intermediate, ")");
   if (s.vocab < kByteTokens + 3) fail("--vocab must be at least ", kByteTokens + 3);
@@ -243,11 +273,29 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
                  s.linear_head_dim < 1 || s.shared_intermediate < 1))
     fail("synth: a hybrid shape needs linear heads (value heads a multiple of key heads), a shared expert and no dense layers");
   const char* model_type = hybrid ? "qwen3_5_moe_text" : "qwen3_moe";
-  PackWriter writer(dir, model_type, "moestream synth");
-  const std::string tmp = writer.tmp_dir();
+  std::optional<PackWriter> writer;
+  std::string tmp;
+  if (o.hf) {
+    if (std::filesystem::exists(dir)) fail(dir, ": already exists (remove it first)");
+    tmp = dir + ".tmp-" + std::to_string(getpid());
+    std::filesystem::remove_all(tmp);
+    std::filesystem::create_directories(tmp);
+  } else {
+    writer.emplace(dir, model_type, "moestream synth");
+    tmp = writer->tmp_dir();
+  }
+  // Every file of the checkpoint goes to tmp, renamed to dir once complete; a failure removes it.
+  struct RemoveUnlessDone {
+    std::string path;
+    bool done = false;
+    ~RemoveUnlessDone() {
+      std::error_code ec;
+      if (!done && !path.empty()) std::filesystem::remove_all(path, ec);
+    }
+  } cleanup{o.hf ? tmp : std::string()};
   json mlp_only = json::array();
   for (int l = 0; l < s.first_dense; ++l) mlp_only.push_back(l);
-  const int32_t eos = 258;  // <|im_end|>
+  const int32_t eos = o.tokenizer_dir.empty() ? 258 : tokenizer_eos(o.tokenizer_dir, s.vocab);  // <|im_end|>
   json config = {{"architectures", {hybrid ? "Qwen3_5MoeForCausalLM" : "Qwen3MoeForCausalLM"}},
                  {"model_type", model_type},
                  {"vocab_size", s.vocab}, {"hidden_size", s.hidden},
@@ -280,10 +328,18 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   write_json(tmp + "/generation_config.json",
              {{"eos_token_id", {256, eos}}, {"do_sample", true}, {"temperature", 0.8},
               {"top_k", 40}, {"top_p", 0.95}});
-  write_json(tmp + "/tokenizer.json", tokenizer_json(s.vocab));
-  write_json(tmp + "/tokenizer_config.json",
-             {{"add_bos_token", false}, {"bos_token", nullptr}, {"eos_token", "<|im_end|>"},
-              {"tokenizer_class", "Qwen2Tokenizer"}});
+  if (o.tokenizer_dir.empty()) {
+    write_json(tmp + "/tokenizer.json", tokenizer_json(s.vocab));
+    write_json(tmp + "/tokenizer_config.json",
+               {{"add_bos_token", false}, {"bos_token", nullptr}, {"eos_token", "<|im_end|>"},
+                {"tokenizer_class", "Qwen2Tokenizer"}});
+  } else {
+    for (const char* f : {"tokenizer.json", "tokenizer_config.json"}) {
+      std::error_code ec;
+      std::filesystem::copy_file(o.tokenizer_dir + "/" + f, tmp + "/" + f, ec);
+      if (ec) fail("--tokenizer: ", o.tokenizer_dir, "/", f, ": ", ec.message());
+    }
+  }
 
   // Non-expert weights (bf16): unit-variance embeddings, norms near 1, projections scaled by
   // 1/sqrt(fan_in). With --zipf, every embedding carries a constant in dimension 0 and each
@@ -360,23 +416,56 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
   add("model.norm.weight", {h}, 0.1f, norm_offset);
   matrix("lm_head.weight", s.vocab, h);
   for (size_t i = 0; i < tensors.size(); ++i) tensors[i].data = storage[i].data();
-  write_safetensors(tmp + "/weights.safetensors", tensors, {{"format", "pt"}});
+  // The checkpoint: the non-expert tensors in its first shard, each layer's experts in one more.
+  const int n_shards = 1 + (s.layers - s.first_dense);
+  json weight_map = json::object();
+  uint64_t total_bytes = 0;
+  auto shard = [&](int i, const std::vector<TensorToWrite>& ts) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05d-of-%05d.safetensors", i + 1, n_shards);
+    write_safetensors(tmp + "/" + name, ts, {{"format", "pt"}});
+    for (const TensorToWrite& t : ts) {
+      weight_map[t.name] = name;
+      uint64_t n = 2;  // bf16
+      for (int64_t d : t.shape) n *= uint64_t(d);
+      total_bytes += n;
+    }
+  };
+  if (o.hf) shard(0, tensors);
+  else write_safetensors(tmp + "/weights.safetensors", tensors, {{"format", "pt"}});
   storage.clear();
 
   const std::string format = bits ? "q" + std::to_string(bits) + "g" + std::to_string(o.group_size) : "bf16";
   std::deque<std::vector<char>> bytes;  // deque: parts point into it as it grows
   std::vector<PackWriter::Part> parts;
+  std::vector<TensorToWrite> layer_tensors;
   for (int l = s.first_dense; l < s.layers; ++l) {
+    if (o.hf) bytes.clear();
+    layer_tensors.clear();
     for (int e = 0; e < s.experts; ++e) {
-      bytes.clear();
+      if (!o.hf) bytes.clear();
       parts.clear();
       random_matrix(rng, "gate", s.moe_intermediate, h, bits, o.group_size, bytes, parts);
       random_matrix(rng, "up", s.moe_intermediate, h, bits, o.group_size, bytes, parts);
       random_matrix(rng, "down", h, s.moe_intermediate, bits, o.group_size, bytes, parts);
-      writer.add_expert(l, format, parts);
+      if (!o.hf) {
+        writer->add_expert(l, format, parts);
+        continue;
+      }
+      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
+      for (const PackWriter::Part& part : parts)
+        layer_tensors.push_back({p + part.role + "_proj.weight", part.dtype, part.shape, part.data, part.nbytes});
     }
+    if (o.hf) shard(1 + l - s.first_dense, layer_tensors);
   }
-  writer.finish(s.layers);
+  if (!o.hf) {
+    writer->finish(s.layers);
+    return;
+  }
+  write_json(tmp + "/model.safetensors.index.json",
+             {{"metadata", {{"total_size", total_bytes}}}, {"weight_map", weight_map}});
+  std::filesystem::rename(tmp, dir);
+  cleanup.done = true;
 }
 
 }  // namespace moestream

@@ -34,6 +34,13 @@ struct SynthOptions {
   int group_size = 64;
   double zipf = 0;             // > 0: expert popularity ~ rank^-zipf (router bias)
   uint64_t seed = 42;
+  // A Hugging Face checkpoint instead of a pack (--hf): every tensor bf16 in safetensors shards
+  // with their index, experts one tensor each in the Hub's names, as other engines' converters
+  // read it (the peer benchmark); the same values as the pack of the same options.
+  bool hf = false;
+  // tokenizer.json and tokenizer_config.json copied from here instead of the synthetic
+  // byte-level ones (--tokenizer; the vocabulary must hold its ids).
+  std::string tokenizer_dir;
 };
 
 // Named shapes: tiny, small, qwen3-30b-a3b, qwen3-235b-a22b, qwen3.5-35b-a3b and qwen3.5-397b-a17b (hybrids). Error
@@ -41,7 +48,8 @@ struct SynthOptions {
 SynthShape synth_preset(const std::string& name);
 std::vector<std::string> synth_preset_names();
 
-// Writes the pack to `dir` (which must not exist) through a temporary directory.
+// Writes the pack (or with options.hf the checkpoint) to `dir`, which must not exist, through a
+// temporary directory.
 void write_synthetic_pack(const std::string& dir, const SynthShape& shape, const SynthOptions& options);
 
 }  // namespace moestream
