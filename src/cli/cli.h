@@ -74,6 +74,9 @@ struct RunCounters {
   double prefill_seconds = 0, decode_seconds = 0;
 };
 void report(const ModelFlags& flags, Model& model, const RunCounters& c);
+// Fails (one line) when --profile-out was given and the model runs on a backend that does not
+// count expert use (CUDA): checked right after loading, before the run.
+void check_profile_out(const ModelFlags& flags, Model& model);
 
 uint64_t peak_rss_bytes();  // VmHWM of this process
 

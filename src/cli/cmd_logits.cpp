@@ -21,6 +21,7 @@ void add_logits(CLI::App& app) {
   cmd->callback([f] {
     const std::vector<int32_t> ids = parse_token_list(f->tokens, "--tokens");
     auto model = load_model(f->model.dir, f->model.options);
+    check_profile_out(f->model, *model);
     const int64_t vocab = model->info().vocab_size;
     std::vector<float> logits(ids.size() * size_t(vocab));
     auto state = model->new_sequence(int64_t(ids.size()));

@@ -71,6 +71,7 @@ void add_perplexity(CLI::App& app) {
       fail(f->file, ": ", ids.size(), " tokens are too few for one window of --ctx ", ctx, " (need ", ctx + 1, ")");
 
     auto model = load_model(f->model.dir, f->model.options);
+    check_profile_out(f->model, *model);
     const int64_t vocab = model->info().vocab_size;
     std::ofstream save;
     if (!f->kl_save.empty()) {

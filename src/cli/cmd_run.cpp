@@ -67,6 +67,7 @@ void run(const RunFlags& f) {
     prompt = parse_token_list(f.tokens, "--tokens");
   }
   auto model = load_model(f.model.dir, f.model.options);
+  check_profile_out(f.model, *model);
   check_context(f, model->info(), int64_t(prompt.size()));
   if (!tok && !f.ids) tok = Tokenizer::load(f.model.dir);
   // Ctrl-C ends the generation early and still prints the text and statistics; a second one

@@ -197,12 +197,16 @@ uint64_t peak_rss_bytes() {
   return 0;
 }
 
+void check_profile_out(const ModelFlags& flags, Model& model) {
+  // The CUDA tier routes on the device: the expert store sees only its misses, not every use.
+  if (!flags.profile_out.empty() && model.backend().name().rfind("cpu", 0) != 0)
+    fail("--profile-out: expert use is counted on the CPU backend only; run with --device cpu");
+}
+
 void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
   const ExpertStats s = model.expert_stats();
   if (!flags.profile_out.empty()) {
-    // The CUDA tier routes on the device: the expert store sees only its misses, not every use.
-    if (model.backend().name().rfind("cpu", 0) != 0)
-      fail("--profile-out: expert use is counted on the CPU backend only; run with --device cpu");
+    check_profile_out(flags, model);
     const nlohmann::json j = {{"note", "counts[layer][expert]: how often each expert was requested (moestream --profile-out)"},
                               {"tokens", c.prompt_tokens + c.generated_tokens},
                               {"counts", model.expert_usage()}};
