@@ -1,5 +1,6 @@
 #include "backend/eviction.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "core/error.h"
@@ -36,6 +37,25 @@ std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& name) {
   if (name == "lfu") return std::make_unique<Lfu>();
   if (name == "lcp") return std::make_unique<Lcp>();
   fail("--cache-policy: unknown policy '", name, "' (expected lru, lfu or lcp)");
+}
+
+std::vector<std::vector<char>> hottest_experts(const std::vector<std::vector<double>>& profile, double share,
+                                               size_t slots, size_t& pinned) {
+  struct Hot {
+    double count;
+    int layer, expert;
+  };
+  std::vector<Hot> all;
+  std::vector<std::vector<char>> hot(profile.size());
+  for (size_t l = 0; l < profile.size(); ++l) {
+    hot[l].assign(profile[l].size(), 0);
+    for (size_t e = 0; e < profile[l].size(); ++e)
+      if (profile[l][e] > 0) all.push_back({profile[l][e], int(l), int(e)});
+  }
+  std::stable_sort(all.begin(), all.end(), [](const Hot& a, const Hot& b) { return a.count > b.count; });
+  pinned = std::min({all.size(), size_t(std::clamp(share, 0.0, 1.0) * double(slots)), slots > 0 ? slots - 1 : 0});
+  for (size_t i = 0; i < pinned; ++i) hot[size_t(all[i].layer)][size_t(all[i].expert)] = 1;
+  return hot;
 }
 
 }  // namespace moestream

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace moestream {
 
@@ -25,5 +26,11 @@ class EvictionPolicy {
 // lru: most recent use; lfu: use count (recency breaks ties);
 // lcp: uses * 0.25^(age_in_tokens / 128), mlx-moe's frequency-times-recency rule.
 std::unique_ptr<EvictionPolicy> make_eviction_policy(const std::string& name);
+
+// The experts a usage profile (counts[layer][expert]) pins in a cache of `slots` slots: its
+// hottest (count > 0, ties in layer then expert order), at most share * slots of them and never
+// every slot. Marks [layer][expert] shaped as the profile; `pinned` gets how many.
+std::vector<std::vector<char>> hottest_experts(const std::vector<std::vector<double>>& profile, double share,
+                                               size_t slots, size_t& pinned);
 
 }  // namespace moestream

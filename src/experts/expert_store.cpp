@@ -288,22 +288,12 @@ class StreamingExpertStore final : public ExpertStore {
     if (o.profile.empty() || o.cache_mb < 0) return;
     if (o.profile.size() != pack_.layers.size())
       fail("profile: ", o.profile.size(), " layers of counts, the model has ", pack_.layers.size());
-    struct Hot {
-      double count;
-      int layer, expert;
-    };
-    std::vector<Hot> all;
-    for (size_t l = 0; l < o.profile.size(); ++l) {
+    for (size_t l = 0; l < o.profile.size(); ++l)
       if (o.profile[l].size() != pack_.layers[l].size())
         fail("profile: layer ", l, " has ", o.profile[l].size(), " counts, the model ", pack_.layers[l].size(),
              " experts");
-      for (size_t e = 0; e < o.profile[l].size(); ++e)
-        if (o.profile[l][e] > 0) all.push_back({o.profile[l][e], int(l), int(e)});
-    }
-    std::stable_sort(all.begin(), all.end(), [](const Hot& a, const Hot& b) { return a.count > b.count; });
-    const size_t n = std::min({all.size(), size_t(std::clamp(o.pin_share, 0.0, 1.0) * double(max_slots_)),
-                               max_slots_ - 1});
-    for (size_t i = 0; i < n; ++i) hot_[size_t(all[i].layer)][size_t(all[i].expert)] = 1;
+    size_t n = 0;
+    hot_ = hottest_experts(o.profile, o.pin_share, max_slots_, n);
     stats_.pinned = n;
   }
 

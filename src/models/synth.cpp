@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
+#include "models/blocks.h"
 
 namespace moestream {
 
@@ -452,9 +453,9 @@ void write_synthetic_pack(const std::string& dir, const SynthShape& s, const Syn
         writer->add_expert(l, format, parts);
         continue;
       }
-      const std::string p = "model.layers." + std::to_string(l) + ".mlp.experts." + std::to_string(e) + ".";
       for (const PackWriter::Part& part : parts)
-        layer_tensors.push_back({p + part.role + "_proj.weight", part.dtype, part.shape, part.data, part.nbytes});
+        layer_tensors.push_back({expert_tensor_name(ExpertNaming::Hub, l, e, part.role), part.dtype, part.shape,
+                                 part.data, part.nbytes});
     }
     if (o.hf) shard(1 + l - s.first_dense, layer_tensors);
   }

@@ -189,24 +189,12 @@ void ExpertTier::init(const MoeParams& p, uint64_t first_expert_bytes) {
 // them), marked in hot_; none when the slots hold every expert anyway.
 void ExpertTier::pin_hottest() {
   if (opt_.profile.empty() || prefetch_layers_) return;
-  struct Hot {
-    double count;
-    int layer, expert;
-  };
-  std::vector<Hot> all;
-  for (size_t l = 0; l < opt_.profile.size(); ++l) {
-    const auto& counts = opt_.profile[l];
-    if (!counts.empty() && counts.size() != size_t(n_experts_))
-      fail("profile: layer ", l, " has ", counts.size(), " counts, the model's MoE layers have ", n_experts_, " experts");
-    for (size_t e = 0; e < counts.size(); ++e)
-      if (counts[e] > 0) all.push_back({counts[e], int(l), int(e)});
-  }
-  std::stable_sort(all.begin(), all.end(), [](const Hot& a, const Hot& b) { return a.count > b.count; });
-  const size_t n = std::min({all.size(), size_t(std::clamp(opt_.pin_share, 0.0, 1.0) * double(n_slots_)),
-                             size_t(n_slots_ - 1)});
-  hot_.assign(opt_.profile.size(), {});
-  for (size_t l = 0; l < opt_.profile.size(); ++l) hot_[l].assign(opt_.profile[l].size(), 0);
-  for (size_t i = 0; i < n; ++i) hot_[size_t(all[i].layer)][size_t(all[i].expert)] = 1;
+  for (size_t l = 0; l < opt_.profile.size(); ++l)
+    if (!opt_.profile[l].empty() && opt_.profile[l].size() != size_t(n_experts_))
+      fail("profile: layer ", l, " has ", opt_.profile[l].size(), " counts, the model's MoE layers have ", n_experts_,
+           " experts");
+  size_t n = 0;
+  hot_ = hottest_experts(opt_.profile, opt_.pin_share, n_slots_, n);
   stats_.pinned = n;
 }
 
