@@ -60,6 +60,14 @@ void Backend::add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps
   rmsnorm(x, w, eps, x.cols, out);
 }
 
+void Backend::gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& gate, Buffer& s, Buffer& g,
+                            Buffer& out) {
+  mlp(x, w, s);
+  linear(x, gate, nullptr, g);
+  sigmoid_gate(s, g);
+  add(out, s);
+}
+
 void Backend::qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,
                            int n_heads, int n_kv_heads, int head_dim, const RopeTable& rope, int64_t n_past) {
   if (q_norm) rmsnorm(q, q_norm, eps, head_dim, q);

@@ -265,6 +265,10 @@ class Backend {
                                    std::span<const Vector* const> bias, std::span<Buffer* const> out);
   // x += y, then out = RMSNorm(x) over whole rows (a residual add and the next norm).
   virtual void add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps, Buffer& out);
+  // out += sigmoid(x @ gate^T) * mlp(x, w): a shared expert scaled by its one-row gate (Qwen3-Next,
+  // Qwen3.5). s (x.rows, out.cols) and g (x.rows, 1) are scratch: what mlp() and the gate write.
+  virtual void gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& gate, Buffer& s, Buffer& g,
+                             Buffer& out);
   // q and k normalized per head of head_dim (each only when its weight is non-empty), then both
   // rotated at positions n_past + t (attention's query and key preparation).
   virtual void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,

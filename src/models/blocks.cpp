@@ -472,10 +472,7 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     {
       ScopedTimer timer(be.times().dense_mlp);
       Buffer gate = ws.shared_gate.rows_view(0, T);
-      be.mlp(xn, shared, s);
-      be.linear(xn, shared_gate, nullptr, gate);
-      be.sigmoid_gate(s, gate);
-      be.add(out, s);
+      be.gated_mlp_add(xn, shared, shared_gate, s, gate, out);
     }
     return residual(out);
   }

@@ -589,6 +589,29 @@ TEST_F(Pair, LinearPerHeadAndMlp) {
   }
 }
 
+// The shared expert scaled by its gate row (Qwen3-Next, Qwen3.5): CUDA's fused launches give its
+// unfused steps' output bit for bit (the gate row in the gate/up launch, sigmoid and add in one),
+// and the CPU's within the linears' tolerance; one token, a few, and a prefill chunk.
+TEST_F(Pair, GatedMlpAddEqualsItsStepsBitForBit) {
+  for (std::string fmt : {"bf16", "q4g64", "mxfp4"}) {
+    HostMatrix g = make_matrix(128, 64, fmt, 1), u = make_matrix(128, 64, fmt, 2), d = make_matrix(64, 128, fmt, 3);
+    HostMatrix gate = make_matrix(1, 64, fmt, 4);
+    MlpWeights mc{load(*cpu, g, fmt), load(*cpu, u, fmt), load(*cpu, d, fmt), {}, {}, {}};
+    MlpWeights mg{load(*gpu, g, fmt), load(*gpu, u, fmt), load(*gpu, d, fmt), {}, {}, {}};
+    const Matrix gc = load(*cpu, gate, fmt), gg = load(*gpu, gate, fmt);
+    for (int64_t T : {1, 5, 96}) {
+      SCOPED_TRACE(fmt + " T=" + std::to_string(T));
+      Buf x = buf(T, 64, 7), out = buf(T, 64, 8), steps = buf(T, 64, 8);
+      Buf s = poisoned(T, 64), sg = poisoned(T, 1), s2 = poisoned(T, 64), sg2 = poisoned(T, 1);
+      cpu->gated_mlp_add(x.c, mc, gc, s.c, sg.c, out.c);
+      gpu->gated_mlp_add(x.g, mg, gg, s.g, sg.g, out.g);
+      gpu->Backend::gated_mlp_add(x.g, mg, gg, s2.g, sg2.g, steps.g);
+      EXPECT_EQ(host(*gpu, out.g), host(*gpu, steps.g));
+      EXPECT_LT(err(out), linear_tolerance(T, 2));
+    }
+  }
+}
+
 // The small shape (value heads of 48: a partial tile of columns) and Qwen3.5's (16 key and 32 value
 // heads of 128).
 TEST_F(Pair, GatedDeltaNetPrefillThenDecode) {

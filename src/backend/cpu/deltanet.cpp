@@ -31,20 +31,27 @@ struct Inputs {
   float strength(int64_t t, int h) const { return beta[t * n_v_heads + h]; }
 };
 
-// Causal depthwise conv over [state rows; x rows], SiLU, into mixed; the state keeps the last
-// kernel - 1 inputs.
-void causal_conv(const Buffer& x, const Vector& taps, int kernel, Buffer& state, float* mixed) {
+// Chunks of at least ~64K values for the token-parallel loops (one decode token stays on one thread).
+size_t tokens_per_chunk(int64_t values_per_token) {
+  return size_t(std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, values_per_token)));
+}
+
+// Causal depthwise conv over [state rows; x rows], SiLU, into mixed (tokens split over the pool);
+// the state keeps the last kernel - 1 inputs.
+void causal_conv(ThreadPool& pool, const Buffer& x, const Vector& taps, int kernel, Buffer& state, float* mixed) {
   const int64_t T = x.rows, C = x.cols, hist = kernel - 1;
   auto row = [&](int64_t r) { return r < hist ? state.data + r * C : x.data + (r - hist) * C; };
-  for (int64_t t = 0; t < T; ++t) {
-    float* o = mixed + t * C;
-    for (int64_t c = 0; c < C; ++c) {
-      const float* w = taps.data + c * kernel;
-      float s = 0;
-      for (int j = 0; j < kernel; ++j) s += w[j] * row(t + j)[c];
-      o[c] = silu(s);
+  pool.parallel_for(size_t(T), [&](size_t t0, size_t t1) {
+    for (int64_t t = int64_t(t0); t < int64_t(t1); ++t) {
+      float* o = mixed + t * C;
+      for (int64_t c = 0; c < C; ++c) {
+        const float* w = taps.data + c * kernel;
+        float s = 0;
+        for (int j = 0; j < kernel; ++j) s += w[j] * row(t + j)[c];
+        o[c] = silu(s);
+      }
     }
-  }
+  }, tokens_per_chunk(C));
   // New state row i is input row T + i of [state; x].
   for (int64_t i = 0; i < hist; ++i) {
     const int64_t r = T + i;
@@ -177,18 +184,20 @@ void gated_delta_net(ThreadPool& pool, const Buffer& qkv, const Buffer& z, const
   const int64_t key_dim = int64_t(nk) * dk, value_dim = int64_t(nv) * dv;
 
   s.mixed.resize(size_t(T * conv_dim));
-  causal_conv(qkv, w.conv, p.conv_kernel, state.conv, s.mixed.data());
+  causal_conv(pool, qkv, w.conv, p.conv_kernel, state.conv, s.mixed.data());
 
   // q and k: unit length per head (eps as the reference kernels), q also scaled by dk^-1/2.
   const float q_scale = 1.0f / std::sqrt(float(dk));
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t c = 0; c < 2 * key_dim; c += dk) {
-      float* x = s.mixed.data() + t * conv_dim + c;
-      const float inv = 1.0f / std::sqrt(dot_f32(x, x, dk) + 1e-6f);
-      for (int i = 0; i < dk; ++i) x[i] *= inv;
-      if (c < key_dim)
-        for (int i = 0; i < dk; ++i) x[i] *= q_scale;
-    }
+  pool.parallel_for(size_t(T), [&](size_t t0, size_t t1) {
+    for (int64_t t = int64_t(t0); t < int64_t(t1); ++t)
+      for (int64_t c = 0; c < 2 * key_dim; c += dk) {
+        float* x = s.mixed.data() + t * conv_dim + c;
+        const float inv = 1.0f / std::sqrt(dot_f32(x, x, dk) + 1e-6f);
+        for (int i = 0; i < dk; ++i) x[i] *= inv;
+        if (c < key_dim)
+          for (int i = 0; i < dk; ++i) x[i] *= q_scale;
+      }
+  }, tokens_per_chunk(2 * key_dim));
 
   s.g.resize(size_t(T * nv));
   s.beta.resize(size_t(T * nv));
@@ -215,14 +224,16 @@ void gated_delta_net(ThreadPool& pool, const Buffer& qkv, const Buffer& z, const
   });
 
   // Gated RMSNorm per value head: norm(o) * w * silu(z).
-  for (int64_t t = 0; t < T; ++t)
-    for (int h = 0; h < nv; ++h) {
-      const int64_t off = t * value_dim + int64_t(h) * dv;
-      const float* o = s.core.data() + off;
-      const float inv = 1.0f / std::sqrt(dot_f32(o, o, dv) / float(dv) + p.norm_eps);
-      for (int i = 0; i < dv; ++i)
-        out.data[off + i] = w.norm.data[i] * (o[i] * inv) * silu(z.data[off + i]);
-    }
+  pool.parallel_for(size_t(T), [&](size_t t0, size_t t1) {
+    for (int64_t t = int64_t(t0); t < int64_t(t1); ++t)
+      for (int h = 0; h < nv; ++h) {
+        const int64_t off = t * value_dim + int64_t(h) * dv;
+        const float* o = s.core.data() + off;
+        const float inv = 1.0f / std::sqrt(dot_f32(o, o, dv) / float(dv) + p.norm_eps);
+        for (int i = 0; i < dv; ++i)
+          out.data[off + i] = w.norm.data[i] * (o[i] * inv) * silu(z.data[off + i]);
+      }
+  }, tokens_per_chunk(value_dim));
 }
 
 }  // namespace moestream::cpu

@@ -69,6 +69,13 @@ __global__ void sigmoid_gate_kernel(float* y, int64_t rows, int64_t cols, const 
   y[i] *= sigmoid(gate[t * gate_cols + c % gate_cols]);
 }
 
+// out += y * sigmoid(gate[t]), rounded as sigmoid_gate then add (no fused multiply-add).
+__global__ void sigmoid_gate_add_kernel(float* out, const float* y, const float* gate, int64_t rows, int64_t cols) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= rows * cols) return;
+  out[i] = __fadd_rn(out[i], __fmul_rn(y[i], sigmoid(gate[i / cols])));
+}
+
 __global__ void activation_kernel(float* g, const float* u, int64_t rows, int64_t cols, const float* gb,
                                   const float* ub, bool clamped, float limit, float alpha) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -199,6 +206,12 @@ void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlock
 void sigmoid_gate(float* y, int64_t rows, int64_t cols, const float* gate, int64_t gate_cols, cudaStream_t s) {
   if (rows * cols == 0) return;
   sigmoid_gate_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(y, rows, cols, gate, gate_cols);
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+void sigmoid_gate_add(float* out, const float* y, const float* gate, int64_t rows, int64_t cols, cudaStream_t s) {
+  if (rows * cols == 0) return;
+  sigmoid_gate_add_kernel<<<blocks_for(rows * cols, 256), 256, 0, s>>>(out, y, gate, rows, cols);
   MS_CUDA_CHECK_LAUNCH();
 }
 

@@ -25,6 +25,8 @@ void copy_columns(const Buffer& src, ColumnBlocks from, Buffer& dst, ColumnBlock
                   int64_t blocks, cudaStream_t s);
 // y[t, i] *= sigmoid(gate[t, i % gate_cols])
 void sigmoid_gate(float* y, int64_t rows, int64_t cols, const float* gate, int64_t gate_cols, cudaStream_t s);
+// out[t, i] += y[t, i] * sigmoid(gate[t]) (gate (rows, 1)): sigmoid_gate then add, in one launch.
+void sigmoid_gate_add(float* out, const float* y, const float* gate, int64_t rows, int64_t cols, cudaStream_t s);
 // g[i] = act(g[i] (+ gate_bias), u[i] (+ up_bias)) over rows x cols (SwiGLU or gpt-oss's clamped form).
 void expert_activation(float* g, const float* u, int64_t rows, int64_t cols, const float* gate_bias,
                        const float* up_bias, const MoeParams& p, cudaStream_t s);
