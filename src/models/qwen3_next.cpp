@@ -180,19 +180,22 @@ class Qwen3Next final : public DecoderModel {
     Buffer x = ws_.x.rows_view(0, T), xn = ws_.xn.rows_view(0, T);
     Buffer out = ws_.ffn_out.rows_view(0, T);
 
+    // Layers run in order, and the residual add that ends each layer but the last (whose rows the
+    // final norm takes) also normalizes x for the next one (Backend::add_rmsnorm).
     {
       ScopedTimer timer(be.times().attention);
-      be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
+      if (l == 0) be.rmsnorm(x, layer.input_norm, norm_eps, x.cols, xn);
       if (layer.linear) {
         linear_attention(be, layer.delta, cfg_.delta, delta_buf_, xn, seqs, l, out);
       } else {
         gated_attention(layer.attn, xn, seqs, l, out);
       }
-      be.add(x, out);
+      be.add_rmsnorm(x, out, layer.post_attention_norm, norm_eps, xn);
     }
-    be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
     const int next = next_moe_layer(layers_, l);
-    layer.ffn.forward(be, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
+    const Vector* next_norm = l + 1 < int(layers_.size()) ? &layers_[size_t(l) + 1].input_norm : nullptr;
+    layer.ffn.forward(be, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
+                      next_norm, norm_eps);
   }
 
  private:
@@ -209,16 +212,14 @@ class Qwen3Next final : public DecoderModel {
       Buffer* o[4] = {&q, &gate, &k, &v};
       be.linear_shared_input(x, w, none, o);
     }
-    be.rmsnorm(q, a.q_norm, norm_eps, cfg_.head_dim, q);
-    be.rmsnorm(k, a.k_norm, norm_eps, cfg_.head_dim, k);
     Buffer attn = ws_.attn_out.rows_view(0, T);
     attn.cols = q.cols;
     for (const RowSpan& s : seqs) {
       auto& seq = static_cast<HybridSequence&>(*s.state);
       const auto part = [&s](const Buffer& b) { return b.rows_view(s.row0, s.rows); };
       Buffer qs = part(q), ks = part(k), as = part(attn);
-      be.rope(qs, cfg_.n_heads, cfg_.head_dim, rope_, seq.n_past);
-      be.rope(ks, cfg_.n_kv_heads, cfg_.head_dim, rope_, seq.n_past);
+      be.qk_norm_rope(qs, ks, a.q_norm, a.k_norm, norm_eps, cfg_.n_heads, cfg_.n_kv_heads, cfg_.head_dim, rope_,
+                      seq.n_past);
       AttentionParams p;
       p.n_heads = cfg_.n_heads;
       p.n_kv_heads = cfg_.n_kv_heads;

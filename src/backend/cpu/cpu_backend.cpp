@@ -29,6 +29,12 @@ size_t rows_per_chunk(int64_t cols, int64_t tokens) {
   return size_t(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols * tokens)));
 }
 
+// Items per chunk of an elementwise loop (items of `values` floats): at least 64K values, so a
+// decode step's rows stay on the calling thread and only prefill batches are split.
+size_t elementwise_chunk(int64_t values) {
+  return size_t(std::max<int64_t>(1, 65536 / std::max<int64_t>(1, values)));
+}
+
 // The same for a loop over n rows of products that go through the panel GEMM (several tokens:
 // gemm.h): whole panels of kPanelAlign rows per chunk (a chunk cut inside a panel leaves the
 // micro-kernel's lanes idle and dequantizes the panel twice), and no more chunks than the pool
@@ -125,14 +131,16 @@ class CpuBackend final : public Backend {
 
   void rmsnorm(const Buffer& x, const Vector& w, float eps, int64_t group, Buffer& out) override {
     const int64_t groups = x.rows * x.cols / group;
-    for (int64_t g = 0; g < groups; ++g) {
-      const float* src = x.data + g * group;
-      float* dst = out.data + g * group;
-      float ss = 0;
-      for (int64_t i = 0; i < group; ++i) ss += src[i] * src[i];
-      const float inv = 1.0f / std::sqrt(ss / float(group) + eps);
-      for (int64_t i = 0; i < group; ++i) dst[i] = w.data[i] * (src[i] * inv);
-    }
+    pool_.parallel_for(size_t(groups), [&](size_t g0, size_t g1) {
+      for (int64_t g = int64_t(g0); g < int64_t(g1); ++g) {
+        const float* src = x.data + g * group;
+        float* dst = out.data + g * group;
+        float ss = 0;
+        for (int64_t i = 0; i < group; ++i) ss += src[i] * src[i];
+        const float inv = 1.0f / std::sqrt(ss / float(group) + eps);
+        for (int64_t i = 0; i < group; ++i) dst[i] = w.data[i] * (src[i] * inv);
+      }
+    }, elementwise_chunk(group));
   }
 
   void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) override {
@@ -255,8 +263,9 @@ class CpuBackend final : public Backend {
   }
 
   void add(Buffer& x, const Buffer& y) override {
-    const int64_t n = x.rows * x.cols;
-    for (int64_t i = 0; i < n; ++i) x.data[i] += y.data[i];
+    pool_.parallel_for(size_t(x.rows * x.cols), [&](size_t i0, size_t i1) {
+      for (size_t i = i0; i < i1; ++i) x.data[i] += y.data[i];
+    }, elementwise_chunk(1));
   }
 
   void clamp(Buffer& x, float limit) override {
@@ -382,9 +391,11 @@ class CpuBackend final : public Backend {
   void sigmoid_gate(Buffer& y, const Buffer& gate) override {
     if (gate.rows != y.rows || (gate.cols != 1 && gate.cols != y.cols))
       fail("sigmoid_gate: gate [", gate.rows, ", ", gate.cols, "] does not fit [", y.rows, ", ", y.cols, "]");
-    for (int64_t t = 0; t < y.rows; ++t)
-      for (int64_t i = 0; i < y.cols; ++i)
-        y.data[t * y.cols + i] *= 1.0f / (1.0f + std::exp(-gate.data[t * gate.cols + i % gate.cols]));
+    pool_.parallel_for(size_t(y.rows), [&](size_t t0, size_t t1) {
+      for (int64_t t = int64_t(t0); t < int64_t(t1); ++t)
+        for (int64_t i = 0; i < y.cols; ++i)
+          y.data[t * y.cols + i] *= 1.0f / (1.0f + std::exp(-gate.data[t * gate.cols + i % gate.cols]));
+    }, elementwise_chunk(y.cols));
   }
 
   void gated_delta_net(const Buffer& qkv, const Buffer& z, const Buffer& b, const Buffer& a,
