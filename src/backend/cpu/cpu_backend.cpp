@@ -187,27 +187,30 @@ class CpuBackend final : public Backend {
 
   void rope(Buffer& x, int n_heads, int head_dim, const RopeTable& rope, int64_t n_past) override {
     const int half = rope.rot_dim / 2;
-    std::vector<float>& cs = rope_scratch_;
-    cs.resize(size_t(2 * half));
-    for (int64_t t = 0; t < x.rows; ++t) {
-      // Angles in float32, as transformers computes them.
-      const float pos = float(n_past + t);
-      for (int i = 0; i < half; ++i) {
-        float angle = pos * rope.inv_freq[i];
-        cs[i] = std::cos(angle) * rope.attention_factor;
-        cs[half + i] = std::sin(angle) * rope.attention_factor;
-      }
-      for (int h = 0; h < n_heads; ++h) {
-        float* v = x.data + t * x.cols + int64_t(h) * head_dim + rope.rot_offset;
+    // Tokens split over the pool in prompt batches; each thread its own cos/sin table.
+    pool_.parallel_for(size_t(x.rows), [&](size_t t0, size_t t1) {
+      thread_local std::vector<float> cs;
+      cs.resize(size_t(2 * half));
+      for (int64_t t = int64_t(t0); t < int64_t(t1); ++t) {
+        // Angles in float32, as transformers computes them.
+        const float pos = float(n_past + t);
         for (int i = 0; i < half; ++i) {
-          const int a = rope.interleaved ? 2 * i : i;
-          const int b = rope.interleaved ? 2 * i + 1 : i + half;
-          const float x0 = v[a], x1 = v[b];
-          v[a] = x0 * cs[i] - x1 * cs[half + i];
-          v[b] = x1 * cs[i] + x0 * cs[half + i];
+          float angle = pos * rope.inv_freq[i];
+          cs[i] = std::cos(angle) * rope.attention_factor;
+          cs[half + i] = std::sin(angle) * rope.attention_factor;
+        }
+        for (int h = 0; h < n_heads; ++h) {
+          float* v = x.data + t * x.cols + int64_t(h) * head_dim + rope.rot_offset;
+          for (int i = 0; i < half; ++i) {
+            const int a = rope.interleaved ? 2 * i : i;
+            const int b = rope.interleaved ? 2 * i + 1 : i + half;
+            const float x0 = v[a], x1 = v[b];
+            v[a] = x0 * cs[i] - x1 * cs[half + i];
+            v[b] = x1 * cs[i] + x0 * cs[half + i];
+          }
         }
       }
-    }
+    }, elementwise_chunk(int64_t(n_heads) * rope.rot_dim));
   }
 
   void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
@@ -672,7 +675,6 @@ class CpuBackend final : public Backend {
   std::unordered_map<float*, size_t> growable_;  // alloc_growable's mappings and their bytes
   std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
   std::vector<std::vector<float>> scratch_;
-  std::vector<float> rope_scratch_;
   cpu::DeltaNetScratch deltanet_;
   std::vector<std::vector<std::pair<int64_t, float>>> by_expert_;
   std::vector<std::vector<std::pair<int64_t, float>>> token_rows_;  // moe's combine: (routed row, weight)
