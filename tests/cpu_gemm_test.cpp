@@ -3,6 +3,7 @@
 // partial token blocks and column tails, for every weight format and SIMD level.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <random>
@@ -264,6 +265,54 @@ TEST(CpuGemm, SharedInputEqualsOneLinearPerMatrix) {
           EXPECT_EQ(floats(ov), floats(lv)) << what;
         }
       }
+  }
+}
+
+// The elementwise steps split a prompt's rows over the pool (rmsnorm, add, sigmoid_gate, rope);
+// decode rows stay on the caller. Either way every value is computed alone: one thread and three
+// give the same bits, at a size that splits and one that does not.
+TEST(CpuGemm, ElementwiseStepsGiveTheSameBitsOnAnyThreadCount) {
+  auto one = make_cpu_backend(1, true), three = make_cpu_backend(3, true);
+  const int64_t cols = 512, heads = 8, head_dim = 64;
+  const std::vector<float> norm_w = gaussian(size_t(cols), 1);
+  RopeTable rope;
+  rope.rot_dim = 32;
+  rope.rot_offset = 16;
+  for (int i = 0; i < rope.rot_dim / 2; ++i) rope.inv_freq.push_back(std::pow(10000.0f, -2.0f * float(i) / 32.0f));
+  for (int64_t T : {1, 300}) {
+    std::vector<std::vector<float>> results[2];
+    int which = 0;
+    for (Backend* be : {one.get(), three.get()}) {
+      auto filled = [&](int64_t rows, int64_t c, uint32_t seed) {
+        Buffer b = be->alloc(rows, c);
+        const std::vector<float> v = gaussian(size_t(rows * c), seed);
+        std::copy(v.begin(), v.end(), b.data);
+        return b;
+      };
+      auto floats = [](const Buffer& b) { return std::vector<float>(b.data, b.data + b.rows * b.cols); };
+      const Vector w{"norm", const_cast<float*>(norm_w.data()), cols};
+      const Vector w_head{"head norm", const_cast<float*>(norm_w.data()), head_dim};
+      Buffer x = filled(T, cols, 2), y = filled(T, cols, 3), out = be->alloc(T, cols);
+      be->rmsnorm(x, w, 1e-6f, cols, out);
+      results[which].push_back(floats(out));
+      be->rmsnorm(x, w_head, 1e-6f, head_dim, out);
+      results[which].push_back(floats(out));
+      be->add(x, y);
+      results[which].push_back(floats(x));
+      Buffer gate = filled(T, cols, 4), gate1 = filled(T, 1, 5);
+      be->sigmoid_gate(x, gate);
+      be->sigmoid_gate(x, gate1);
+      results[which].push_back(floats(x));
+      for (bool interleaved : {false, true}) {
+        rope.interleaved = interleaved;
+        Buffer q = filled(T, heads * head_dim, 6);
+        be->rope(q, int(heads), int(head_dim), rope, 7);
+        results[which].push_back(floats(q));
+      }
+      ++which;
+    }
+    ASSERT_EQ(results[0].size(), results[1].size());
+    for (size_t i = 0; i < results[0].size(); ++i) EXPECT_EQ(results[1][i], results[0][i]) << "step " << i << " T=" << T;
   }
 }
 

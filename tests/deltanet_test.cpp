@@ -1,5 +1,6 @@
 // The Gated DeltaNet kernel (Qwen3-Next, Qwen3.5-MoE linear attention): chunked (prefill) and
-// recurrent (decode) forms agree, state carries across calls, shape errors name the input.
+// recurrent (decode) forms agree, threads change nothing, state carries across calls, shape errors
+// name the input.
 #include <gtest/gtest.h>
 
 #include <random>
@@ -84,6 +85,20 @@ TEST(GatedDeltaNet, ChunkedFormEqualsRecurrence) {
   EXPECT_LE(relative_error(chunked, rec), 1e-5);
   EXPECT_LE(relative_error(s2.recurrent, s1.recurrent), 1e-5);
   EXPECT_EQ(s2.conv, s1.conv);
+}
+
+// A prompt long enough that the conv, the q/k norms and the gated norm split its tokens over the
+// pool: the same outputs and states bit for bit as on one thread.
+TEST(GatedDeltaNet, ThreadsDoNotChangeTheOutput) {
+  ThreadPool one(1), three(3);
+  const int64_t T = 6000;
+  DeltaNetCase c(T, 3);
+  auto s1 = c.fresh_state(), s3 = c.fresh_state();
+  const std::vector<float> o1 = c.run(one, s1, 0, T, cpu::DeltaRuleForm::Chunked);
+  const std::vector<float> o3 = c.run(three, s3, 0, T, cpu::DeltaRuleForm::Chunked);
+  EXPECT_EQ(o3, o1);
+  EXPECT_EQ(s3.recurrent, s1.recurrent);
+  EXPECT_EQ(s3.conv, s1.conv);
 }
 
 TEST(GatedDeltaNet, StateCarriesAcrossCalls) {
