@@ -205,8 +205,7 @@ void check_profile_out(const ModelFlags& flags, Model& model) {
 
 void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
   const ExpertStats s = model.expert_stats();
-  if (!flags.profile_out.empty()) {
-    check_profile_out(flags, model);
+  if (!flags.profile_out.empty()) {  // check_profile_out ran right after the model loaded
     const nlohmann::json j = {{"note", "counts[layer][expert]: how often each expert was requested (moestream --profile-out)"},
                               {"tokens", c.prompt_tokens + c.generated_tokens},
                               {"counts", model.expert_usage()}};

@@ -7,6 +7,7 @@
 // One caller at a time; fn must not call parallel_for on the same pool.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
@@ -32,6 +33,11 @@ class ThreadPool {
 
   // parallel_for cuts a loop into about this many chunks a thread (fewer when min_chunk is larger).
   static constexpr size_t kChunksPerThread = 4;
+  // A min_chunk for elementwise loops over items of `values` floats each: at least 64K values a
+  // chunk, so a decode step's few rows stay on the calling thread and only prompt batches split.
+  static size_t elementwise_chunk(int64_t values) {
+    return size_t(std::max<int64_t>(1, 65536 / std::max<int64_t>(1, values)));
+  }
   // How long a worker polls for the next job before it sleeps.
   static constexpr int kSpinMicros = 200;
 

@@ -233,6 +233,13 @@ int next_moe_layer(const Layers& layers, int l) {
   return -1;
 }
 
+// layers[l + 1].input_norm, which layer l's last residual add computes with it
+// (MoeFeedForward::forward's next_norm); null for the last layer.
+template <class Layers>
+const Vector* next_input_norm(const Layers& layers, int l) {
+  return size_t(l) + 1 < layers.size() ? &layers[size_t(l) + 1].input_norm : nullptr;
+}
+
 // Routed experts alone (no shared experts): router [n_experts, hidden] and optional logit bias.
 MoeFeedForward routed_ffn(Matrix router, const MoeParams& routing, Vector router_bias = {});
 

@@ -47,9 +47,8 @@ void MoeDecoder::run_layer(int l, int64_t T, std::span<const RowSpan> seqs) {
   // final norm takes, only those whose logits are wanted) also normalizes x for the next one.
   attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm, l > 0);
   const int next = next_moe_layer(layers_, l);
-  const Vector* next_norm = l + 1 < int(layers_.size()) ? &layers_[size_t(l) + 1].input_norm : nullptr;
   layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
-                    next_norm, norm_eps);
+                    next_input_norm(layers_, l), norm_eps);
 }
 
 

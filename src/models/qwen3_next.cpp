@@ -193,9 +193,8 @@ class Qwen3Next final : public DecoderModel {
       be.add_rmsnorm(x, out, layer.post_attention_norm, norm_eps, xn);
     }
     const int next = next_moe_layer(layers_, l);
-    const Vector* next_norm = l + 1 < int(layers_.size()) ? &layers_[size_t(l) + 1].input_norm : nullptr;
     layer.ffn.forward(be, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
-                      next_norm, norm_eps);
+                      next_input_norm(layers_, l), norm_eps);
   }
 
  private:

@@ -29,12 +29,6 @@ size_t rows_per_chunk(int64_t cols, int64_t tokens) {
   return size_t(std::max<int64_t>(1, 16384 / std::max<int64_t>(1, cols * tokens)));
 }
 
-// Items per chunk of an elementwise loop (items of `values` floats): at least 64K values, so a
-// decode step's rows stay on the calling thread and only prefill batches are split.
-size_t elementwise_chunk(int64_t values) {
-  return size_t(std::max<int64_t>(1, 65536 / std::max<int64_t>(1, values)));
-}
-
 // The same for a loop over n rows of products that go through the panel GEMM (several tokens:
 // gemm.h): whole panels of kPanelAlign rows per chunk (a chunk cut inside a panel leaves the
 // micro-kernel's lanes idle and dequantizes the panel twice), and no more chunks than the pool
@@ -140,7 +134,7 @@ class CpuBackend final : public Backend {
         const float inv = 1.0f / std::sqrt(ss / float(group) + eps);
         for (int64_t i = 0; i < group; ++i) dst[i] = w.data[i] * (src[i] * inv);
       }
-    }, elementwise_chunk(group));
+    }, ThreadPool::elementwise_chunk(group));
   }
 
   void linear(const Buffer& x, const Matrix& w, const Vector* bias, Buffer& out) override {
@@ -210,7 +204,7 @@ class CpuBackend final : public Backend {
           }
         }
       }
-    }, elementwise_chunk(int64_t(n_heads) * rope.rot_dim));
+    }, ThreadPool::elementwise_chunk(int64_t(n_heads) * rope.rot_dim));
   }
 
   void attention(const Buffer& q, const Buffer& k, const Buffer& v, Buffer& k_cache,
@@ -268,7 +262,7 @@ class CpuBackend final : public Backend {
   void add(Buffer& x, const Buffer& y) override {
     pool_.parallel_for(size_t(x.rows * x.cols), [&](size_t i0, size_t i1) {
       for (size_t i = i0; i < i1; ++i) x.data[i] += y.data[i];
-    }, elementwise_chunk(1));
+    }, ThreadPool::elementwise_chunk(1));
   }
 
   void clamp(Buffer& x, float limit) override {
@@ -398,7 +392,7 @@ class CpuBackend final : public Backend {
       for (int64_t t = int64_t(t0); t < int64_t(t1); ++t)
         for (int64_t i = 0; i < y.cols; ++i)
           y.data[t * y.cols + i] *= 1.0f / (1.0f + std::exp(-gate.data[t * gate.cols + i % gate.cols]));
-    }, elementwise_chunk(y.cols));
+    }, ThreadPool::elementwise_chunk(y.cols));
   }
 
   void gated_delta_net(const Buffer& qkv, const Buffer& z, const Buffer& b, const Buffer& a,

@@ -31,11 +31,6 @@ struct Inputs {
   float strength(int64_t t, int h) const { return beta[t * n_v_heads + h]; }
 };
 
-// Chunks of at least ~64K values for the token-parallel loops (one decode token stays on one thread).
-size_t tokens_per_chunk(int64_t values_per_token) {
-  return size_t(std::max<int64_t>(1, (int64_t(1) << 16) / std::max<int64_t>(1, values_per_token)));
-}
-
 // Causal depthwise conv over [state rows; x rows], SiLU, into mixed (tokens split over the pool);
 // the state keeps the last kernel - 1 inputs.
 void causal_conv(ThreadPool& pool, const Buffer& x, const Vector& taps, int kernel, Buffer& state, float* mixed) {
@@ -51,7 +46,7 @@ void causal_conv(ThreadPool& pool, const Buffer& x, const Vector& taps, int kern
         o[c] = silu(s);
       }
     }
-  }, tokens_per_chunk(C));
+  }, ThreadPool::elementwise_chunk(C));
   // New state row i is input row T + i of [state; x].
   for (int64_t i = 0; i < hist; ++i) {
     const int64_t r = T + i;
@@ -197,7 +192,7 @@ void gated_delta_net(ThreadPool& pool, const Buffer& qkv, const Buffer& z, const
         if (c < key_dim)
           for (int i = 0; i < dk; ++i) x[i] *= q_scale;
       }
-  }, tokens_per_chunk(2 * key_dim));
+  }, ThreadPool::elementwise_chunk(2 * key_dim));
 
   s.g.resize(size_t(T * nv));
   s.beta.resize(size_t(T * nv));
@@ -233,7 +228,7 @@ void gated_delta_net(ThreadPool& pool, const Buffer& qkv, const Buffer& z, const
         for (int i = 0; i < dv; ++i)
           out.data[off + i] = w.norm.data[i] * (o[i] * inv) * silu(z.data[off + i]);
       }
-  }, tokens_per_chunk(value_dim));
+  }, ThreadPool::elementwise_chunk(value_dim));
 }
 
 }  // namespace moestream::cpu
