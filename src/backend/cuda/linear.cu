@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <unordered_map>
 
 #include "backend/cuda/gemv_one.cuh"
 #include "backend/cuda/linear.h"
@@ -91,38 +92,49 @@ int gemv_tokens_per_pass(int64_t T, int64_t cols) {
   return nt;
 }
 
-// Row block `block` (kGemvRows rows) of out = x W^T for T tokens.
+// Row block `block` (kGemvRows rows) of out = x W^T for the nt tokens t0.. staged in smem.
 template <int KIND, bool SF16, int NT>
-__device__ __forceinline__ void gemv_rows(const WeightRef& w, const float* __restrict__ x, int64_t ldx, int T,
-                                          int nt_max, const float* __restrict__ bias, float* __restrict__ out,
-                                          int64_t ldo, int64_t block) {
+__device__ __forceinline__ void gemv_block(const WeightRef& w, int t0, int nt, int nt_max, const float* __restrict__ bias,
+                                           float* __restrict__ out, int64_t ldo, int64_t block) {
   extern __shared__ float smem[];
-  float* xs = smem;
-  float* xsum = smem + nt_max * padded_cols(w.cols);
+  const float* xs = smem;
+  const float* xsum = smem + nt_max * padded_cols(w.cols);
   const int64_t row0 = block * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
+  float acc[kRowsPerWarp][NT];
+  gemv_warp<KIND, SF16, NT>(w, row0, xs, xsum, nt, acc);
+  const int lane = threadIdx.x & 31;
+#pragma unroll
+  for (int r = 0; r < kRowsPerWarp; ++r)
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
+      if (lane == r * NT + t && t < nt && row0 + r < w.rows)
+        out[(t0 + t) * ldo + row0 + r] = acc[r][t] + (bias ? bias[row0 + r] : 0.0f);
+}
+
+// Every row block b < n_blocks of the launch, x staged once per pass of nt_max tokens and reused by
+// all the blocks a CUDA block takes (b = blockIdx.x, + gridDim.x, ...): a launch of one wave of
+// blocks stages x once per block, not once per kGemvRows rows. do_block(b, t0, nt) computes one.
+template <class DoBlock>
+__device__ __forceinline__ void gemv_passes(const float* __restrict__ x, int64_t ldx, int64_t cols, int T, int nt_max,
+                                            unsigned n_blocks, DoBlock do_block) {
+  extern __shared__ float smem[];
   for (int t0 = 0; t0 < T; t0 += nt_max) {
     const int nt = min(nt_max, T - t0);
-    if (t0 > 0) __syncthreads();  // the previous chunk's reads of xs are done
-    stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, w.cols, xs, xsum, false);
-    float acc[kRowsPerWarp][NT];
-    gemv_warp<KIND, SF16, NT>(w, row0, xs, xsum, nt, acc);
-    const int lane = threadIdx.x & 31;
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r)
-#pragma unroll
-      for (int t = 0; t < NT; ++t)
-        if (lane == r * NT + t && t < nt && row0 + r < w.rows)
-          out[(t0 + t) * ldo + row0 + r] = acc[r][t] + (bias ? bias[row0 + r] : 0.0f);
+    if (t0 > 0) __syncthreads();  // the previous pass's reads of xs are done
+    stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, cols, smem, smem + nt_max * padded_cols(cols), false);
+    for (unsigned b = blockIdx.x; b < n_blocks; b += gridDim.x) do_block(b, t0, nt);
   }
 }
 
 template <int KIND, bool SF16, int NT>
 __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_kernel(WeightRef w, const float* __restrict__ x, int64_t ldx, int T, int nt_max,
-                const float* __restrict__ bias, float* __restrict__ out, int64_t ldo) {
+                const float* __restrict__ bias, float* __restrict__ out, int64_t ldo, unsigned n_blocks) {
   wait_prior_grid();
   allow_next_grid();
-  gemv_rows<KIND, SF16, NT>(w, x, ldx, T, nt_max, bias, out, ldo, blockIdx.x);
+  gemv_passes(x, ldx, w.cols, T, nt_max, n_blocks, [&](unsigned b, int t0, int nt) {
+    gemv_block<KIND, SF16, NT>(w, t0, nt, nt_max, bias, out, ldo, b);
+  });
 }
 
 // Up to kMaxShared matrices of one format and width that read the same x, in one launch: the
@@ -142,9 +154,28 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_shared_kernel(SharedInput m, const float* __restrict__ x, int64_t ldx, int T, int nt_max) {
   wait_prior_grid();
   allow_next_grid();
-  int i = 0;
-  while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
-  gemv_rows<KIND, SF16, NT>(m.w[i], x, ldx, T, nt_max, m.bias[i], m.out[i], m.ldo[i], blockIdx.x - m.first_block[i]);
+  gemv_passes(x, ldx, m.w[0].cols, T, nt_max, m.first_block[m.n], [&](unsigned b, int t0, int nt) {
+    int i = 0;
+    while (i + 1 < m.n && b >= m.first_block[i + 1]) ++i;
+    gemv_block<KIND, SF16, NT>(m.w[i], t0, nt, nt_max, m.bias[i], m.out[i], m.ldo[i], b - m.first_block[i]);
+  });
+}
+
+// Blocks of a GEMV launch: n_blocks row blocks, at most as many as run at once on the device
+// (the rest are taken by the same blocks in turn, x staged once for them).
+template <class Kernel>
+unsigned gemv_grid(Kernel kernel, size_t smem, unsigned n_blocks) {
+  static int sms = [] {
+    int dev = 0, v = 0;
+    MS_CUDA_CHECK(cudaGetDevice(&dev));
+    MS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  thread_local std::unordered_map<size_t, int> per_sm_of;  // by shared memory, for this kernel
+  auto [it, fresh] = per_sm_of.try_emplace(smem, 0);
+  if (fresh) MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&it->second, kernel, kGemvWarps * 32, smem));
+  const int per_sm = it->second;
+  return std::max(1u, std::min(n_blocks, unsigned(std::max(1, per_sm)) * unsigned(sms)));
 }
 
 // One token through the single-token tile (gemv_one.cuh), for up to kMaxShared matrices of one
@@ -400,7 +431,11 @@ void gemm_few(const Matrix& m, const __nv_bfloat16* parts, int64_t T, const floa
 // BF16 weights for 2 to kGemvMaxTokens tokens: the tensor cores (linear_bf16_split_few) rather
 // than the GEMV, whose per-token work in shared memory outweighs its reads from 5 tokens on.
 bool bf16_few_tokens(const FormatTag& tag, int64_t T, int64_t cols, GemmMath math) {
-  return T >= 2 && T < gemm_min_tokens() && math == GemmMath::Fp16 && tag.kind == kBF16 && cols % 8 == 0 &&
+  static const bool gemv = [] {  // MOESTREAM_CUDA_BF16_FEW=gemv: the GEMV instead, for comparison
+    const char* v = std::getenv("MOESTREAM_CUDA_BF16_FEW");
+    return v && std::string(v) == "gemv";
+  }();
+  return !gemv && T >= 2 && T < gemm_min_tokens() && math == GemmMath::Fp16 && tag.kind == kBF16 && cols % 8 == 0 &&
          exact_mma_enabled();
 }
 
@@ -484,8 +519,9 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
           configured = true;
         }
         const unsigned blocks = blocks_for(w.rows, kGemvRows);
-        launch(gemv_kernel<KIND, SF16, NT>, blocks, kGemvWarps * 32,
-               gemv_smem_bytes(w.cols, nt_max), stream, w, x, ldx, int(T), nt_max, bias, out, ldo);
+        const size_t smem = gemv_smem_bytes(w.cols, nt_max);
+        launch(gemv_kernel<KIND, SF16, NT>, gemv_grid(gemv_kernel<KIND, SF16, NT>, smem, blocks), kGemvWarps * 32,
+               smem, stream, w, x, ldx, int(T), nt_max, bias, out, ldo, blocks);
       };
       if (nt_max > kTokens) run.template operator()<kWideTokens>();
       else run.template operator()<kTokens>();
@@ -573,8 +609,9 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
                                            cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem_limit)));
         configured = true;
       }
-      launch(gemv_shared_kernel<KIND, SF16, NT>, m.first_block[m.n], kGemvWarps * 32,
-             gemv_smem_bytes(w[0]->cols, nt_max), stream, m, x, ldx, int(T), nt_max);
+      const size_t smem = gemv_smem_bytes(w[0]->cols, nt_max);
+      launch(gemv_shared_kernel<KIND, SF16, NT>, gemv_grid(gemv_shared_kernel<KIND, SF16, NT>, smem, m.first_block[m.n]),
+             kGemvWarps * 32, smem, stream, m, x, ldx, int(T), nt_max);
     };
     if (nt_max > kTokens) run.template operator()<kWideTokens>();
     else run.template operator()<kTokens>();

@@ -313,7 +313,12 @@ __device__ __forceinline__ void stage_x(RowPtr x_row, int nt, int64_t cols, floa
   const int64_t cp = padded_cols(cols), packs = (cols + 31) >> 5;
   for (int t = 0; t < nt; ++t) {
     const float* x = x_row(t);
-    for (int64_t i = threadIdx.x; i < packs * 32; i += blockDim.x) xs[t * cp + padded(i)] = i < cols ? x[i] : 0.0f;
+    if ((cols & 31) == 0 && (reinterpret_cast<uintptr_t>(x) & 15) == 0) {  // whole packs: 16-byte copies
+      for (int64_t i = threadIdx.x; i < cols / 4; i += blockDim.x)
+        *reinterpret_cast<float4*>(xs + t * cp + padded(4 * i)) = reinterpret_cast<const float4*>(x)[i];
+    } else {
+      for (int64_t i = threadIdx.x; i < packs * 32; i += blockDim.x) xs[t * cp + padded(i)] = i < cols ? x[i] : 0.0f;
+    }
   }
   __syncthreads();
   if (sums) {
