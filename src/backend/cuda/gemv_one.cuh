@@ -96,7 +96,7 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       if constexpr (KIND == kFp8) load_fp8(reinterpret_cast<const uint8_t*>(raw[m][r].w), true, 32, q[m][r]);
-      else if constexpr (is_quant(KIND)) load_codes<KIND>(raw[m][r].w, q[m][r]);
+      else if constexpr (is_quant(KIND)) load_codes<KIND, NT == 1>(raw[m][r].w, q[m][r]);
       else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
     }
   float d[NT][M][R];

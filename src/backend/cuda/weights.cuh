@@ -122,26 +122,65 @@ __device__ __forceinline__ void load_words(const uint32_t* words, uint32_t (&w)[
   }
 }
 
-// The 32 code values of one pack of a packed format from its B words.
-template <int KIND>
+// The B-bit code at bits [S, S + B) of w as a float, exactly, in two instructions and without a
+// conversion: with 2^23's exponent OR-ed in, the bits read 2^23 + code * 2^S (S + B <= 23 keeps
+// the code in the mantissa), and that times 2^-S, minus 2^(23 - S), is the code.
+template <int B, int S>
+__device__ __forceinline__ float code_in_mantissa(uint32_t w) {
+  static_assert(S + B <= 23, "the code must lie within the mantissa");
+  uint32_t bits;  // (w & mask) | 0x4B000000 in one LOP3
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(w), "n"(((1u << B) - 1u) << S), "n"(0x4B000000u));
+  const float f = __uint_as_float(bits);
+  return fmaf(f, 1.0f / float(1u << S), -float(1u << (23 - S)));
+}
+
+// The 32 code values of one pack of a packed format from its B words. IN_MANTISSA: 4- and 8-bit
+// codes through code_in_mantissa, the same values. It pays where each decoded value is used once
+// (one row of x: +3-9% one-token decode on an H200); where the values serve two rows of x, ptxas
+// spilled them (the 8-stream expert kernels took 2.7x as long), so the others convert.
+template <int KIND, bool IN_MANTISSA = false>
 __device__ __forceinline__ void decode_codes(const uint32_t (&w)[bits_of(KIND)], float (&q)[32]) {
   constexpr int B = bits_of(KIND);
   constexpr uint32_t mask = (1u << B) - 1;
+  if constexpr (IN_MANTISSA && KIND == kQ4) {  // nibbles 0-4 in place, 5-7 from the word shifted by 12
 #pragma unroll
-  for (int i = 0; i < 32; ++i) {
-    const int bit = i * B, k = bit >> 5, s = bit & 31;
-    uint32_t v = w[k] >> s;
-    if (s + B > 32) v |= w[k + 1] << (32 - s);
-    q[i] = code_value<KIND>(v & mask);
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t hi = w[k] >> 12;
+      q[8 * k + 0] = code_in_mantissa<4, 0>(w[k]);
+      q[8 * k + 1] = code_in_mantissa<4, 4>(w[k]);
+      q[8 * k + 2] = code_in_mantissa<4, 8>(w[k]);
+      q[8 * k + 3] = code_in_mantissa<4, 12>(w[k]);
+      q[8 * k + 4] = code_in_mantissa<4, 16>(w[k]);
+      q[8 * k + 5] = code_in_mantissa<4, 8>(hi);
+      q[8 * k + 6] = code_in_mantissa<4, 12>(hi);
+      q[8 * k + 7] = code_in_mantissa<4, 16>(hi);
+    }
+  } else if constexpr (IN_MANTISSA && KIND == kQ8) {  // bytes 0-1 in place, 2-3 from the word shifted by 16
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t hi = w[k] >> 16;
+      q[4 * k + 0] = code_in_mantissa<8, 0>(w[k]);
+      q[4 * k + 1] = code_in_mantissa<8, 8>(w[k]);
+      q[4 * k + 2] = code_in_mantissa<8, 0>(hi);
+      q[4 * k + 3] = code_in_mantissa<8, 8>(hi);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 32; ++i) {
+      const int bit = i * B, k = bit >> 5, s = bit & 31;
+      uint32_t v = w[k] >> s;
+      if (s + B > 32) v |= w[k + 1] << (32 - s);
+      q[i] = code_value<KIND>(v & mask);
+    }
   }
 }
 
 // The 32 code values of one pack of a packed format, from B words = 32 * B bits.
-template <int KIND>
+template <int KIND, bool IN_MANTISSA = false>
 __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]) {
   uint32_t w[bits_of(KIND)];
   load_words<bits_of(KIND)>(words, w);
-  decode_codes<KIND>(w, q);
+  decode_codes<KIND, IN_MANTISSA>(w, q);
 }
 
 // 32 FP8 bytes as 8 words, decoded.
