@@ -114,14 +114,15 @@ __device__ __forceinline__ void gemv_block(const WeightRef& w, int t0, int nt, i
 // Every row block b < n_blocks of the launch, x staged once per pass of nt_max tokens and reused by
 // all the blocks a CUDA block takes (b = blockIdx.x, + gridDim.x, ...): a launch of one wave of
 // blocks stages x once per block, not once per kGemvRows rows. do_block(b, t0, nt) computes one.
-template <class DoBlock>
+template <int KIND, class DoBlock>
 __device__ __forceinline__ void gemv_passes(const float* __restrict__ x, int64_t ldx, int64_t cols, int T, int nt_max,
                                             unsigned n_blocks, DoBlock do_block) {
   extern __shared__ float smem[];
   for (int t0 = 0; t0 < T; t0 += nt_max) {
     const int nt = min(nt_max, T - t0);
     if (t0 > 0) __syncthreads();  // the previous pass's reads of xs are done
-    stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, cols, smem, smem + nt_max * padded_cols(cols), false);
+    stage_x([&](int t) { return x + (t0 + t) * ldx; }, nt, cols, smem, smem + nt_max * padded_cols(cols),
+            is_affine(KIND));
     for (unsigned b = blockIdx.x; b < n_blocks; b += gridDim.x) do_block(b, t0, nt);
   }
 }
@@ -132,7 +133,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
                 const float* __restrict__ bias, float* __restrict__ out, int64_t ldo, unsigned n_blocks) {
   wait_prior_grid();
   allow_next_grid();
-  gemv_passes(x, ldx, w.cols, T, nt_max, n_blocks, [&](unsigned b, int t0, int nt) {
+  gemv_passes<KIND>(x, ldx, w.cols, T, nt_max, n_blocks, [&](unsigned b, int t0, int nt) {
     gemv_block<KIND, SF16, NT>(w, t0, nt, nt_max, bias, out, ldo, b);
   });
 }
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
     gemv_shared_kernel(SharedInput m, const float* __restrict__ x, int64_t ldx, int T, int nt_max) {
   wait_prior_grid();
   allow_next_grid();
-  gemv_passes(x, ldx, m.w[0].cols, T, nt_max, m.first_block[m.n], [&](unsigned b, int t0, int nt) {
+  gemv_passes<KIND>(x, ldx, m.w[0].cols, T, nt_max, m.first_block[m.n], [&](unsigned b, int t0, int nt) {
     int i = 0;
     while (i + 1 < m.n && b >= m.first_block[i + 1]) ++i;
     gemv_block<KIND, SF16, NT>(m.w[i], t0, nt, nt_max, m.bias[i], m.out[i], m.ldo[i], b - m.first_block[i]);

@@ -310,7 +310,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) gate_up_kernel(ExpertArgs a) 
   for (int p0 = r0; p0 < r1; p0 += a.nt_max) {
     const int nt = min(a.nt_max, r1 - p0);
     if (p0 > r0) __syncthreads();
-    stage_x([&](int t) { return a.x + int64_t(a.g.row_token[p0 + t] / a.k) * a.dim; }, nt, a.dim, xs, xsum, false);
+    stage_x([&](int t) { return a.x + int64_t(a.g.row_token[p0 + t] / a.k) * a.dim; }, nt, a.dim, xs, xsum, is_affine(KIND));
     for (int tile = 0; tile < kExpertRowTiles; ++tile) {
       const int64_t row0 = (int64_t(blockIdx.x) * kExpertRowTiles + tile) * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
       if (row0 >= a.inter) break;
@@ -344,7 +344,7 @@ __global__ void __launch_bounds__(kGemvWarps * 32) down_kernel(ExpertArgs a) {
   for (int p0 = r0; p0 < r1; p0 += a.nt_max) {
     const int nt = min(a.nt_max, r1 - p0);
     if (p0 > r0) __syncthreads();
-    stage_x([&](int t) { return a.hidden + int64_t(p0 + t) * a.inter; }, nt, a.inter, xs, xsum, false);
+    stage_x([&](int t) { return a.hidden + int64_t(p0 + t) * a.inter; }, nt, a.inter, xs, xsum, is_affine(KIND));
     for (int tile = 0; tile < kExpertRowTiles; ++tile) {
       const int64_t row0 = (int64_t(blockIdx.x) * kExpertRowTiles + tile) * kGemvRows + (threadIdx.x / 32) * kRowsPerWarp;
       if (row0 >= a.dim) break;

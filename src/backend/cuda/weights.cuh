@@ -360,14 +360,17 @@ __device__ __forceinline__ void stage_x(RowPtr x_row, int nt, int64_t cols, floa
     }
   }
   __syncthreads();
-  if (sums) {
+  if (sums) {  // summed as gemv_warp would sum the pack (zeros past cols), bit for bit
     for (int64_t j = threadIdx.x; j < nt * packs; j += blockDim.x) {
       const int t = int(j / packs);
       const int64_t p = j % packs;
-      const float* v = xs + t * cp + p * 36;
+      const float4* v = reinterpret_cast<const float4*>(xs + t * cp + p * 36);
       float s = 0;
-      const int n = int(cols - p * 32 < 32 ? cols - p * 32 : 32);
-      for (int i = 0; i < n; ++i) s += v[i];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float4 x4 = v[i];
+        s += (x4.x + x4.y) + (x4.z + x4.w);
+      }
       xsum[j] = s;
     }
     __syncthreads();
@@ -375,7 +378,8 @@ __device__ __forceinline__ void stage_x(RowPtr x_row, int nt, int64_t cols, floa
 }
 
 // acc[r][t] = row (row0 + r) of w . x_t for the rows this warp owns (rows past w.rows give 0).
-// xs/xsum as stage_x left them; all lanes of the warp return the full sums.
+// xs/xsum as stage_x left them (xsum, the packs' sums of x, staged for affine kinds); all lanes
+// of the warp return the full sums.
 // NT: the most tokens one pass takes (the size of acc); each token's sum is the same for any NT.
 template <int KIND, bool SF16, int NT = kTokens>
 __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, const float* xs, const float* xsum,
@@ -406,12 +410,12 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
       const float* xv = xs + t * cp + p * 36;
       float d[kRowsPerWarp];
       float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
+      if constexpr (is_affine(KIND)) sx = xsum[t * packs + p];
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) d[r] = 0.0f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const float4 x4 = reinterpret_cast<const float4*>(xv)[j];
-        if constexpr (is_affine(KIND)) sx += (x4.x + x4.y) + (x4.z + x4.w);
 #pragma unroll
         for (int r = 0; r < kRowsPerWarp; ++r) {
           d[r] = fmaf(q[r][4 * j], x4.x, d[r]);
