@@ -1,7 +1,10 @@
 // Linear layers: y = x W^T for every weight format (plain, MLX affine, MXFP4, FP8).
 //  - GEMV (T <= kGemvMaxTokens): a warp owns kRowsPerWarp rows; each lane walks packs of 32
 //    input elements (16-byte weight loads), x staged in shared memory, dequantization folded
-//    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x) (b = 0 but for affine).
+//    into the dot product: sum_i (q_i s + b) x_i = s (q . x) + b sum(x) (b = 0 but for affine;
+//    the packs' sums of x are staged with x). One token takes the single-token tile
+//    (gemv_one.cuh); 2 to 8 a launch of one wave of blocks, each staging x once for the row
+//    blocks it takes in turn.
 //  - GEMM: tiles of rows dequantized to FP16 and multiplied on the tensor cores (float32 sums),
 //    or to float32 and cuBLAS SGEMM (float32 math, no TF32) for GemmMath::F32.
 #include <cuda_bf16.h>
