@@ -305,6 +305,46 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
     }
 }
 
+// The GEMV of 2 to 8 tokens launches one wave of blocks, each taking row blocks in turn: a matrix
+// of more row blocks than the device runs at once (an LM head's 20,011 rows of 256 columns) gives
+// every token its lone value, bit for bit, alone and with a second matrix of the same input.
+TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
+  constexpr int64_t kRows = 20011, kCols = 256;
+  for (const std::string fmt : {"q4g64", "q8g64", "mxfp4"}) {
+    HostMatrix hm = make_matrix(kRows, kCols, fmt, 21), hm2 = make_matrix(kRows / 3, kCols, fmt, 22);
+    Matrix w = load(*gpu, hm, fmt), w2 = load(*gpu, hm2, fmt);
+    const std::vector<float> xv = random(size_t(8 * kCols), 23);
+    std::vector<std::vector<float>> lone, lone2;  // [token][row]
+    for (int t = 0; t < 8; ++t) {
+      Buf x1 = buf(1, kCols, std::vector<float>(xv.begin() + t * kCols, xv.begin() + (t + 1) * kCols));
+      Buf o = poisoned(1, kRows), o2 = poisoned(1, w2.rows);
+      gpu->linear(x1.g, w, nullptr, o.g);
+      gpu->linear(x1.g, w2, nullptr, o2.g);
+      lone.push_back(host(*gpu, o.g));
+      lone2.push_back(host(*gpu, o2.g));
+    }
+    for (int64_t T : {3, 8}) {
+      SCOPED_TRACE(fmt + " T=" + std::to_string(T));
+      Buf x = buf(T, kCols, std::vector<float>(xv.begin(), xv.begin() + T * kCols));
+      Buf many = poisoned(T, kRows), many2 = poisoned(T, w2.rows);
+      gpu->linear(x.g, w, nullptr, many.g);
+      std::vector<float> m = host(*gpu, many.g);
+      for (int64_t t = 0; t < T; ++t)
+        EXPECT_EQ(std::vector<float>(m.begin() + t * kRows, m.begin() + (t + 1) * kRows), lone[size_t(t)]) << t;
+      const Matrix* ws[2] = {&w, &w2};
+      const Vector* bs[2] = {nullptr, nullptr};
+      Buffer* outs[2] = {&many.g, &many2.g};
+      gpu->linear_shared_input(x.g, ws, bs, outs);
+      m = host(*gpu, many.g);
+      const std::vector<float> m2 = host(*gpu, many2.g);
+      for (int64_t t = 0; t < T; ++t) {
+        EXPECT_EQ(std::vector<float>(m.begin() + t * kRows, m.begin() + (t + 1) * kRows), lone[size_t(t)]) << t;
+        EXPECT_EQ(std::vector<float>(m2.begin() + t * w2.rows, m2.begin() + (t + 1) * w2.rows), lone2[size_t(t)]) << t;
+      }
+    }
+  }
+}
+
 // Rows that are not a multiple of 32 (FP8: nor of its group, the last group partial).
 TEST_F(Pair, LinearOddWidthWithBias) {
   for (std::string fmt : {"f32", "bf16", "fp8g32", "fp8g128"}) {
