@@ -115,7 +115,7 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
     for (int t = 0; t < NT; ++t)
       if (NT == 1 || t < nt) {
         const float4 x4 = reinterpret_cast<const float4*>(xv + t * stride)[j];
-        if constexpr (is_affine(KIND)) sx[t] += (x4.x + x4.y) + (x4.z + x4.w);
+        if constexpr (is_affine(KIND)) sx[t] += quad_sum(x4);
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll

@@ -165,21 +165,26 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   });
 }
 
-// Blocks of a GEMV launch: n_blocks row blocks, at most as many as run at once on the device
-// (the rest are taken by the same blocks in turn, x staged once for them).
-template <class Kernel>
-unsigned gemv_grid(Kernel kernel, size_t smem, unsigned n_blocks) {
-  static int sms = [] {
+// The device's SMs (read once).
+int sm_count() {
+  static const int sms = [] {
     int dev = 0, v = 0;
     MS_CUDA_CHECK(cudaGetDevice(&dev));
     MS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
     return v;
   }();
+  return sms;
+}
+
+// Blocks of a GEMV launch: n_blocks row blocks, at most as many as run at once on the device
+// (the rest are taken by the same blocks in turn, x staged once for them).
+template <class Kernel>
+unsigned gemv_grid(Kernel kernel, size_t smem, unsigned n_blocks) {
   thread_local std::unordered_map<size_t, int> per_sm_of;  // by shared memory, for this kernel
   auto [it, fresh] = per_sm_of.try_emplace(smem, 0);
   if (fresh) MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&it->second, kernel, kGemvWarps * 32, smem));
   const int per_sm = it->second;
-  return std::max(1u, std::min(n_blocks, unsigned(std::max(1, per_sm)) * unsigned(sms)));
+  return std::max(1u, std::min(n_blocks, unsigned(std::max(1, per_sm)) * unsigned(sm_count())));
 }
 
 // One token through the single-token tile (gemv_one.cuh), for up to kMaxShared matrices of one

@@ -88,6 +88,10 @@ __device__ __forceinline__ float fp8_e4m3_value(uint32_t b) {
   return __uint_as_float(__float_as_uint(m) | ((b & 0x80) << 24));
 }
 
+// A step of a pack's sum of x (which multiplies the affine bias): four values, added in this order
+// wherever the sum is taken (staged by stage_x, or by the single-token tile), so all agree bit for bit.
+__device__ __forceinline__ float quad_sum(float4 v) { return (v.x + v.y) + (v.z + v.w); }
+
 // Shared-memory layout of an activation row: 4 floats of padding after every 32, so the lanes of
 // a warp (each on its own pack of 32) read float4s from distinct banks.
 __host__ __device__ __forceinline__ int64_t padded(int64_t i) { return i + (i >> 5) * 4; }
@@ -368,8 +372,7 @@ __device__ __forceinline__ void stage_x(RowPtr x_row, int nt, int64_t cols, floa
       float s = 0;
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float4 x4 = v[i];
-        s += (x4.x + x4.y) + (x4.z + x4.w);
+        s += quad_sum(v[i]);
       }
       xsum[j] = s;
     }
@@ -409,8 +412,7 @@ __device__ __forceinline__ void gemv_warp(const WeightRef& w, int64_t row0, cons
       if (t >= nt) break;
       const float* xv = xs + t * cp + p * 36;
       float d[kRowsPerWarp];
-      float sx = 0.0f;  // sum of this pack of x: multiplies the affine bias
-      if constexpr (is_affine(KIND)) sx = xsum[t * packs + p];
+      const float sx = is_affine(KIND) ? xsum[t * packs + p] : 0.0f;  // multiplies the affine bias
 #pragma unroll
       for (int r = 0; r < kRowsPerWarp; ++r) d[r] = 0.0f;
 #pragma unroll
