@@ -233,6 +233,38 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
   }
 }
 
+// A VRAM budget that holds every expert: each layer comes in whole before its first call routes,
+// so even the first prompt runs every MoE call as a resident one (no call through the host round
+// trip, no miss), and the prompt's logits are those of the same prompt run again once everything
+// is in VRAM, bit for bit. Before, a model's first call came before the tier was sized, so the
+// first layer was filled only on its next call, through the host round trip.
+TEST(CudaTier, FittingBudgetRunsTheFirstPromptResident) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::string src = test::fixture("models/qwen3moe_gqa_tied");  // 3 layers of 8 experts, top 2
+  const std::string cache = test::temp_dir("gpu-tier-fill");
+  const std::string dir = ensure_pack(src, cache);
+  const PackManifest pack = PackManifest::load(dir);
+  uint64_t layers = 0, experts = 0;
+  for (const auto& l : pack.layers) {
+    layers += l.empty() ? 0 : 1;
+    experts += l.size();
+  }
+  ASSERT_GT(layers, 0u);
+  auto model = load_model(dir, cuda_options(cache, -1, -1));
+  const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+  const std::vector<float> first = run(*model, prompt);
+  const GpuTierStats s = *gpu_tier_stats(model->backend());
+  EXPECT_EQ(s.resident_calls, layers);
+  EXPECT_EQ(s.misses, 0u);
+  EXPECT_EQ(s.prefetched, experts);
+  EXPECT_GT(s.bytes_h2d, 0u);
+  EXPECT_EQ(run(*model, prompt), first);
+  const GpuTierStats again = *gpu_tier_stats(model->backend());
+  EXPECT_EQ(again.resident_calls, 2 * layers);
+  EXPECT_EQ(again.bytes_h2d, s.bytes_h2d);
+}
+
 // Lookahead from disk (--lookahead, a host tier that cannot hold every expert): each decode
 // step's MoE call also runs the next MoE layer's router and hands its top k not in VRAM to the
 // store, which reads them behind the call's own misses. The logits equal everything resident,

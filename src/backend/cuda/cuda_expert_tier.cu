@@ -324,6 +324,7 @@ void ExpertTier::settle_copies() {
 
 void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) {
   if (x.rows == 0) return;
+  fill_layer(p, experts);
   const bool in_place = reads_in_place(p.layer, x.rows, p.n_experts, experts);
   upload_dirty_rows();  // rows an earlier call or a promotion changed
   prof_.begin(compute_);
@@ -585,9 +586,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
   // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
   // synchronization of the copy stream.
-  const double host_slot = double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
-  const size_t max_deferred =
-      opt_.host_expert_mb < 0 ? SIZE_MAX : size_t(std::max(1.0, opt_.host_expert_mb * 1e6 / host_slot) / 4);
+  const size_t max_deferred = this->max_deferred();
   std::vector<int>& deferred = deferred_;
   deferred.clear();
   auto release_deferred = [&]() {
@@ -645,6 +644,71 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
     // them, the host does not.
     if (fill_layer) MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
   }
+  unsettled_provider_ = &experts;
+  unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
+  deferred.clear();
+}
+
+// How many of the provider's host slots a call may hold before it waits for their copies and
+// releases them: a quarter of the provider's slots (all, when it is unbounded).
+size_t ExpertTier::max_deferred() const {
+  const double host_slot = double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
+  return opt_.host_expert_mb < 0 ? SIZE_MAX : size_t(std::max(1.0, opt_.host_expert_mb * 1e6 / host_slot) / 4);
+}
+
+// When VRAM holds every expert, a layer that is not yet whole comes in whole before its call
+// routes: its missing experts from the provider into empty slots on the copy stream, which the
+// compute stream then waits for (the host does not). The call then runs as a resident one, on the
+// kernels of a resident layer, instead of the host round trip with the rest of the layer copied
+// after it. The tier is sized here on a model's first call when the pack's largest expert is known.
+void ExpertTier::fill_layer(const MoeParams& p, ExpertProvider& experts) {
+  if (!tier_ready_ && opt_.max_expert_bytes > 0) init(p, opt_.max_expert_bytes);
+  const int layer = p.layer, E = p.n_experts;
+  if (!prefetch_layers_ || layer < 0 || E != n_experts_) return;  // route() names a mismatch
+  ensure_table(layer);
+  if (where_[size_t(layer)].empty()) where_[size_t(layer)].assign(size_t(E), -1);
+  if (resident_[size_t(layer)] == E) return;
+  std::vector<int>& request = request_;
+  request.clear();
+  for (int e = 0; e < E; ++e)
+    if (where_[size_t(layer)][size_t(e)] < 0) request.push_back(e);
+  settle_copies();
+  rank_victims(request.size(), true);  // the empty slots first: there are enough of them
+  experts.request(layer, request);
+  std::vector<int>& deferred = deferred_;
+  deferred.clear();
+  const size_t max_deferred = this->max_deferred();
+  bool copies = false;
+  int e;
+  MlpWeights w;
+  for (;;) {
+    try {
+      if (!experts.next(e, w)) break;
+    } catch (...) {  // the provider has dropped the request (fetch_misses)
+      cudaStreamSynchronize(copy_);
+      deferred.clear();
+      throw;
+    }
+    const int slot = next_victim_ < victims_.size() ? victims_[next_victim_++].second : -1;
+    if (slot < 0 || slot_owner_[size_t(slot)].first >= 0)
+      fail("cuda: no empty VRAM slot for expert ", e, " of layer ", layer, " (", n_slots_, " slots)");
+    if (!copies) MS_CUDA_CHECK(cudaEventRecord(copy_start_, copy_));
+    copies = true;
+    load_expert(layer, e, w, slot);
+    ++stats_.prefetched;
+    deferred.push_back(e);
+    if (deferred.size() >= max_deferred) {
+      MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
+      for (int d : deferred) experts.release(d);
+      deferred.clear();
+    }
+  }
+  victims_ranked_ = false;
+  mark_dirty(layer);
+  if (!copies) return;
+  MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
+  MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
+  unsettled_timing_ = true;
   unsettled_provider_ = &experts;
   unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
   deferred.clear();

@@ -158,6 +158,8 @@ class ExpertTier {
   void split_hits_and_misses(const Call& c);
   void launch_hits(Call& c, HostGroups& h);
   void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
+  void fill_layer(const MoeParams& p, ExpertProvider& experts);
+  size_t max_deferred() const;
   void guess_next_layer(const Call& c, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
   void rank_victims(size_t needed, bool this_call_too = false);
