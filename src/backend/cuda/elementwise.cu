@@ -8,40 +8,112 @@ namespace moestream::cuda {
 
 namespace {
 
-// One block per group; float32 sum of squares as the CPU reference (block-reduced).
+// One block per group; float32 sum of squares as the CPU reference (block-reduced). Thread j
+// takes elements j, j + blockDim.x, ...: up to PER of them held in registers, the weight's read
+// before the kernel waits for the one before it (a weight is never written during a step); PER 0:
+// any width, each element read again after the sum. Every PER computes the same sums in the same
+// order, so each gives the same bits.
+template <int PER>
 __global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
                                int64_t group, float* out) {
-  wait_prior_grid();
-  allow_next_grid();
   __shared__ float scratch[32];
   const float* src = x + int64_t(blockIdx.x) * group;
   float* dst = out + int64_t(blockIdx.x) * group;
-  float ss = 0;
-  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) ss += src[i] * src[i];
-  ss = block_sum(ss, scratch);
-  const float inv = 1.0f / sqrtf(ss / float(group) + eps);
-  for (int64_t i = threadIdx.x; i < group; i += blockDim.x) dst[i] = w[i] * (src[i] * inv);
+  if constexpr (PER > 0) {
+    float wv[PER], v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < group) wv[j] = w[i];
+    }
+    wait_prior_grid();
+    allow_next_grid();
+    float ss = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < group) {
+        v[j] = src[i];
+        ss += v[j] * v[j];
+      }
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / float(group) + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < group) dst[i] = wv[j] * (v[j] * inv);
+    }
+  } else {
+    wait_prior_grid();
+    allow_next_grid();
+    float ss = 0;
+    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) ss += src[i] * src[i];
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / float(group) + eps);
+    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) dst[i] = w[i] * (src[i] * inv);
+  }
 }
 
 // x += y, then out = RMSNorm(x) per row: one block per row, the same sums as add_kernel then
-// rmsnorm_kernel with as many threads.
+// rmsnorm_kernel with as many threads (PER as there).
+template <int PER>
 __global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
                                    float eps, int64_t cols, float* __restrict__ out) {
-  wait_prior_grid();
-  allow_next_grid();
   __shared__ float scratch[32];
   float* row = x + int64_t(blockIdx.x) * cols;
   const float* add = y + int64_t(blockIdx.x) * cols;
   float* dst = out + int64_t(blockIdx.x) * cols;
-  float ss = 0;
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-    const float v = row[i] + add[i];
-    row[i] = v;
-    ss += v * v;
+  if constexpr (PER > 0) {
+    float wv[PER], v[PER];
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < cols) wv[j] = w[i];
+    }
+    wait_prior_grid();
+    allow_next_grid();
+    float ss = 0;
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < cols) {
+        v[j] = row[i] + add[i];
+        row[i] = v[j];
+        ss += v[j] * v[j];
+      }
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / float(cols) + eps);
+#pragma unroll
+    for (int j = 0; j < PER; ++j) {
+      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
+      if (i < cols) dst[i] = wv[j] * (v[j] * inv);
+    }
+  } else {
+    wait_prior_grid();
+    allow_next_grid();
+    float ss = 0;
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
+      const float v = row[i] + add[i];
+      row[i] = v;
+      ss += v * v;
+    }
+    ss = block_sum(ss, scratch);
+    const float inv = 1.0f / sqrtf(ss / float(cols) + eps);
+    for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = w[i] * (row[i] * inv);
   }
-  ss = block_sum(ss, scratch);
-  const float inv = 1.0f / sqrtf(ss / float(cols) + eps);
-  for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) dst[i] = w[i] * (row[i] * inv);
+}
+
+// f.template operator()<PER>() for the elements per thread of a row of `cols` (0: more than 8).
+template <class F>
+void with_per_thread(int64_t cols, int threads, F&& f) {
+  const int64_t per = (cols + threads - 1) / threads;
+  if (per <= 1) f.template operator()<1>();
+  else if (per <= 2) f.template operator()<2>();
+  else if (per <= 4) f.template operator()<4>();
+  else if (per <= 8) f.template operator()<8>();
+  else f.template operator()<0>();
 }
 
 __global__ void add_kernel(float* x, const float* y, int64_t n) {
@@ -173,13 +245,19 @@ int rmsnorm_threads(int64_t group) { return group >= 1024 ? 1024 : group >= 256 
 
 void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group, float* out, cudaStream_t s) {
   if (n == 0) return;
-  launch(rmsnorm_kernel, unsigned(n / group), rmsnorm_threads(group), 0, s, x, w, eps, group, out);
+  const int threads = rmsnorm_threads(group);
+  with_per_thread(group, threads, [&]<int PER>() {
+    launch(rmsnorm_kernel<PER>, unsigned(n / group), threads, 0, s, x, w, eps, group, out);
+  });
 }
 
 void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
                  cudaStream_t s) {
   if (rows * cols == 0) return;
-  launch(add_rmsnorm_kernel, unsigned(rows), rmsnorm_threads(cols), 0, s, x, y, w, eps, cols, out);
+  const int threads = rmsnorm_threads(cols);
+  with_per_thread(cols, threads, [&]<int PER>() {
+    launch(add_rmsnorm_kernel<PER>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out);
+  });
 }
 
 void add(float* x, const float* y, int64_t n, cudaStream_t s) {
