@@ -11,8 +11,8 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <map>
 #include <string>
-#include <unordered_map>
 
 #include "backend/cuda/gemv_one.cuh"
 #include "backend/cuda/linear.h"
@@ -180,8 +180,10 @@ int sm_count() {
 // (the rest are taken by the same blocks in turn, x staged once for them).
 template <class Kernel>
 unsigned gemv_grid(Kernel kernel, size_t smem, unsigned n_blocks) {
-  thread_local std::unordered_map<size_t, int> per_sm_of;  // by shared memory, for this kernel
-  auto [it, fresh] = per_sm_of.try_emplace(smem, 0);
+  // By kernel and shared memory: the instances of one template (each kind, each NT) share Kernel's
+  // type, and their registers, hence occupancy, differ.
+  thread_local std::map<std::pair<const void*, size_t>, int> per_sm_of;
+  auto [it, fresh] = per_sm_of.try_emplace({reinterpret_cast<const void*>(kernel), smem}, 0);
   if (fresh) MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&it->second, kernel, kGemvWarps * 32, smem));
   const int per_sm = it->second;
   return std::max(1u, std::min(n_blocks, unsigned(std::max(1, per_sm)) * unsigned(sm_count())));
