@@ -8,62 +8,28 @@ namespace moestream::cuda {
 
 namespace {
 
-// One block per group; float32 sum of squares as the CPU reference (block-reduced). Thread j
-// takes elements j, j + blockDim.x, ...: up to PER of them held in registers, the weight's read
-// before the kernel waits for the one before it (a weight is never written during a step); PER 0:
-// any width, each element read again after the sum. Every PER computes the same sums in the same
-// order, so each gives the same bits.
-template <int PER>
-__global__ void rmsnorm_kernel(const float* __restrict__ x, const float* __restrict__ w, float eps,
-                               int64_t group, float* out) {
-  __shared__ float scratch[32];
-  const float* src = x + int64_t(blockIdx.x) * group;
-  float* dst = out + int64_t(blockIdx.x) * group;
-  if constexpr (PER > 0) {
-    float wv[PER], v[PER];
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-      if (i < group) wv[j] = w[i];
-    }
-    wait_prior_grid();
-    allow_next_grid();
-    float ss = 0;
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-      if (i < group) {
-        v[j] = src[i];
-        ss += v[j] * v[j];
-      }
-    }
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / float(group) + eps);
-#pragma unroll
-    for (int j = 0; j < PER; ++j) {
-      const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-      if (i < group) dst[i] = wv[j] * (v[j] * inv);
-    }
-  } else {
-    wait_prior_grid();
-    allow_next_grid();
-    float ss = 0;
-    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) ss += src[i] * src[i];
-    ss = block_sum(ss, scratch);
-    const float inv = 1.0f / sqrtf(ss / float(group) + eps);
-    for (int64_t i = threadIdx.x; i < group; i += blockDim.x) dst[i] = w[i] * (src[i] * inv);
-  }
-}
-
-// x += y, then out = RMSNorm(x) per row: one block per row, the same sums as add_kernel then
-// rmsnorm_kernel with as many threads (PER as there).
-template <int PER>
-__global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restrict__ y, const float* __restrict__ w,
-                                   float eps, int64_t cols, float* __restrict__ out) {
+// out = RMSNorm of each row of `cols` values of x (a block a row) times w; ADD: x += y first
+// (written back), the sums of add_kernel then the plain norm with as many threads. The sum of
+// squares is float32 as the CPU reference's (block-reduced). Thread j takes elements j, j +
+// blockDim.x, ...: up to PER of them held in registers, the weight read before the kernel waits
+// for the one before it (a weight is never written during a step); PER 0: any width, each element
+// read again after the sum. Every PER sums in the same order, so each gives the same bits. x and
+// out may be one buffer.
+template <int PER, bool ADD>
+__global__ void rmsnorm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ w, float eps,
+                               int64_t cols, float* out) {
   __shared__ float scratch[32];
   float* row = x + int64_t(blockIdx.x) * cols;
-  const float* add = y + int64_t(blockIdx.x) * cols;
   float* dst = out + int64_t(blockIdx.x) * cols;
+  auto value = [&](int64_t i) {
+    if constexpr (ADD) {
+      const float v = row[i] + y[int64_t(blockIdx.x) * cols + i];
+      row[i] = v;
+      return v;
+    } else {
+      return __ldg(row + i);  // read before any write of this block (in place: out is x)
+    }
+  };
   if constexpr (PER > 0) {
     float wv[PER], v[PER];
 #pragma unroll
@@ -78,8 +44,7 @@ __global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restric
     for (int j = 0; j < PER; ++j) {
       const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
       if (i < cols) {
-        v[j] = row[i] + add[i];
-        row[i] = v[j];
+        v[j] = value(i);
         ss += v[j] * v[j];
       }
     }
@@ -95,8 +60,7 @@ __global__ void add_rmsnorm_kernel(float* __restrict__ x, const float* __restric
     allow_next_grid();
     float ss = 0;
     for (int64_t i = threadIdx.x; i < cols; i += blockDim.x) {
-      const float v = row[i] + add[i];
-      row[i] = v;
+      const float v = value(i);
       ss += v * v;
     }
     ss = block_sum(ss, scratch);
@@ -247,7 +211,8 @@ void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group
   if (n == 0) return;
   const int threads = rmsnorm_threads(group);
   with_per_thread(group, threads, [&]<int PER>() {
-    launch(rmsnorm_kernel<PER>, unsigned(n / group), threads, 0, s, x, w, eps, group, out);
+    launch(rmsnorm_kernel<PER, false>, unsigned(n / group), threads, 0, s, const_cast<float*>(x), nullptr, w, eps,
+           group, out);
   });
 }
 
@@ -256,7 +221,7 @@ void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t ro
   if (rows * cols == 0) return;
   const int threads = rmsnorm_threads(cols);
   with_per_thread(cols, threads, [&]<int PER>() {
-    launch(add_rmsnorm_kernel<PER>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out);
+    launch(rmsnorm_kernel<PER, true>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out);
   });
 }
 
