@@ -190,6 +190,29 @@ TEST(ExpertStore, WarmupReadsEveryExpertWhenTheyAllFit) {
   EXPECT_EQ(warm.bytes_read, PackManifest::load(ensure_pack(dir, "")).total_expert_bytes());
 }
 
+// The default expert cache: every expert while they fit in 80% of the memory available at load,
+// else that 80% (a model whose experts are larger than the machine streams them instead of
+// growing past the memory); a given budget, or an unknown amount of memory, is left as it is.
+TEST(ExpertStore, DefaultBudgetKeepsToTheMemoryAvailable) {
+  EXPECT_EQ(default_expert_cache_mb(-1, 10e9, 100e9), -1.0);   // 10 GB of experts, 100 GB free
+  EXPECT_EQ(default_expert_cache_mb(-1, 80e9, 100e9), -1.0);   // exactly 80%
+  EXPECT_DOUBLE_EQ(default_expert_cache_mb(-1, 300e9, 100e9), 80e3);  // 300 GB: an 80 GB cache
+  EXPECT_EQ(default_expert_cache_mb(500, 300e9, 100e9), 500.0);  // --expert-cache-mb 500
+  EXPECT_EQ(default_expert_cache_mb(0, 300e9, 100e9), 0.0);
+  EXPECT_EQ(default_expert_cache_mb(-1, 300e9, 0), -1.0);  // /proc/meminfo unreadable
+  // The model takes the default (on this machine the fixture's experts fit: unbounded, budget 0)
+  // or the budget given.
+  const std::string dir = test::fixture("models/qwen3moe_gqa_tied");
+  ModelOptions opt;
+  opt.threads = 2;
+  ExpertStats s;
+  run_model(dir, opt, &s);
+  EXPECT_EQ(s.budget_bytes, 0u);
+  opt.experts.cache_mb = 0.5;
+  run_model(dir, opt, &s);
+  EXPECT_EQ(s.budget_bytes, 500000u);
+}
+
 // --profile-out writes the run's usage (one count per request, each layer's experts); --profile
 // reads it back, and a file that is not a profile is named in a one-line error.
 TEST(ExpertStore, CliProfileOutAndIn) {

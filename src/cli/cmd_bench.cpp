@@ -218,11 +218,14 @@ void add_bench(CLI::App& app) {
     std::mt19937 rng(1234);
     std::uniform_int_distribution<int32_t> token(0, int32_t(info.vocab_size - 1));
     std::vector<float> logits(size_t(info.vocab_size));
+    // The cache's budget as the model set it (a default one is capped by the memory available).
+    const uint64_t budget = model->expert_stats().budget_bytes;
+    const double cache_mb = budget > 0 ? double(budget) / 1e6 : -1.0;
     nlohmann::json out = {{"model", pack_dir}, {"model_type", info.model_type},
                           {"weight_bytes", info.weight_bytes},
                           {"expert_bytes", pack.total_expert_bytes()},
                           {"backend", model->backend().name()},
-                          {"expert_cache_mb", opt.experts.cache_mb},
+                          {"expert_cache_mb", cache_mb},
                           {"io", opt.experts.io}, {"direct_io", opt.experts.direct_io},
                           {"raw_read_gb_per_s", raw}, {"raw_read_bytes", raw_bytes},
                           {"memory_read_gb_per_s", mem_bw},
@@ -370,7 +373,7 @@ void add_bench(CLI::App& app) {
                 info.model_type.c_str(), info.weight_bytes / 1e9, pack.total_expert_bytes() / 1e9);
     std::printf("backend: %s; expert cache: %s; reads: %s%s, %d in flight\n",
                 model->backend().name().c_str(),
-                opt.experts.cache_mb < 0 ? "unbounded" : (std::to_string(int64_t(opt.experts.cache_mb)) + " MB").c_str(),
+                cache_mb < 0 ? "unbounded" : (std::to_string(int64_t(cache_mb)) + " MB").c_str(),
                 opt.experts.io.c_str(), opt.experts.direct_io ? " O_DIRECT" : "", opt.experts.io_threads);
     std::printf("raw read of the expert files: %.2f GB/s (%.0f MB, random experts); memory read: %.1f GB/s\n\n",
                 raw, raw_bytes / 1e6, mem_bw);

@@ -89,7 +89,8 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
                "With quantized weights, quantize activations to int8 for integer dot products "
                "(faster decode, about 1% less exact; --precise overrides it)");
   ExpertStoreOptions& e = options.experts;
-  cmd.add_option("--expert-cache-mb", e.cache_mb, "Memory for expert weights in MB (default: unbounded)")
+  cmd.add_option("--expert-cache-mb", e.cache_mb, "Memory for expert weights in MB (default: every expert, or 80% of the memory available at start "
+                 "when they take more)")
       ->check(kNonNegative);
   cmd.add_option("--cache-policy", e.policy, "Expert cache eviction: lru | lfu | lcp (default lcp)")
       ->check(CLI::IsMember({"lru", "lfu", "lcp"}));

@@ -555,6 +555,12 @@ class StreamingExpertStore final : public ExpertStore {
 
 }  // namespace
 
+double default_expert_cache_mb(double cache_mb, double all_bytes, double available_bytes) {
+  if (cache_mb >= 0 || available_bytes <= 0) return cache_mb;
+  const double cap = 0.8 * available_bytes;
+  return all_bytes <= cap ? -1.0 : cap / 1e6;
+}
+
 std::unique_ptr<ExpertStore> make_expert_store(const PackManifest& pack, Backend& backend,
                                                const ExpertStoreOptions& options) {
   return std::make_unique<StreamingExpertStore>(pack, backend, options);

@@ -70,6 +70,14 @@ class ExpertStore : public ExpertProvider {
   virtual std::vector<std::vector<uint64_t>> usage() const = 0;
 };
 
+// The expert cache's budget in MB (1e6 bytes) for a pack whose experts take `all_bytes` as the
+// cache holds them (one slot each): `cache_mb` when given (>= 0); when not, unbounded (-1) while
+// they fit in 80% of `available_bytes` (the memory available when the model loads), else that
+// 80%, so that a model whose experts are larger than the machine streams them instead of growing
+// past the memory (the share --warmup and the CUDA tier's pinned copies also keep to).
+// available_bytes <= 0 (unknown): unbounded.
+double default_expert_cache_mb(double cache_mb, double all_bytes, double available_bytes);
+
 // The store over a pack's expert files, with a cache bounded by options.cache_mb.
 std::unique_ptr<ExpertStore> make_expert_store(const PackManifest& pack, Backend& backend,
                                                const ExpertStoreOptions& options);

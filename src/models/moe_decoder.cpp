@@ -1,9 +1,11 @@
 #include "models/moe_decoder.h"
 
 #include <algorithm>
+#include <cstdio>
 
 #include "backend/backend_factory.h"
 #include "core/error.h"
+#include "core/files.h"
 #include "io/hf_config.h"
 #include "io/pack.h"
 #include "io/safetensors.h"
@@ -61,11 +63,21 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   bo.precise = options.precise || !options.int8_activations;
   bo.gpu_expert_mb = options.gpu_expert_mb;
   bo.max_expert_bytes = pack_.max_expert_size();
-  bo.host_expert_mb = options.experts.cache_mb;
+  int64_t n_experts = 0;
+  for (const auto& layer : pack_.layers) n_experts += int64_t(layer.size());
+  const double all_bytes = double(n_experts) * double((pack_.max_expert_size() + 4095) / 4096 * 4096);
+  const double available = memory_available();
+  expert_cache_mb_ = default_expert_cache_mb(options.experts.cache_mb, all_bytes, available);
+  if (options.experts.cache_mb < 0 && expert_cache_mb_ >= 0)
+    std::fprintf(stderr,
+                 "moestream: the experts take %.1f GB, more than 80%% of the %.1f GB of memory available: they "
+                 "stream through a %.1f GB cache (--expert-cache-mb sets it)\n",
+                 all_bytes / 1e9, available / 1e9, expert_cache_mb_ / 1e3);
+  bo.host_expert_mb = expert_cache_mb_;
   bo.cache_policy = options.experts.policy;
   bo.profile = options.experts.profile;
   bo.pin_share = options.experts.pin_share;
-  for (const auto& layer : pack_.layers) bo.total_experts += int64_t(layer.size());
+  bo.total_experts = n_experts;
   backend_ = make_backend(bo);
   info_.max_batch = backend_->name().rfind("cuda", 0) == 0 ? kCudaMaxBatch : kCpuMaxBatch;
   if (options.wrap_backend) backend_ = options.wrap_backend(std::move(backend_));
@@ -105,7 +117,9 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
                                 int64_t expert_size, ExpertNaming naming, const std::string& model) {
   check_pack_experts(pack_, moe_layers, n_experts, info_.hidden_size, expert_size,
                      [&](int l, int e, const std::string& role) { return expert_tensor_name(naming, l, e, role, model); });
-  experts_ = make_expert_store(pack_, *backend_, options.experts);
+  ExpertStoreOptions store = options.experts;
+  store.cache_mb = expert_cache_mb_;
+  experts_ = make_expert_store(pack_, *backend_, store);
   ws_.moe_top_k = options.moe_top_k;
   ws_.lookahead_k = options.experts.lookahead_k;
   // The CUDA tier routes on the device and has no residency test yet.

@@ -64,6 +64,7 @@ class DecoderModel : public Model {
   PackManifest pack_;
   std::unique_ptr<WeightSet> weights_;
   std::unique_ptr<ExpertStore> experts_;
+  double expert_cache_mb_ = -1;  // the expert cache's budget (default_expert_cache_mb), host tier's on CUDA
   ModelInfo info_;
   Workspace ws_;
   Matrix embed_tokens, lm_head;
