@@ -566,48 +566,26 @@ void ExpertTier::launch_hits(Call& c, HostGroups& h) {
   }
 }
 
-// The misses (and, when the budget holds every expert, the rest of the layer) from the provider
-// into VRAM slots on the copy stream; the selected ones launch as one batch once all are in.
+// The misses from the provider into VRAM slots on the copy stream, launched as one batch once all
+// are in. (When the budget holds every expert, fill_layer has made the layer whole before its call:
+// such a call never misses.)
 void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   const int E = c.E, layer = c.layer;
   std::vector<int>& request = request_;
-  const size_t n_selected_misses = request.size();
-  const bool fill_layer = prefetch_layers_ && tier_ready_ && resident_[size_t(layer)] < E;
-  if (request.empty() && !fill_layer) return guess_next_layer(c, experts);
-  if (fill_layer) {
-    for (int e = 0; e < E; ++e)
-      if (pairs_of_[size_t(e)].empty() && (where_[size_t(layer)].empty() || where_[size_t(layer)][size_t(e)] < 0))
-        request.push_back(e);
-  }
+  const size_t n_misses = request.size();
+  if (request.empty()) return guess_next_layer(c, experts);
   settle_copies();
   victims_ranked_ = false;
   experts.request(layer, request);
   guess_next_layer(c, experts);  // its reads queue behind this request's
-  // The provider may reuse a host slot once it is released, so a copy must finish first. Releases
-  // are batched: up to a quarter of the provider's slots (all, when it is unbounded) wait for one
-  // synchronization of the copy stream.
-  const size_t max_deferred = this->max_deferred();
-  std::vector<int>& deferred = deferred_;
-  deferred.clear();
-  auto release_deferred = [&]() {
-    if (deferred.empty()) return;
-    MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
-    for (int d : deferred) experts.release(d);
-    deferred.clear();
-  };
-  size_t selected_loaded = 0;
+  deferred_.clear();
+  size_t loaded = 0;
   int e;
   MlpWeights w;
-  // A failed read (next() throws) has made the provider drop the request and unpin its slots, so
-  // the host slots of this call's copies may be reused by its next request: the copies in flight
-  // finish first. Experts already copied stay in VRAM (a later launch uploads the table row); the
-  // failed one took no slot, so its layer is never complete after the failure.
   auto next = [&]() {
     try {
-      return experts.next(e, w);
+      return next_copied(experts, e, w);
     } catch (...) {
-      cudaStreamSynchronize(copy_);
-      deferred.clear();
       h.copies = false;
       throw;
     }
@@ -622,38 +600,59 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
     }
     if (where_[size_t(layer)].empty()) where_[size_t(layer)].assign(size_t(E), -1);
     if (lasting_ == &experts) note_host(layer, e, w);
-    const bool selected = !pairs_of_[size_t(e)].empty();
     const int slot = free_slot(c, h);
-    if (!selected) ++stats_.prefetched;
     if (!h.copies) MS_CUDA_CHECK(cudaEventRecord(copy_start_, copy_));
     h.copies = true;
     load_expert(layer, e, w, slot);
-    deferred.push_back(e);
-    if (deferred.size() >= max_deferred) release_deferred();
-    if (selected) {
-      append(h, e);
-      if (++selected_loaded == n_selected_misses) launch(c, h);
-    }
+    defer_release(experts, e);
+    append(h, e);
+    if (++loaded == n_misses) launch(c, h);
   }
   launch(c, h);
-  if (h.copies) {  // settled by the next miss call (settle_copies), not waited for here
-    MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
-    unsettled_timing_ = true;
-    // Later kernels may read every slot filled here (a layer filled whole is then resident, and
-    // the copies of its unselected experts follow the last launch): the compute stream waits for
-    // them, the host does not.
-    if (fill_layer) MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
-  }
-  unsettled_provider_ = &experts;
-  unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
-  deferred.clear();
+  leave_copies(experts, h.copies, false);  // every slot filled here is read by a launch that waits for it
 }
 
-// How many of the provider's host slots a call may hold before it waits for their copies and
-// releases them: a quarter of the provider's slots (all, when it is unbounded).
-size_t ExpertTier::max_deferred() const {
+// The provider's next expert of the request. A failed read (next() throws) has made the provider
+// drop the request and unpin its slots, so the host slots of this call's copies may be reused by
+// its next request: the copies in flight finish first. Experts already copied stay in VRAM (a
+// later launch uploads the table row); the failed one took no slot, so its layer is never
+// complete after the failure.
+bool ExpertTier::next_copied(ExpertProvider& experts, int& e, MlpWeights& w) {
+  try {
+    return experts.next(e, w);
+  } catch (...) {
+    cudaStreamSynchronize(copy_);
+    deferred_.clear();
+    throw;
+  }
+}
+
+// Expert e's host slot, whose copy was just queued, goes back to the provider once the copy is
+// done (the provider may reuse a released slot). Releases are batched: up to a quarter of the
+// provider's slots (all, when it is unbounded) wait for one synchronization of the copy stream.
+void ExpertTier::defer_release(ExpertProvider& experts, int e) {
+  deferred_.push_back(e);
   const double host_slot = double(opt_.max_expert_bytes ? opt_.max_expert_bytes : slot_bytes_);
-  return opt_.host_expert_mb < 0 ? SIZE_MAX : size_t(std::max(1.0, opt_.host_expert_mb * 1e6 / host_slot) / 4);
+  const size_t max_deferred =
+      opt_.host_expert_mb < 0 ? SIZE_MAX : size_t(std::max(1.0, opt_.host_expert_mb * 1e6 / host_slot) / 4);
+  if (deferred_.size() < max_deferred) return;
+  MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
+  for (int d : deferred_) experts.release(d);
+  deferred_.clear();
+}
+
+// The end of a call's copies (when it queued any): settled, and the slots still deferred released,
+// by the next call that fetches (settle_copies), not waited for by the host here; with
+// compute_waits, the compute stream waits for them.
+void ExpertTier::leave_copies(ExpertProvider& experts, bool copies, bool compute_waits) {
+  if (copies) {
+    MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
+    unsettled_timing_ = true;
+    if (compute_waits) MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
+  }
+  unsettled_provider_ = &experts;
+  unsettled_.insert(unsettled_.end(), deferred_.begin(), deferred_.end());
+  deferred_.clear();
 }
 
 // When VRAM holds every expert, a layer that is not yet whole comes in whole before its call
@@ -675,20 +674,11 @@ void ExpertTier::fill_layer(const MoeParams& p, ExpertProvider& experts) {
   settle_copies();
   rank_victims(request.size(), true);  // the empty slots first: there are enough of them
   experts.request(layer, request);
-  std::vector<int>& deferred = deferred_;
-  deferred.clear();
-  const size_t max_deferred = this->max_deferred();
+  deferred_.clear();
   bool copies = false;
   int e;
   MlpWeights w;
-  for (;;) {
-    try {
-      if (!experts.next(e, w)) break;
-    } catch (...) {  // the provider has dropped the request (fetch_misses)
-      cudaStreamSynchronize(copy_);
-      deferred.clear();
-      throw;
-    }
+  while (next_copied(experts, e, w)) {
     const int slot = next_victim_ < victims_.size() ? victims_[next_victim_++].second : -1;
     if (slot < 0 || slot_owner_[size_t(slot)].first >= 0)
       fail("cuda: no empty VRAM slot for expert ", e, " of layer ", layer, " (", n_slots_, " slots)");
@@ -696,22 +686,11 @@ void ExpertTier::fill_layer(const MoeParams& p, ExpertProvider& experts) {
     copies = true;
     load_expert(layer, e, w, slot);
     ++stats_.prefetched;
-    deferred.push_back(e);
-    if (deferred.size() >= max_deferred) {
-      MS_CUDA_CHECK(cudaStreamSynchronize(copy_));
-      for (int d : deferred) experts.release(d);
-      deferred.clear();
-    }
+    defer_release(experts, e);
   }
   victims_ranked_ = false;
   mark_dirty(layer);
-  if (!copies) return;
-  MS_CUDA_CHECK(cudaEventRecord(copies_end_, copy_));
-  MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, copies_end_, 0));
-  unsettled_timing_ = true;
-  unsettled_provider_ = &experts;
-  unsettled_.insert(unsettled_.end(), deferred.begin(), deferred.end());
-  deferred.clear();
+  leave_copies(experts, copies, true);
 }
 
 // Lookahead: the next MoE layer's top k by its router on this call's input, less those in VRAM,

@@ -159,7 +159,9 @@ class ExpertTier {
   void launch_hits(Call& c, HostGroups& h);
   void fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts);
   void fill_layer(const MoeParams& p, ExpertProvider& experts);
-  size_t max_deferred() const;
+  bool next_copied(ExpertProvider& experts, int& e, MlpWeights& w);
+  void defer_release(ExpertProvider& experts, int e);
+  void leave_copies(ExpertProvider& experts, bool copies, bool compute_waits);
   void guess_next_layer(const Call& c, ExpertProvider& experts);
   int free_slot(Call& c, HostGroups& h);
   void rank_victims(size_t needed, bool this_call_too = false);
