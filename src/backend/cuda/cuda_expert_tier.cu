@@ -582,15 +582,7 @@ void ExpertTier::fetch_misses(Call& c, HostGroups& h, ExpertProvider& experts) {
   size_t loaded = 0;
   int e;
   MlpWeights w;
-  auto next = [&]() {
-    try {
-      return next_copied(experts, e, w);
-    } catch (...) {
-      h.copies = false;
-      throw;
-    }
-  };
-  while (next()) {
+  while (next_copied(experts, e, w)) {
     if (!tier_ready_) {
       const char* lo;
       const char* hi;
