@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
 #include <random>
 #include <span>
@@ -274,12 +275,52 @@ TEST_F(Pair, LinearSplitGemmEveryQuantFormat) {
   }
 }
 
+// Whether a call of T tokens of matrix w takes the few-token tensor-core path (gemv_mma.cu), whose
+// token rows differ from one token's by rounding; else the GEMV, equal to it bit for bit.
+bool few_mma(const Matrix& w, int64_t T, const Buffer& x) { return cuda::few_mma_for(w, T, x.data, x.cols); }
+
+// The rows of several tokens against each token alone: bit for bit through the GEMV, within
+// float32 rounding (2e-6 of the row's largest) through the few-token tensor-core path.
+void expect_lone_rows(const std::vector<float>& many, const std::vector<float>& lone, bool mma, const std::string& what) {
+  if (mma) EXPECT_LT(test::relative_error(many, lone), 2e-6) << what;
+  else EXPECT_EQ(many, lone) << what;
+}
+
+// 2 to 8 tokens of q4 (k-blocks of 64 columns for groups of 64 and 128, of 32 for groups of 32)
+// and q8, BF16 and F16 scales, through the few-token tensor-core path, against the CPU's float32
+// per token: 100 rows (the last block partial), tokens 2^20 larger and smaller than their
+// neighbours (a token scaled wrongly shows), a bias; q, k and v sharing x in one launch.
+TEST_F(Pair, FewTokenTensorCoresEveryQ4AndQ8Layout) {
+  for (const std::string fmt : {"q4g32", "q4g64", "q4g128", "q4g64-f16", "q8g64", "q8g128"})
+    for (int64_t T : {2, 5, 8}) {
+      SCOPED_TRACE(fmt + " T=" + std::to_string(T));
+      constexpr int64_t rows = 100, cols = 384;
+      HostMatrix hm = make_matrix(rows, cols, fmt, 7);
+      Matrix wc = load(*cpu, hm, fmt), wg = load(*gpu, hm, fmt);
+      std::vector<float> xv = random(size_t(T * cols), 11);
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t c = 0; c < cols; ++c) xv[size_t(t * cols + c)] *= t % 3 == 1 ? 0x1p20f : t % 3 == 2 ? 0x1p-20f : 1.0f;
+      const std::vector<float> bv = random(size_t(rows), 12);
+      const TensorView bt{"b", DType::F32, {rows}, bv.data(), bv.size() * 4};
+      const Vector bc = cpu->load_vector(bt), bg = gpu->load_vector(bt);
+      Buf x = buf(T, cols, xv), out = poisoned(T, rows);
+      ASSERT_TRUE(few_mma(wg, T, x.g));
+      cpu->linear(x.c, wc, &bc, out.c);
+      gpu->linear(x.g, wg, &bg, out.g);
+      EXPECT_LT(segment_err(out, rows), 1e-5);
+      const Qkv m(*cpu, *gpu, fmt, {160, 48, 40}, cols, 41);
+      Buf oq = poisoned(T, 160), ok = poisoned(T, 48), ov = poisoned(T, 40);
+      m.run(*cpu, *gpu, x.c, x.g, {&oq.c, &ok.c, &ov.c}, {&oq.g, &ok.g, &ov.g});
+      EXPECT_LT(std::max({segment_err(oq, 160), segment_err(ok, 48), segment_err(ov, 40)}), 1e-5) << "q, k, v";
+    }
+}
+
 // One token goes through the single-token tile (gemv_one.cuh) for the kinds it reads (bf16 also
 // does, but its several-token path is the tensor cores', so it is checked against the CPU only, by
-// Pair.LinearEveryFormatGemvAndGemm); its rows
-// must equal, bit for bit, the GEMV of several tokens (gemv_kernel, whose token sums do not depend
-// on how many it takes), alone and as one of several matrices sharing x. Rows past a whole block
-// (100, 33) and widths of one and several passes of 32 packs.
+// Pair.LinearEveryFormatGemvAndGemm); its rows must equal, bit for bit, the GEMV of several tokens
+// (gemv_kernel, whose token sums do not depend on how many it takes), alone and as one of several
+// matrices sharing x, and agree within rounding with the few-token tensor-core path that q4 and q8
+// take (few_mma). Rows past a whole block (100, 33) and widths of one and several passes of 32 packs.
 TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
   for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "mxfp4", "q8g64", "q8g128"})
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 2048}, {200, 4096}}) {
@@ -289,10 +330,12 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
       const std::vector<float> xv = random(size_t(3 * cols), 11);
       Buf x3 = buf(3, cols, xv), x1 = buf(1, cols, std::vector<float>(xv.begin(), xv.begin() + cols));
       Buf many = poisoned(3, rows), one = poisoned(1, rows), one2 = poisoned(1, w2.rows), many2 = poisoned(3, w2.rows);
+      const bool mma = few_mma(w, 3, x3.g);
+      EXPECT_EQ(mma, fmt != "mxfp4");
       gpu->linear(x3.g, w, nullptr, many.g);
       gpu->linear(x1.g, w, nullptr, one.g);
       const std::vector<float> m = host(*gpu, many.g), o = host(*gpu, one.g);
-      EXPECT_EQ(o, std::vector<float>(m.begin(), m.begin() + rows));
+      expect_lone_rows(std::vector<float>(m.begin(), m.begin() + rows), o, mma, "alone");
       const Matrix* ws[2] = {&w, &w2};
       const Vector* bs[2] = {nullptr, nullptr};
       Buffer* outs1[2] = {&one.g, &one2.g};
@@ -300,14 +343,17 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
       gpu->linear_shared_input(x1.g, ws, bs, outs1);
       gpu->linear_shared_input(x3.g, ws, bs, outs3);
       EXPECT_EQ(host(*gpu, one.g), o);
+      EXPECT_EQ(host(*gpu, many.g), m) << "shared x, first matrix";
       const std::vector<float> m2 = host(*gpu, many2.g);
-      EXPECT_EQ(host(*gpu, one2.g), std::vector<float>(m2.begin(), m2.begin() + w2.rows));
+      expect_lone_rows(std::vector<float>(m2.begin(), m2.begin() + w2.rows), host(*gpu, one2.g), mma, "shared x");
     }
 }
 
-// The GEMV of 2 to 8 tokens launches one wave of blocks, each taking row blocks in turn: a matrix
-// of more row blocks than the device runs at once (an LM head's 20,011 rows of 256 columns) gives
-// every token its lone value, bit for bit, alone and with a second matrix of the same input.
+// The GEMV of 2 to 8 tokens launches one wave of blocks, each taking row blocks in turn, and the
+// few-token tensor-core path a block per 16 rows: a matrix of more row blocks than the device runs
+// at once (an LM head's 20,011 rows of 256 columns) gives every token its lone value (bit for bit
+// through the GEMV, mxfp4 here; within rounding through the tensor cores, q4 and q8), alone and
+// with a second matrix of the same input.
 TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
   constexpr int64_t kRows = 20011, kCols = 256;
   for (const std::string fmt : {"q4g64", "q8g64", "mxfp4"}) {
@@ -327,20 +373,24 @@ TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
       SCOPED_TRACE(fmt + " T=" + std::to_string(T));
       Buf x = buf(T, kCols, std::vector<float>(xv.begin(), xv.begin() + T * kCols));
       Buf many = poisoned(T, kRows), many2 = poisoned(T, w2.rows);
+      const bool mma = few_mma(w, T, x.g);
+      EXPECT_EQ(mma, fmt != "mxfp4");
       gpu->linear(x.g, w, nullptr, many.g);
       std::vector<float> m = host(*gpu, many.g);
       for (int64_t t = 0; t < T; ++t)
-        EXPECT_EQ(std::vector<float>(m.begin() + t * kRows, m.begin() + (t + 1) * kRows), lone[size_t(t)]) << t;
+        expect_lone_rows(std::vector<float>(m.begin() + t * kRows, m.begin() + (t + 1) * kRows), lone[size_t(t)], mma,
+                         "token " + std::to_string(t));
+      const std::vector<float> alone = m;
       const Matrix* ws[2] = {&w, &w2};
       const Vector* bs[2] = {nullptr, nullptr};
       Buffer* outs[2] = {&many.g, &many2.g};
       gpu->linear_shared_input(x.g, ws, bs, outs);
       m = host(*gpu, many.g);
+      EXPECT_EQ(m, alone) << "shared x, first matrix";
       const std::vector<float> m2 = host(*gpu, many2.g);
-      for (int64_t t = 0; t < T; ++t) {
-        EXPECT_EQ(std::vector<float>(m.begin() + t * kRows, m.begin() + (t + 1) * kRows), lone[size_t(t)]) << t;
-        EXPECT_EQ(std::vector<float>(m2.begin() + t * w2.rows, m2.begin() + (t + 1) * w2.rows), lone2[size_t(t)]) << t;
-      }
+      for (int64_t t = 0; t < T; ++t)
+        expect_lone_rows(std::vector<float>(m2.begin() + t * w2.rows, m2.begin() + (t + 1) * w2.rows),
+                         lone2[size_t(t)], mma, "shared x, token " + std::to_string(t));
     }
   }
 }
@@ -814,15 +864,18 @@ TEST_F(Pair, MoeEveryExpertFormat) {
 }
 
 // A decode step of several tokens routes them in one launch (route_few, grid row per token) and
-// runs chunks of an expert's rows against one read of its weights (resident) or its rows one at
-// a time (host round trip): each token's MoE output equals its lone step's bit for bit (the
-// batched decode's exactness), for the routers the single-token tile reads, 160 experts (20
-// blocks a token), through the host round trip (first round) and resident (second). Tokens
-// repeat in the second half of the inputs, so that experts get 2 to 8 rows: chunks with a
-// remainder, and several chunks of one expert.
-TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
+// runs its experts' rows on the tensor cores in chunks of up to 8 (few_mma_enabled; else chunks of
+// an expert's rows against one read of its weights on the CUDA cores), resident or through the
+// host round trip: each token's MoE output equals its lone step's within float32 rounding (1e-5 of
+// its largest; bit for bit on the CUDA cores), for the routers the single-token tile reads, 160 experts (20 blocks a
+// token), through the host round trip (first round) and resident (second), and the two rounds
+// agree bit for bit (how a call's experts are batched does not change any row). Tokens repeat in
+// the second half of the inputs, so that experts get 2 to 8 rows (chunks with a remainder, and
+// several chunks of one expert), and a repeated token gets its first's output bit for bit.
+TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
   const int E = 160;
   const int64_t dim = 256, inter = 64;
+  const bool mma = cuda::few_mma_enabled();
   HostExperts experts(E, dim, inter, "q4g64", 48);
   for (const std::string fmt : {"bf16", "q8g64"}) {
     CudaOptions o;
@@ -835,10 +888,14 @@ TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
     p.n_experts = E;
     p.top_k = 6;
     p.norm_topk_prob = true;
+    std::map<int64_t, std::vector<float>> first_round;
     for (int round = 0; round < 2; ++round) {
       for (int64_t T : {2, 5, 8, -3, -5, -8}) {
+        const int64_t key = T;
         const int64_t distinct = T > 0 ? T : T == -8 ? 1 : 2;  // rows of x before they repeat
         T = T > 0 ? T : -T;
+        SCOPED_TRACE(fmt + " round " + std::to_string(round) + " T=" + std::to_string(T) + " distinct " +
+                     std::to_string(distinct));
         const std::vector<float> rows = random(size_t(distinct * dim), uint32_t(50 + T + distinct));
         std::vector<float> xv(size_t(T * dim));
         for (int64_t t = 0; t < T; ++t)
@@ -847,11 +904,15 @@ TEST_F(Pair, MoeOfFewTokensEqualsLoneTokensBitForBit) {
         ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
         g->moe(x, rg, experts, p, out);
         const std::vector<float> all = host(*g, out);
+        if (round == 0) first_round[key] = all;
+        else EXPECT_EQ(all, first_round[key]) << "resident against the host round trip";
         for (int64_t t = 0; t < T; ++t) {
           g->moe(x.rows_view(t, 1), rg, experts, p, lone);
           const std::vector<float> want = host(*g, lone);
-          EXPECT_TRUE(std::equal(want.begin(), want.end(), all.begin() + t * dim))
-              << fmt << " round " << round << " T=" << T << " token " << t;
+          const std::vector<float> got(all.begin() + t * dim, all.begin() + (t + 1) * dim);
+          if (mma) EXPECT_LT(test::relative_error(got, want), 1e-5) << "token " << t;  // two products
+          else EXPECT_EQ(got, want) << "token " << t;
+          EXPECT_TRUE(std::equal(got.begin(), got.end(), all.begin() + (t % distinct) * dim)) << "token " << t;
         }
       }
     }
@@ -986,8 +1047,9 @@ TEST_F(Pair, BatchedDecodeRowsEqualLoneRows) {
       for (int64_t t = 0; t < T; ++t) {
         Buffer one = gpu->alloc(1, 96);
         gpu->linear(x.g.rows_view(t, 1), w, nullptr, one);
-        if (fmt == "bf16")
-          EXPECT_LT(test::relative_error(host(*gpu, all.rows_view(t, 1)), host(*gpu, one)), 1e-6) << "T=" << T;
+        if (fmt == "bf16" || few_mma(w, T, x.g))
+          EXPECT_LT(test::relative_error(host(*gpu, all.rows_view(t, 1)), host(*gpu, one)), fmt == "bf16" ? 1e-6 : 2e-6)
+              << fmt << " T=" << T;
         else
           EXPECT_TRUE(same(all.rows_view(t, 1), one)) << fmt << " T=" << T << " row " << t;
       }

@@ -14,7 +14,8 @@
 // largest), far below the float32 rounding of a sum that holds the largest. It also gives each
 // pack of 32 columns its float32 sum, which multiplies an affine group's bias.
 //
-// Work items: an active expert's rows (its (token, slot) pairs) in chunks of kTok, planned on the
+// Work items: an active expert's rows (its (token, slot) pairs) in chunks of kTok (kFewTok in a
+// batched decode step, whose experts mostly have one or two rows), planned on the
 // device (plan_kernel), so that a heavily chosen expert is spread over many blocks instead of one
 // block walking all its rows. A block of 4 warps computes 64 output rows (16 per warp) of one work
 // item: per step of 64 columns, the next step's activations are copied to shared memory with
@@ -31,6 +32,7 @@
 
 #include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/split_rows.cuh"
 #include "backend/cuda/weights.cuh"
 
 namespace moestream::cuda {
@@ -40,8 +42,8 @@ namespace {
 constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // weight rows per block
-constexpr int kTok = 32;            // rows of activations (tokens) per work item
-constexpr int kTiles = kTok / 8;    // MMA column tiles per work item
+constexpr int kTok = 32;            // rows of activations (tokens) per work item ...
+constexpr int kFewTok = 8;          // ... in a batched decode step
 constexpr int kK = 64;              // columns per step: two packs of 32
 constexpr int kSplitThreads = 128;
 
@@ -51,27 +53,18 @@ constexpr int kSplitThreads = 128;
 __device__ __forceinline__ int swz(int row, int chunk) { return row * kK + ((chunk ^ (row & 7)) * 8); }
 
 // Shared memory for one step: M matrices' codes (FP16, kRows x kK) with each (row, pack)'s scale
-// and bias, and the activations of the work item's tokens (hi and lo halves, kTok x kK) with the
+// and bias, and the activations of the work item's tokens (hi and lo halves, TOK x kK) with the
 // sums of their two packs.
-template <int M>
-struct Stage {
+template <int M, int TOK>
+struct alignas(128) Stage {
   __half codes[M][kRows * kK];  // swizzled (swz)
-  __half x[2][kTok * kK];
+  __half x[2][TOK * kK];
   float scale[M][kRows][2], bias[M][kRows][2];
-  float sum[kTok][2];
+  float sum[TOK][2];
 };
 
 // Alignment of the kernels' shared memory and of each Stage in it.
 constexpr int kSmemAlign = 128;
-
-// Activations as the kernels read them (split_kernel writes them).
-struct SplitRows {
-  __half* hi = nullptr;  // [rows, cols], columns in the weight format's order within each 8
-  __half* lo = nullptr;
-  float* sum = nullptr;  // [rows, sum_stride]: each pack's float32 sum of the scaled row; 0 past the packs
-  float* inv = nullptr;  // [rows]: 2^-s, the inverse of the row's scaling
-  int64_t cols = 0, sum_stride = 0;
-};
 
 // The q4 decode below turns a word of 8 codes into FP16 pairs of columns (i, i + 4); the
 // activations are laid out the same way, so each product still pairs a code with its column.
@@ -115,6 +108,8 @@ __device__ __forceinline__ int split_shift(float mx) {
 template <bool INTERLEAVED>
 __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
   __shared__ float scratch[kSplitThreads / 32];
+  wait_prior_grid();  // x is the kernel before's output (when launched to overlap it: split_tokens)
+  allow_next_grid();
   const int64_t r = blockIdx.x;
   if (a.offset) {
     const int end = a.n_active ? *a.n_active : a.a_end;
@@ -157,23 +152,24 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
     for (int64_t p = packs; p < a.out.sum_stride; ++p) a.out.sum[r * a.out.sum_stride + p] = 0.0f;
 }
 
-// The work items of a batch: (active index, first row within the expert's rows), kTok rows each,
+// The work items of a batch: (active index, first row within the expert's rows), tok rows each,
 // in active order. One warp.
-__global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int* n_active, int2* work, int* n_work) {
+__global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int* n_active, int tok, int2* work,
+                            int* n_work) {
   const int lane = int(threadIdx.x);
   const int end = n_active ? *n_active : a_end;
   int base = 0;
   for (int a0 = a_begin; a0 < end; a0 += 32) {
     const int ai = a0 + lane;
     const int rows = ai < end ? offset[ai + 1] - offset[ai] : 0;
-    const int n = (rows + kTok - 1) / kTok;
+    const int n = (rows + tok - 1) / tok;
     int incl = n;
 #pragma unroll
     for (int o = 1; o < 32; o <<= 1) {
       const int v = __shfl_up_sync(0xffffffffu, incl, o);
       if (lane >= o) incl += v;
     }
-    for (int i = 0, first = base + incl - n; i < n; ++i) work[first + i] = make_int2(ai, i * kTok);
+    for (int i = 0, first = base + incl - n; i < n; ++i) work[first + i] = make_int2(ai, i * tok);
     base += __shfl_sync(0xffffffffu, incl, 31);
   }
   if (lane == 0) *n_work = base;
@@ -264,19 +260,21 @@ struct PackStream {
 // down), over all columns; the accumulators come back in the scaled units of the input rows.
 // Every address a step uses is set up once (init): the loop over the steps only adds the step's
 // column, and with the two stages unrolled their shared-memory offsets are constants.
-template <int KIND, bool SF16, int M>
+template <int KIND, bool SF16, int M, int TOK>
 struct ExactBlock {
-  static constexpr int kStageBytes = int(sizeof(Stage<M>));
-  static_assert(kStageBytes % kSmemAlign == 0 && offsetof(Stage<M>, x) % kSmemAlign == 0);
+  using St = Stage<M, TOK>;
+  static constexpr int kTiles = TOK / 8;  // MMA column tiles per work item
+  static constexpr int kStageBytes = int(sizeof(St));
+  static_assert(kStageBytes % kSmemAlign == 0 && offsetof(St, x) % kSmemAlign == 0);
   PackStream<KIND> w[M];
   int64_t row0;
   int cols, nt, tiles;
   bool merge;   // every matrix's groups span whole steps: one epilogue per step instead of per pack
   bool row_ok;  // this thread's weight row (threadIdx.x / 2) is a row of the matrices
-  Stage<M>* st;
-  // The copies: this thread's 8 columns (hi or lo) of 4 token rows, and (threads below kTok) one
-  // token's two pack sums; their shared addresses in stage 0.
-  const __half* x_src[4];
+  St* st;
+  // The copies: this thread's 8 columns (hi or lo) of TOK / 8 token rows, and (threads below TOK)
+  // one token's two pack sums; their shared addresses in stage 0.
+  const __half* x_src[TOK / 8];
   const float* sum_src;
   uint32_t x_dst, sum_dst;
   // Shared addresses (stage 0, matrix 0) of this lane's ldmatrix rows for the first 16 columns:
@@ -300,28 +298,28 @@ struct ExactBlock {
     merge = cols % kK == 0;
 #pragma unroll
     for (int m = 0; m < M; ++m) merge = merge && mats[m]->group_size % kK == 0;
-    st = static_cast<Stage<M>*>(smem);
+    st = static_cast<St*>(smem);
     const uint32_t base = smem_addr(smem);
     // weights: thread t loads pack t % 2 of row t / 2 of each step
     const int r = tid / 2, hp = tid % 2;
     row_ok = row0 + r < mats[0]->rows;
 #pragma unroll
     for (int m = 0; m < M; ++m) w[m].init(*mats[m], row0 + r, hp);
-    w_dst = base + uint32_t(offsetof(Stage<M>, codes)) + uint32_t(r * kK * 2);
+    w_dst = base + uint32_t(offsetof(St, codes)) + uint32_t(r * kK * 2);
     w_swz = (4 * hp) ^ (r & 7);
     // activations: thread t copies chunk t % 8 of half (t / 8) % 2 of tokens t / 16 + 8 u; rows
     // past the item's tokens copy its last token's (their products are never written)
     const int half = (tid / 8) % 2, part = tid % 8;
     const __half* src = half ? in.lo : in.hi;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) x_src[u] = src + in_row(r0 + min(tid / 16 + 8 * u, nt - 1)) * n_cols + 8 * part;
-    x_dst = base + uint32_t(offsetof(Stage<M>, x) + 2 * (half * kTok * kK + swz(tid / 16, part)));
-    sum_src = in.sum + in_row(r0 + min(tid % kTok, nt - 1)) * in.sum_stride;
-    sum_dst = base + uint32_t(offsetof(Stage<M>, sum) + (tid % kTok) * 2 * sizeof(float));
+    for (int u = 0; u < TOK / 8; ++u) x_src[u] = src + in_row(r0 + min(tid / 16 + 8 * u, nt - 1)) * n_cols + 8 * part;
+    x_dst = base + uint32_t(offsetof(St, x) + 2 * (half * TOK * kK + swz(tid / 16, part)));
+    sum_src = in.sum + in_row(r0 + min(tid % TOK, nt - 1)) * in.sum_stride;
+    sum_dst = base + uint32_t(offsetof(St, sum) + (tid % TOK) * 2 * sizeof(float));
     // ldmatrix rows: A, row warp * 16 + lane % 16 at chunk lane / 16; B, half lane / 16, token
     // lane % 8 at chunk (lane / 8) % 2
-    a_addr = base + uint32_t(offsetof(Stage<M>, codes) + 2 * swz(warp * 16 + lane % 16, lane / 16));
-    b_addr = base + uint32_t(offsetof(Stage<M>, x) + 2 * ((lane / 16) * kTok * kK + swz(lane % 8, (lane / 8) % 2)));
+    a_addr = base + uint32_t(offsetof(St, codes) + 2 * swz(warp * 16 + lane % 16, lane / 16));
+    b_addr = base + uint32_t(offsetof(St, x) + 2 * ((lane / 16) * TOK * kK + swz(lane % 8, (lane / 8) % 2)));
   }
 
   // The activations of step s into stage ST (cp.async).
@@ -330,9 +328,9 @@ struct ExactBlock {
     const int k0 = s * kK;
     const bool ok = k0 + 8 * (int(threadIdx.x) % 8) < cols;
 #pragma unroll
-    for (int u = 0; u < 4; ++u)
+    for (int u = 0; u < TOK / 8; ++u)
       cp_async16_at(x_dst + ST * kStageBytes + u * (8 * kK * 2), x_src[u] + (ok ? k0 : 0), ok ? 16 : 0);
-    if (int(threadIdx.x) < kTok) cp_async8_at(sum_dst + ST * kStageBytes, sum_src + 2 * s);
+    if (int(threadIdx.x) < TOK) cp_async8_at(sum_dst + ST * kStageBytes, sum_src + 2 * s);
   }
 
   // The raw packs of this thread's (row, pack) of step s for every matrix.
@@ -369,7 +367,7 @@ struct ExactBlock {
   __device__ __forceinline__ void multiply(float (&acc)[M][kTiles][4]) const {
     const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
     const int rl = warp * 16 + g;
-    const Stage<M>& sg = st[ST];
+    const St& sg = st[ST];
     float c[M][kTiles][4];
 #pragma unroll
     for (int m = 0; m < M; ++m)
@@ -459,24 +457,25 @@ struct ExactBlock {
 };
 
 // The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
+template <int TOK>
 __device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt) {
   if (int(blockIdx.y) >= *a.n_work) return false;
   const int2 w = a.work[blockIdx.y];
   expert = a.e.g.active[w.x];
   if (a.e.only_formats >= 0 && a.e.table[expert].formats != a.e.only_formats) return false;
   r0 = a.e.g.offset[w.x] + w.y;
-  nt = min(kTok, a.e.g.offset[w.x + 1] - r0);
+  nt = min(TOK, a.e.g.offset[w.x + 1] - r0);
   return true;
 }
 
 // f(j, i, token, row) for each of this thread's accumulator elements that is an output (token <
 // nt, row < rows): column tile j, element i, at token j * 8 + 2 * (lane % 4) + i % 2 of the item
 // and row row0 + 16 * warp + lane / 4 (+ 8 for i >= 2), the m16n8 accumulator layout.
-template <class F>
+template <int TOK, class F>
 __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t rows, F f) {
   const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, q = lane % 4;
 #pragma unroll
-  for (int j = 0; j < kTiles; ++j)
+  for (int j = 0; j < TOK / 8; ++j)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int tok = j * 8 + 2 * q + (i & 1);
@@ -485,19 +484,19 @@ __device__ __forceinline__ void for_each_output(int64_t row0, int nt, int64_t ro
     }
 }
 
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int TOK>
 __global__ void __launch_bounds__(kThreads, 3) gate_up_exact_kernel(ExactArgs a) {
   extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int e, r0, nt;
-  if (!block_work(a, e, r0, nt)) return;
+  if (!block_work<TOK>(a, e, r0, nt)) return;
   const DevExpert& d = a.e.table[e];
-  ExactBlock<KIND, SF16, 2> blk;
+  ExactBlock<KIND, SF16, 2, TOK> blk;
   const WeightRef* const mats[2] = {&d.gate, &d.up};
   blk.init(mats, smem, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.dim,
            [&](int r) { return int64_t(a.e.g.row_token[r] / a.e.k); });
-  float acc[2][kTiles][4] = {};
+  float acc[2][TOK / 8][4] = {};
   blk.run(acc);
-  for_each_output(blk.row0, nt, a.e.inter, [&](int j, int i, int tok, int64_t row) {
+  for_each_output<TOK>(blk.row0, nt, a.e.inter, [&](int j, int i, int tok, int64_t row) {
     const float inv = a.in.inv[a.e.g.row_token[r0 + tok] / a.e.k];
     const float gv = acc[0][j][i] * inv + (d.gate_bias ? d.gate_bias[row] : 0.0f);
     const float uv = acc[1][j][i] * inv + (d.up_bias ? d.up_bias[row] : 0.0f);
@@ -505,18 +504,18 @@ __global__ void __launch_bounds__(kThreads, 3) gate_up_exact_kernel(ExactArgs a)
   });
 }
 
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int TOK>
 __global__ void __launch_bounds__(kThreads, 5) down_exact_kernel(ExactArgs a) {
   extern __shared__ __align__(kSmemAlign) unsigned char smem[];
   int e, r0, nt;
-  if (!block_work(a, e, r0, nt)) return;
+  if (!block_work<TOK>(a, e, r0, nt)) return;
   const DevExpert& d = a.e.table[e];
-  ExactBlock<KIND, SF16, 1> blk;
+  ExactBlock<KIND, SF16, 1, TOK> blk;
   const WeightRef* const mats[1] = {&d.down};
   blk.init(mats, smem, a.in, int64_t(blockIdx.x) * kRows, r0, nt, a.e.inter, [](int r) { return int64_t(r); });
-  float acc[1][kTiles][4] = {};
+  float acc[1][TOK / 8][4] = {};
   blk.run(acc);
-  for_each_output(blk.row0, nt, a.e.dim, [&](int j, int i, int tok, int64_t row) {
+  for_each_output<TOK>(blk.row0, nt, a.e.dim, [&](int j, int i, int tok, int64_t row) {
     a.e.y[int64_t(r0 + tok) * a.e.dim + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[row] : 0.0f);
   });
 }
@@ -542,16 +541,16 @@ __global__ void __launch_bounds__(kThreads, 5) linear_exact_kernel(LinearExactAr
   int m = 0;
   while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
   const int r0 = int(blockIdx.y) * kTok, nt = int(min(int64_t(kTok), a.T - r0));
-  ExactBlock<KIND, SF16, 1> blk;
+  ExactBlock<KIND, SF16, 1, kTok> blk;
   const WeightRef* const mats[1] = {&a.w[m]};
   blk.init(mats, smem, a.in, int64_t(blockIdx.x - a.first_tile[m]) * kRows, r0, nt, a.w[m].cols,
            [](int r) { return int64_t(r); });
-  float acc[1][kTiles][4] = {};
+  float acc[1][kTok / 8][4] = {};
   blk.run(acc);
   const float* bias = a.bias[m];
   float* out = a.out[m];
   const int64_t ldo = a.ldo[m];
-  for_each_output(blk.row0, nt, a.w[m].rows, [&](int j, int i, int tok, int64_t row) {
+  for_each_output<kTok>(blk.row0, nt, a.w[m].rows, [&](int j, int i, int tok, int64_t row) {
     out[int64_t(r0 + tok) * ldo + row] = acc[0][j][i] * a.in.inv[r0 + tok] + (bias ? bias[row] : 0.0f);
   });
 }
@@ -690,19 +689,6 @@ __global__ void split_out_kernel(SplitOutArgs a) {
   }
 }
 
-// SplitRows for `rows` rows of `cols`, in four areas from get(slot, bytes).
-template <class Get>
-SplitRows split_buffers(Get get, int first_slot, int64_t rows, int64_t cols) {
-  SplitRows r;
-  r.cols = cols;
-  r.sum_stride = (cols / 32 + 1) / 2 * 2;  // even: a step's two sums are one 8-byte copy
-  r.hi = static_cast<__half*>(get(first_slot, size_t(rows * cols) * sizeof(__half)));
-  r.lo = static_cast<__half*>(get(first_slot + 1, size_t(rows * cols) * sizeof(__half)));
-  r.sum = static_cast<float*>(get(first_slot + 2, size_t(rows * r.sum_stride) * sizeof(float)));
-  r.inv = static_cast<float*>(get(first_slot + 3, size_t(rows) * sizeof(float)));
-  return r;
-}
-
 enum ExactSlot { kXHi, kXLo, kXSum, kXInv, kHHi, kHLo, kHSum, kHInv, kWork, kNWork };
 
 template <bool INTERLEAVED>
@@ -716,6 +702,17 @@ void split_rows(const SplitArgs& a, bool interleaved, cudaStream_t s) {
   if (interleaved) split<true>(a, s);
   else split<false>(a, s);
 }
+
+}  // namespace
+
+void split_tokens(const float* x, int64_t ldx, int64_t T, bool interleaved, const SplitRows& out, cudaStream_t s) {
+  if (T <= 0) return;
+  const SplitArgs a{x, ldx, T, nullptr, nullptr, 0, 0, out};
+  if (interleaved) launch(split_kernel<true>, unsigned(T), kSplitThreads, 0, s, a);
+  else launch(split_kernel<false>, unsigned(T), kSplitThreads, 0, s, a);
+}
+
+namespace {
 
 template <auto Kernel>
 void allow_smem(size_t bytes) {
@@ -735,12 +732,14 @@ bool experts_exact_mma_supported(const ExpertBatch& b) {
          b.dim % 32 == 0 && b.inter % 32 == 0;
 }
 
-void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
+namespace {
+
+template <int TOK>
+void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   const int n_active = b.a_end - b.a_begin;
-  if (n_active <= 0) return;
   const int k = b.params->top_k;
   const int64_t T = b.pairs / k;
-  const int64_t max_work = (b.pairs + kTok - 1) / kTok + n_active;
+  const int64_t max_work = (b.pairs + TOK - 1) / TOK + n_active;
   if (max_work > 65535) fail("cuda moe: ", b.pairs, " (token, expert) pairs in one call over ", n_active, " experts (too many)");
   Scratch& sc = *b.exact;
   auto get = [&](int slot, size_t bytes) { return static_cast<void*>(sc.get<unsigned char>(slot, bytes)); };
@@ -751,7 +750,7 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   a.work = work;
   a.n_work = n_work;
   const int* count = b.count_on_device ? b.groups.n_active : nullptr;
-  plan_kernel<<<1, 32, 0, s>>>(b.groups.offset, b.a_begin, b.a_end, count, work, n_work);
+  plan_kernel<<<1, 32, 0, s>>>(b.groups.offset, b.a_begin, b.a_end, count, TOK, work, n_work);
   MS_CUDA_CHECK_LAUNCH();
 
   // gate/up over the tokens' x
@@ -759,9 +758,9 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
   dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
-      const size_t smem = 2 * sizeof(Stage<2>);
-      allow_smem<gate_up_exact_kernel<KIND, SF16>>(smem);
-      gate_up_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.inter, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
+      const size_t smem = 2 * sizeof(Stage<2, TOK>);
+      allow_smem<gate_up_exact_kernel<KIND, SF16, TOK>>(smem);
+      gate_up_exact_kernel<KIND, SF16, TOK><<<dim3(blocks_for(b.inter, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
       MS_CUDA_CHECK_LAUNCH();
     }
   });
@@ -771,12 +770,21 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
              interleaved_of(b.down), s);
   dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
-      const size_t smem = 2 * sizeof(Stage<1>);
-      allow_smem<down_exact_kernel<KIND, SF16>>(smem);
-      down_exact_kernel<KIND, SF16><<<dim3(blocks_for(b.dim, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
+      const size_t smem = 2 * sizeof(Stage<1, TOK>);
+      allow_smem<down_exact_kernel<KIND, SF16, TOK>>(smem);
+      down_exact_kernel<KIND, SF16, TOK><<<dim3(blocks_for(b.dim, kRows), unsigned(max_work)), kThreads, smem, s>>>(a);
       MS_CUDA_CHECK_LAUNCH();
     }
   });
+}
+
+}  // namespace
+
+void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
+  if (b.a_end - b.a_begin <= 0) return;
+  // a batched decode step's experts mostly have one or two rows: work items of 8
+  if (b.few_tokens) experts_exact<kFewTok>(b, s);
+  else experts_exact<kTok>(b, s);
 }
 
 namespace {
@@ -892,7 +900,7 @@ bool exact_linears(std::span<const Matrix* const> w, const float* x, int64_t ldx
   split_rows(SplitArgs{x, ldx, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(tag), s);
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
-      const size_t smem = 2 * sizeof(Stage<1>);
+      const size_t smem = 2 * sizeof(Stage<1, kTok>);
       allow_smem<linear_exact_kernel<KIND, SF16>>(smem);
       linear_exact_kernel<KIND, SF16>
           <<<dim3(a.first_tile[a.n], unsigned((T + kTok - 1) / kTok)), kThreads, smem, s>>>(a);

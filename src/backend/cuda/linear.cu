@@ -520,6 +520,14 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     one.ldo[0] = ldo;
     if (gemv_one(tag, one, x, stream)) return;
   }
+  if (math == GemmMath::Fp16 && T < gemm_min_tokens() && few_mma_for(m, T, x, ldx)) {
+    const Matrix* ms[1] = {&m};
+    const float* bs[1] = {bias};
+    float* os[1] = {out};
+    const int64_t ls[1] = {ldo};
+    linear_few_mma(ms, x, ldx, T, bs, os, ls, scratch, stream);
+    return;
+  }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
       auto run = [&]<int NT>() {
@@ -596,6 +604,13 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
   if (bf16_few_tokens(tag, T, w[0]->cols, GemmMath::Fp16)) {  // as linear() computes each, x split once
     const __nv_bfloat16* parts = split_few(x, ldx, T, w[0]->cols, scratch, stream);
     for (size_t i = 0; i < w.size(); ++i) gemm_few(*w[i], parts, T, bias[i], out[i], w[i]->rows, scratch, stream);
+    return true;
+  }
+  if (std::all_of(w.begin(), w.end(), [&](const Matrix* m) { return few_mma_for(*m, T, x, ldx); })) {
+    // as linear() computes each, x split once
+    int64_t ldo[kMaxShared] = {};
+    for (size_t i = 0; i < w.size(); ++i) ldo[i] = w[i]->rows;
+    linear_few_mma(w, x, ldx, T, bias, out, std::span<const int64_t>(ldo, w.size()), scratch, stream);
     return true;
   }
   const size_t smem_limit = max_gemv_smem();

@@ -81,6 +81,20 @@ bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, i
                              std::span<const float* const> bias, std::span<float* const> out, GemmScratch& scratch,
                              cudaStream_t stream);
 
+// Quantized matrices (q4 and q8 in groups of a power of two from 32 columns) for 2 to
+// kGemvMaxTokens tokens on the tensor cores (gemv_mma.cu): codes as FP16 operands, x split into
+// two FP16 halves per row (split_rows.cuh), the groups' scales and biases in float32, as
+// linear_exact_mma computes but with each lane's codes decoded straight into its fragments. The
+// rounding differs from one token's GEMV by float32-level amounts (docs/ARCHITECTURES.md).
+// few_mma_enabled: with the exact tensor-core paths, unless MOESTREAM_CUDA_FEW_MMA=0 (then the GEMV
+// and the experts' decode kernels take such calls, as before, for comparison).
+bool few_mma_enabled();
+bool few_mma_for(const Matrix& m, int64_t T, const float* x, int64_t ldx);
+// Up to 4 such matrices of one format and width over x in one launch.
+void linear_few_mma(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                    std::span<const float* const> bias, std::span<float* const> out, std::span<const int64_t> ldo,
+                    GemmScratch& scratch, cudaStream_t stream);
+
 // How linear() multiplies above the GEMV bound.
 //  Fp16: with MOESTREAM_CUDA_TENSOR_CORES=1 (tensor_cores_for), tiles of W dequantized to FP16,
 //        x rounded to FP16 (saturating at +-65504), products on the tensor cores summed in

@@ -609,7 +609,8 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
                                       b.inter, b.dim, n_blocks, false));
     return;
   }
-  if (!b.few_tokens && experts_exact_mma_supported(b)) {
+  // More than one token (a prompt, or a batched decode step: few_mma_enabled) on the tensor cores.
+  if (experts_exact_mma_supported(b) && (!b.few_tokens || (b.pairs > b.params->top_k && few_mma_enabled()))) {
     const bool prof = b.profile && b.profile->on();
     if (prof) b.profile->begin(s);
     run_experts_exact_mma(b, s);

@@ -72,8 +72,9 @@ struct ExpertBatch {
   float* y;           // [T*k, dim]
   const MoeParams* params;
   // The call has at most kGemvMaxTokens tokens (one decode token, or a batched decode step: most
-  // active experts get one or two rows): the decode kernels, each row computed as a lone decode
-  // step computes it; the tensor-core kernels would pad every expert's rows to tiles of 16.
+  // active experts get one or two rows). One token takes the decode kernels; several take the
+  // exact tensor-core kernels in work items of 8 rows (few_mma_enabled; else the decode kernels,
+  // each row computed as a lone decode step computes it).
   bool few_tokens = false;
   // With few tokens and groups built on the device: a block of the decode kernels per chunk of
   // this many rows of one expert (the groups' row_chunk; expert_rows_per_block), the chunk's rows
@@ -160,12 +161,13 @@ void run_experts_mma(const ExpertBatch& b, cudaStream_t s);
 // experts (exact in FP16) times activations split into two FP16 halves on the tensor cores, the
 // groups' scales and biases applied in float32: float32-level rounding, tensor-core speed. Each
 // active expert's rows go in chunks of 32 to blocks of their own (planned on the device, no host
-// round trip). Taken when both matrices are quantized, dim and inter are multiples of 32 and the
-// batch has its `exact` scratch (MOESTREAM_CUDA_EXACT_MMA=0: the CUDA-core kernels instead, for
-// comparison).
+// round trip); a batched decode step's in chunks of 8. Taken when both matrices are quantized,
+// dim and inter are multiples of 32 and the batch has its `exact` scratch
+// (MOESTREAM_CUDA_EXACT_MMA=0: the CUDA-core kernels instead, for comparison).
 bool experts_exact_mma_supported(const ExpertBatch& b);
 void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s);
 void run_experts_gemm(const ExpertBatch& b, cudaStream_t s);
+
 // out[t] = sum_i sel_w[t, i] * y[row_of[t * k + i]]
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,
              cudaStream_t s);
