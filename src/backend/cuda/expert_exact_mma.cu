@@ -175,14 +175,6 @@ __global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int
   if (lane == 0) *n_work = base;
 }
 
-// 1024 + code in FP16 (the code in the low mantissa bits of 0x6400), minus 1024: exact.
-__device__ __forceinline__ uint32_t minus_1024(uint32_t h2) {
-  const __half2 k = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
-  __half2 v = *reinterpret_cast<const __half2*>(&h2);
-  v = __hsub2(v, k);
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
-
 // A pack's 32 codes as FP16 pairs, in the format's column order.
 template <int KIND, bool SF16>
 __device__ __forceinline__ void codes_of(const RawQuantPack<KIND>& p, uint32_t (&h)[16]) {

@@ -66,10 +66,6 @@ struct RawBlock {
   uint16_t scale, bias;
 };
 
-__device__ __forceinline__ uint32_t hsub_1024(uint32_t h2) {
-  const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&h2), __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400)));
-  return *reinterpret_cast<const uint32_t*>(&v);
-}
 // (1024 + 16 c) / 16 - 64 = c, exactly (one rounding of an exact result).
 __device__ __forceinline__ uint32_t sixteenth_minus_64(uint32_t h2) {
   const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&h2), __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00)),
@@ -86,13 +82,13 @@ __device__ __forceinline__ void code_pairs(const uint32_t (&w)[WORDS], uint32_t 
   for (int i = 0; i < WORDS; ++i) {
     if constexpr (KIND == kQ4) {
       const uint32_t hi = w[i] >> 8;
-      h[4 * i + 0] = hsub_1024((w[i] & 0x000F000Fu) | 0x64006400u);
+      h[4 * i + 0] = minus_1024((w[i] & 0x000F000Fu) | 0x64006400u);
       h[4 * i + 1] = sixteenth_minus_64((w[i] & 0x00F000F0u) | 0x64006400u);
-      h[4 * i + 2] = hsub_1024((hi & 0x000F000Fu) | 0x64006400u);
+      h[4 * i + 2] = minus_1024((hi & 0x000F000Fu) | 0x64006400u);
       h[4 * i + 3] = sixteenth_minus_64((hi & 0x00F000F0u) | 0x64006400u);
     } else {
-      h[2 * i + 0] = hsub_1024(__byte_perm(w[i], 0x64646464u, 0x4140));
-      h[2 * i + 1] = hsub_1024(__byte_perm(w[i], 0x64646464u, 0x4342));
+      h[2 * i + 0] = minus_1024(__byte_perm(w[i], 0x64646464u, 0x4140));
+      h[2 * i + 1] = minus_1024(__byte_perm(w[i], 0x64646464u, 0x4342));
     }
   }
 }

@@ -1,6 +1,6 @@
-// Tensor-core building blocks shared by the MMA kernels (expert_exact_mma.cu, attention.cu):
-// shared-memory addresses, cp.async copies, ldmatrix loads and the m16n8k16 FP16 product with
-// float32 sums.
+// Tensor-core building blocks shared by the MMA kernels (expert_exact_mma.cu, gemv_mma.cu, attention.cu):
+// shared-memory addresses, cp.async copies, ldmatrix loads, codes decoded into FP16 and the
+// m16n8k16 FP16 product with float32 sums.
 #pragma once
 
 #include <cuda_fp16.h>
@@ -68,6 +68,15 @@ __device__ __forceinline__ void mma16816(float (&d)[4], const uint32_t (&a)[4], 
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two FP16 values 1024 + code (each code in the low mantissa bits of 0x6400), minus 1024: the
+// codes, exactly.
+__device__ __forceinline__ uint32_t minus_1024(uint32_t h2) {
+  const __half2 k = __halves2half2(__ushort_as_half(0x6400), __ushort_as_half(0x6400));
+  __half2 v = *reinterpret_cast<const __half2*>(&h2);
+  v = __hsub2(v, k);
+  return *reinterpret_cast<const uint32_t*>(&v);
 }
 
 // 2^e as a float, e in [-126, 127].
