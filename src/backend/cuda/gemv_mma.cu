@@ -68,8 +68,9 @@ struct RawBlock {
 
 // (1024 + 16 c) / 16 - 64 = c, exactly (one rounding of an exact result).
 __device__ __forceinline__ uint32_t sixteenth_minus_64(uint32_t h2) {
-  const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&h2), __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00)),
-                            __halves2half2(__ushort_as_half(0xD400), __ushort_as_half(0xD400)));
+  const __half2 sixteenth = __halves2half2(__ushort_as_half(0x2C00), __ushort_as_half(0x2C00));
+  const __half2 minus_64 = __halves2half2(__ushort_as_half(0xD400), __ushort_as_half(0xD400));
+  const __half2 v = __hfma2(*reinterpret_cast<const __half2*>(&h2), sixteenth, minus_64);
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
@@ -77,7 +78,8 @@ __device__ __forceinline__ uint32_t sixteenth_minus_64(uint32_t h2) {
 // code placed in the mantissa of 1024, or 16 times it, then 1024 taken away), a q8 word's bytes
 // (0, 1), (2, 3).
 template <int KIND, int WORDS>
-__device__ __forceinline__ void code_pairs(const uint32_t (&w)[WORDS], uint32_t (&h)[KIND == kQ8 ? 2 * WORDS : 4 * WORDS]) {
+__device__ __forceinline__ void code_pairs(const uint32_t (&w)[WORDS],
+                                           uint32_t (&h)[KIND == kQ8 ? 2 * WORDS : 4 * WORDS]) {
 #pragma unroll
   for (int i = 0; i < WORDS; ++i) {
     if constexpr (KIND == kQ4) {
@@ -170,7 +172,8 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
       }
       float sx0, sx1;  // the k-block's sums of x of tokens 2j and 2j + 1 (they multiply the bias)
       if constexpr (L::kCols == 64) {
-        const float2 s0 = *reinterpret_cast<const float2*>(b.sum0 + 2 * kb), s1 = *reinterpret_cast<const float2*>(b.sum1 + 2 * kb);
+        const float2 s0 = *reinterpret_cast<const float2*>(b.sum0 + 2 * kb);
+        const float2 s1 = *reinterpret_cast<const float2*>(b.sum1 + 2 * kb);
         sx0 = s0.x + s0.y;
         sx1 = s1.x + s1.y;
       } else {

@@ -1,6 +1,6 @@
-// Tensor-core building blocks shared by the MMA kernels (expert_exact_mma.cu, gemv_mma.cu, attention.cu):
-// shared-memory addresses, cp.async copies, ldmatrix loads, codes decoded into FP16 and the
-// m16n8k16 FP16 product with float32 sums.
+// Tensor-core building blocks shared by the MMA kernels (expert_exact_mma.cu, gemv_mma.cu,
+// attention.cu): shared-memory addresses, cp.async copies, ldmatrix loads, codes decoded into FP16
+// and the m16n8k16 FP16 product with float32 sums.
 #pragma once
 
 #include <cuda_fp16.h>
