@@ -871,13 +871,18 @@ TEST_F(Pair, MoeEveryExpertFormat) {
 // token), through the host round trip (first round) and resident (second), and the two rounds
 // agree bit for bit (how a call's experts are batched does not change any row). Tokens repeat in
 // the second half of the inputs, so that experts get 2 to 8 rows (chunks with a remainder, and
-// several chunks of one expert), and a repeated token gets its first's output bit for bit.
+// several chunks of one expert), and a repeated token gets its first's output bit for bit. The
+// experts in q4 (groups of 64: k-blocks of 64 columns; of 32: k-blocks of 32; F16 scales) and q8:
+// the lane-decoded kernels of each layout (expert_few_mma.cu), 4 to 8 k-blocks of gate/up and 1 or
+// 2 of down.
 TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
   const int E = 160;
   const int64_t dim = 256, inter = 64;
   const bool mma = cuda::few_mma_enabled();
-  HostExperts experts(E, dim, inter, "q4g64", 48);
-  for (const std::string fmt : {"bf16", "q8g64"}) {
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"q4g64", "bf16"}, {"q4g64", "q8g64"}, {"q4g32", "bf16"}, {"q4g64-f16", "bf16"}, {"q8g64", "bf16"}};
+  for (const auto& [expert_fmt, fmt] : cases) {
+    HostExperts experts(E, dim, inter, expert_fmt, 48);
     CudaOptions o;
     o.gpu_expert_mb = 64;
     o.total_experts = E;
@@ -894,8 +899,8 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
         const int64_t key = T;
         const int64_t distinct = T > 0 ? T : T == -8 ? 1 : 2;  // rows of x before they repeat
         T = T > 0 ? T : -T;
-        SCOPED_TRACE(fmt + " round " + std::to_string(round) + " T=" + std::to_string(T) + " distinct " +
-                     std::to_string(distinct));
+        SCOPED_TRACE(expert_fmt + " experts, " + fmt + " router, round " + std::to_string(round) + " T=" +
+                     std::to_string(T) + " distinct " + std::to_string(distinct));
         const std::vector<float> rows = random(size_t(distinct * dim), uint32_t(50 + T + distinct));
         std::vector<float> xv(size_t(T * dim));
         for (int64_t t = 0; t < T; ++t)

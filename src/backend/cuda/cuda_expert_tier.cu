@@ -293,6 +293,10 @@ void ExpertTier::note_formats(int layer, int expert, const MlpWeights& w) {
   if (std::find(formats.begin(), formats.end(), std::make_pair(gu, dn)) == formats.end()) formats.emplace_back(gu, dn);
   if (int64_t(inter_.size()) <= layer) inter_.resize(size_t(layer) + 1, 0);
   inter_[size_t(layer)] = w.gate.rows;
+  if (int64_t(group_shift_.size()) <= layer) group_shift_.resize(size_t(layer) + 1, kNoGroups);
+  int& shift = group_shift_[size_t(layer)];
+  for (const Matrix* m : {&w.gate, &w.up, &w.down})
+    if (is_quant(format_of(*m).kind)) shift = std::min(shift, weight_ref(*m).group_shift);
 }
 
 // The slot's expert leaves VRAM: its table entry points at its host copy where one is known.
@@ -417,6 +421,8 @@ void ExpertTier::bind_layer(Call& c) {
   ExpertBatch& b = c.b;
   b.table = table_dev_ + size_t(c.layer) * c.E;
   b.inter = inter_[size_t(c.layer)];
+  const int shift = size_t(c.layer) < group_shift_.size() ? group_shift_[size_t(c.layer)] : kNoGroups;
+  b.group_shift = shift == kNoGroups ? -1 : shift;
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
   b.gemm = &gemm_;

@@ -247,6 +247,10 @@ class ExpertTier {
   // [layer]: the (gate/up, down) formats of the experts loaded so far, in order of first sight;
   // more than one in a tiered pack (each format's kernels then run over its own experts).
   std::vector<std::vector<std::pair<FormatTag, FormatTag>>> formats_;
+  // [layer]: the smallest log2(group size) of the quantized expert matrices loaded so far (-1 once
+  // one is not a power of two; kNoGroups while none is quantized).
+  static constexpr int kNoGroups = 1 << 30;
+  std::vector<int> group_shift_;
   int n_experts_ = 0, layers_cap_ = 0;
   DevExpert* table_dev_ = nullptr;        // [layers_cap_][n_experts_]
   DevExpert* table_host_ = nullptr;       // pinned mirror

@@ -15,9 +15,10 @@
 // pack of 32 columns its float32 sum, which multiplies an affine group's bias.
 //
 // Work items: an active expert's rows (its (token, slot) pairs) in chunks of kTok (kFewTok in a
-// batched decode step, whose experts mostly have one or two rows), planned on the
-// device (plan_kernel), so that a heavily chosen expert is spread over many blocks instead of one
-// block walking all its rows. A block of 4 warps computes 64 output rows (16 per warp) of one work
+// batched decode step, whose experts mostly have one or two rows; such a step's q4 and q8 experts
+// go through expert_few_mma.cu's kernels over the same items), planned on the device
+// (plan_kernel), so that a heavily chosen expert is spread over many blocks instead of one block
+// walking all its rows. A block of 4 warps computes 64 output rows (16 per warp) of one work
 // item: per step of 64 columns, the next step's activations are copied to shared memory with
 // cp.async and its weight packs loaded into registers while the current step's products run; the
 // packs are then decoded into FP16 codes in shared memory (q4 and q8 without int-to-float
@@ -30,6 +31,7 @@
 #include <cstdlib>
 #include <string>
 
+#include "backend/cuda/expert_items.cuh"
 #include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/split_rows.cuh"
@@ -43,7 +45,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
 constexpr int kRows = 16 * kWarps;  // weight rows per block
 constexpr int kTok = 32;            // rows of activations (tokens) per work item ...
-constexpr int kFewTok = 8;          // ... in a batched decode step
+constexpr int kFewTok = kFewLaneRows;  // ... in a batched decode step (expert_items.cuh)
 constexpr int kK = 64;              // columns per step: two packs of 32
 constexpr int kSplitThreads = 128;
 
@@ -207,13 +209,6 @@ __device__ __forceinline__ void pack_scale_bias(const RawQuantPack<KIND>& p, flo
   else scale = scale_value<SF16>(uint16_t(p.scale));
   bias = is_affine(KIND) ? scale_value<SF16>(uint16_t(p.bias)) : 0.0f;
 }
-
-struct ExactArgs {
-  ExpertArgs e;
-  const int2* work;
-  const int* n_work;
-  SplitRows in;  // gate/up: the tokens' x; down: the hidden rows
-};
 
 // This thread's share of one matrix's weights in ExactBlock: pack `hp` (0 or 1) of every step of
 // its row (columns 64 s + 32 hp of step s) with the row's scales and biases, addressed once.
@@ -447,18 +442,6 @@ struct ExactBlock {
     }
   }
 };
-
-// The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
-template <int TOK>
-__device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt) {
-  if (int(blockIdx.y) >= *a.n_work) return false;
-  const int2 w = a.work[blockIdx.y];
-  expert = a.e.g.active[w.x];
-  if (a.e.only_formats >= 0 && a.e.table[expert].formats != a.e.only_formats) return false;
-  r0 = a.e.g.offset[w.x] + w.y;
-  nt = min(TOK, a.e.g.offset[w.x + 1] - r0);
-  return true;
-}
 
 // f(j, i, token, row) for each of this thread's accumulator elements that is an output (token <
 // nt, row < rows): column tile j, element i, at token j * 8 + 2 * (lane % 4) + i % 2 of the item
@@ -748,7 +731,11 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   // gate/up over the tokens' x
   a.in = split_buffers(get, kXHi, T, b.dim);
   split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
-  dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
+  // a batched decode step's q4 and q8 experts: the lane-decoded kernels
+  const bool lanes = TOK == kFewTok && few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
+                     few_lanes_take(b.down, b.group_shift, b.inter);
+  if (lanes) gate_up_few_lanes(a, b.gate_up, b.group_shift, unsigned(max_work), s);
+  else dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<2, TOK>);
       allow_smem<gate_up_exact_kernel<KIND, SF16, TOK>>(smem);
@@ -760,7 +747,8 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   a.in = split_buffers(get, kHHi, b.pairs, b.inter);
   split_rows(SplitArgs{b.hidden, b.inter, b.pairs, b.groups.offset, count, b.a_begin, b.a_end, a.in},
              interleaved_of(b.down), s);
-  dispatch_format(b.down, [&]<int KIND, bool SF16>() {
+  if (lanes) down_few_lanes(a, b.down, b.group_shift, unsigned(max_work), s);
+  else dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<1, TOK>);
       allow_smem<down_exact_kernel<KIND, SF16, TOK>>(smem);

@@ -73,8 +73,9 @@ struct ExpertBatch {
   const MoeParams* params;
   // The call has at most kGemvMaxTokens tokens (one decode token, or a batched decode step: most
   // active experts get one or two rows). One token takes the decode kernels; several take the
-  // exact tensor-core kernels in work items of 8 rows (few_mma_enabled; else the decode kernels,
-  // each row computed as a lone decode step computes it).
+  // tensor cores in work items of 8 rows (few_mma_enabled: q4 and q8 the lane-decoded kernels of
+  // expert_few_mma.cu, other formats the exact ones; else the decode kernels, each row computed
+  // as a lone decode step computes it).
   bool few_tokens = false;
   // With few tokens and groups built on the device: a block of the decode kernels per chunk of
   // this many rows of one expert (the groups' row_chunk; expert_rows_per_block), the chunk's rows
@@ -83,6 +84,9 @@ struct ExpertBatch {
   // When the layer mixes formats: the format_pair of gate_up and down, and the kernels skip the
   // experts of other formats (the caller runs each of the layer's formats); -1 runs every expert.
   int only_formats = -1;
+  // The smallest log2(group size) of the layer's expert matrices; -1 when a group size is not a
+  // power of two or not known (the lane-decoded kernels of expert_few_mma.cu need it).
+  int group_shift = -1;
   // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
   // once per MoE call, never per batch, so that how a call's experts split into batches (what
   // is resident, the budgets) does not change how any expert is computed.
