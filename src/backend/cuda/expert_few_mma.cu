@@ -94,18 +94,7 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
 #pragma unroll
           for (int r = 0; r < 2; ++r)
             load_block<L::kWords>(rp[t][r], next, next * L::kCols, *w[t], raw[i][t][r]);
-        float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-        for (int s = 0; s < L::kSteps; ++s) {
-          const uint32_t fa[4] = {ha[2 * s], hb[2 * s], ha[2 * s + 1], hb[2 * s + 1]};
-          mma16816(c, fa, x.hi[2 * s], x.hi[2 * s + 1]);
-          mma16816(c, fa, x.lo[2 * s], x.lo[2 * s + 1]);
-        }
-        // c: rows g (0, 1) and g + 8 (2, 3), tokens 2j (0, 2) and 2j + 1 (1, 3)
-        acc[t][0] += fmaf(c[0], scale[0], bias[0] * x.sx0);
-        acc[t][1] += fmaf(c[1], scale[0], bias[0] * x.sx1);
-        acc[t][2] += fmaf(c[2], scale[1], bias[1] * x.sx0);
-        acc[t][3] += fmaf(c[3], scale[1], bias[1] * x.sx1);
+        add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
       }
       if (next < kbs) prefetch_x<KIND, WIDE>(b, next);
     }

@@ -127,4 +127,24 @@ struct XBlock {
 };
 
 
+// acc += one k-block's products for this lane: codes ha (row g) and hb (row g + 8) against x, each
+// row's sums scaled by its group's scale, with its bias times the k-block's sum of x (acc as the
+// m16n8 accumulator holds it: rows g (0, 1) and g + 8 (2, 3), tokens 2j (0, 2) and 2j + 1 (1, 3)).
+template <int KIND, bool WIDE>
+__device__ __forceinline__ void add_block(const uint32_t (&ha)[Layout<KIND, WIDE>::kPairs],
+                                          const uint32_t (&hb)[Layout<KIND, WIDE>::kPairs], const XBlock<KIND, WIDE>& x,
+                                          const float (&scale)[2], const float (&bias)[2], float (&acc)[4]) {
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int s = 0; s < Layout<KIND, WIDE>::kSteps; ++s) {
+    const uint32_t fa[4] = {ha[2 * s], hb[2 * s], ha[2 * s + 1], hb[2 * s + 1]};
+    mma16816(c, fa, x.hi[2 * s], x.hi[2 * s + 1]);
+    mma16816(c, fa, x.lo[2 * s], x.lo[2 * s + 1]);
+  }
+  acc[0] += fmaf(c[0], scale[0], bias[0] * x.sx0);
+  acc[1] += fmaf(c[1], scale[0], bias[0] * x.sx1);
+  acc[2] += fmaf(c[2], scale[1], bias[1] * x.sx0);
+  acc[3] += fmaf(c[3], scale[1], bias[1] * x.sx1);
+}
+
 }  // namespace moestream::cuda

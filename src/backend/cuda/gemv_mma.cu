@@ -82,24 +82,13 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
       uint32_t ha[L::kPairs], hb[L::kPairs];
       code_pairs<KIND, L::kWords>(raw[i][0].words, ha);
       code_pairs<KIND, L::kWords>(raw[i][1].words, hb);
-      const float scale0 = scale_value<SF16>(raw[i][0].scale), scale1 = scale_value<SF16>(raw[i][1].scale);
-      const float bias0 = scale_value<SF16>(raw[i][0].bias), bias1 = scale_value<SF16>(raw[i][1].bias);
+      const float scale[2] = {scale_value<SF16>(raw[i][0].scale), scale_value<SF16>(raw[i][1].scale)};
+      const float bias[2] = {scale_value<SF16>(raw[i][0].bias), scale_value<SF16>(raw[i][1].bias)};
       const int next = kb + kPrefetch * kFewWarps;
       if (next < kbs)
 #pragma unroll
         for (int r = 0; r < 2; ++r) load_block<L::kWords>(rp[r], next, next * L::kCols, w, raw[i][r]);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-      for (int s = 0; s < L::kSteps; ++s) {
-        const uint32_t fa[4] = {ha[2 * s], hb[2 * s], ha[2 * s + 1], hb[2 * s + 1]};
-        mma16816(c, fa, xb.hi[2 * s], xb.hi[2 * s + 1]);
-        mma16816(c, fa, xb.lo[2 * s], xb.lo[2 * s + 1]);
-      }
-      // c: rows g (0, 1) and g + 8 (2, 3), tokens 2j (0, 2) and 2j + 1 (1, 3)
-      acc[0] += fmaf(c[0], scale0, bias0 * xb.sx0);
-      acc[1] += fmaf(c[1], scale0, bias0 * xb.sx1);
-      acc[2] += fmaf(c[2], scale1, bias1 * xb.sx0);
-      acc[3] += fmaf(c[3], scale1, bias1 * xb.sx1);
+      add_block<KIND, WIDE>(ha, hb, xb, scale, bias, acc);
     }
   }
   return make_float4(acc[0], acc[1], acc[2], acc[3]);
