@@ -179,10 +179,6 @@ bool lanes_enabled() {
   return on;
 }
 
-bool wide(FormatTag t, int group_shift, int64_t cols) {
-  return t.kind == kQ4 && group_shift >= 6 && cols % 64 == 0;
-}
-
 // Calls f.template operator()<KIND, SF16, WIDE>() for a format few_lanes_take accepted.
 template <class F>
 void dispatch_lanes(FormatTag t, int group_shift, int64_t cols, F&& f) {
@@ -194,7 +190,7 @@ void dispatch_lanes(FormatTag t, int group_shift, int64_t cols, F&& f) {
   };
   if (t.kind == kQ8)
     with.template operator()<kQ8, false>();
-  else if (wide(t, group_shift, cols))
+  else if (wide_k_blocks(group_shift, cols))
     with.template operator()<kQ4, true>();
   else
     with.template operator()<kQ4, false>();

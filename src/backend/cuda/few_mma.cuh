@@ -18,6 +18,10 @@
 
 namespace moestream::cuda {
 
+// Whether q4 takes k-blocks of 64 columns (two words a lane): its groups and its width multiples
+// of 64; else 32.
+inline bool wide_k_blocks(int group_shift, int64_t cols) { return group_shift >= 6 && cols % 64 == 0; }
+
 // What one lane reads of a k-block: WORDS 32-bit words a row (q4 with groups of a multiple of 64
 // columns: two words, a k-block of 64 columns; else one, 32 columns; q8: two words, 32 columns).
 template <int KIND, bool WIDE>

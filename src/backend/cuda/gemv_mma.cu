@@ -163,7 +163,7 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
     a.out[i] = out[size_t(i)];
     a.ldo[i] = ldo[size_t(i)];
     a.first_tile[i + 1] = a.first_tile[i] + blocks_for(a.w[i].rows, kFewRows);
-    wide = wide && a.w[i].group_shift >= 6 && a.w[i].cols % 64 == 0;
+    wide = wide && wide_k_blocks(a.w[i].group_shift, a.w[i].cols);
   }
   const int64_t cols = a.w[0].cols;
   auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
