@@ -155,11 +155,17 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
 // VRAM are read in place from pinned memory, steps become CUDA graphs, and misses the policy
 // ranks above a slot's expert are promoted into VRAM between steps. The logits of a prefill,
 // single-token steps and batched steps equal everything resident, bit for bit, and equal the host
-// round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place.
+// round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place. With q4 experts the
+// batched steps' lane-decoded kernels copy the lines of experts read in place through shared
+// memory (expert_few_mma.cu), which sums as the direct loads do: bit for bit with the staging off
+// (MOESTREAM_CUDA_EXPERT_STAGING=0) too.
 TEST(CudaTier, ReadInPlaceMatchesResident) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
-  const std::string src = test::fixture("models/qwen3moe_gqa_tied");  // 3 layers of 8 experts, top 2
+  // 3 layers of 8 bf16 experts, top 2; 2 layers of q4 experts (gate/up groups of 64, down 32)
+  for (const char* fixture : {"models/qwen3moe_gqa_tied", "models/qwen3moe_mlx_g32"}) {
+  SCOPED_TRACE(fixture);
+  const std::string src = test::fixture(fixture);
   const std::string cache = test::temp_dir("gpu-tier-in-place");
   const std::string dir = ensure_pack(src, cache);
   const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
@@ -230,6 +236,11 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
     EXPECT_EQ(host_path.logits, all.logits);
     EXPECT_EQ(host_path.stats.in_place_calls, 0u);
     EXPECT_EQ(host_path.stats.graph_steps, 0u);
+    setenv("MOESTREAM_CUDA_EXPERT_STAGING", "0", 1);
+    const Result direct = decode(slots * slot_mb);
+    unsetenv("MOESTREAM_CUDA_EXPERT_STAGING");
+    EXPECT_EQ(direct.logits, all.logits);
+  }
   }
 }
 

@@ -62,6 +62,7 @@ DevExpert entry_of(const MlpWeights& w) {
 DevExpert moved(const DevExpert& d, const char* from, const char* to) {
   auto move = [&](const void* p) -> const void* { return p ? to + (static_cast<const char*>(p) - from) : nullptr; };
   DevExpert m = d;
+  m.in_host = 0;
   for (WeightRef* r : {&m.gate, &m.up, &m.down}) {
     r->data = move(r->data);
     r->scales = move(r->scales);
@@ -453,6 +454,7 @@ void ExpertTier::run_resident(Call& c) {
     ++stats_.resident_calls;
   }
   bind_layer(c);
+  b.in_place = c.in_place;
   if (c.T > 1) {
     if (b.few_tokens) b.rows_per_block = cuda::expert_rows_per_block(c.pairs, c.K, c.dim, b.inter);
     prof_.begin(compute_);
@@ -808,6 +810,7 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
   }
   note_formats(layer, expert, w);
   h = HostExpert{lo, uint64_t(hi - lo), entry_of(w)};
+  h.dev.in_host = 1;
   if (++host_known_[size_t(layer)] == n_experts_) ++mapped_layers_;
   if (where_[size_t(layer)][size_t(expert)] < 0) {
     table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.dev;

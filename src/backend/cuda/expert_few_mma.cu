@@ -9,6 +9,14 @@
 // their k-blocks with the words of the next kPrefetch k-blocks in flight, its tiles sharing one B
 // fragment of the item's x (gate/up: the same rows of gate and up; down: two row tiles), and
 // lanes without a row of the item load no x. No barriers, no shared memory.
+//
+// Experts read in place from the host tier (DevExpert::in_host) take another path when the call
+// may have them (ExpertBatch::in_place): over PCIe, what bounds the rate is the size of each read.
+// The lanes' own loads above (8 bytes of each of 16 rows a k-block, and each row's 2-byte scale
+// and bias) go out as 32-byte reads and reach ~24 GB/s of an H200's 55; whole 128-byte lines reach
+// ~46 (docs/PERFORMANCE.md, session 26). So a warp copies its tiles' scales and biases once, and
+// their words 128 bytes of a row at a time (8 lanes a row, 16 bytes each), into its own part of
+// shared memory with cp.async, kStages chunks ahead, and the lanes read their words from there.
 #include <cuda_fp16.h>
 
 #include <cstdlib>
@@ -101,6 +109,127 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
   }
 }
 
+// --- experts read in place ---
+constexpr int kChunk = 128;            // bytes of a row a chunk (one line)
+constexpr int kPitch = kChunk + 32;    // a staged row: the 8-byte reads of 4 rows (a half warp) on distinct banks
+constexpr int kStages = 2;             // chunks in flight
+constexpr int kTileChunk = 16 * kPitch;
+
+// Bytes of shared memory a warp stages for NA tiles of rows of `cols` columns whose groups are at
+// least 2^group_shift columns: its chunk ring, then each tile's scales and biases.
+inline int scale_stage_bytes(int64_t cols, int group_shift) {
+  const int64_t groups = (cols + (int64_t(1) << group_shift) - 1) >> group_shift;
+  return int((16 * groups * 2 + 15) / 16 * 16);
+}
+// A block stages at most this much (3 blocks an SM, as the direct path runs); beyond it experts
+// read in place take the direct path.
+constexpr int kMaxStagedBlockBytes = 72 * 1024;
+__host__ __device__ inline int staged_warp_bytes(int na, int scale_stage) { return na * (kStages * kTileChunk + 2 * scale_stage); }
+
+// Whether the expert's matrices can be staged: in the host tier, every array 16-byte aligned (a
+// pack's tensors start at multiples of 64 bytes).
+__device__ __forceinline__ bool staged(const DevExpert& d) {
+  auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  bool ok = d.in_host != 0;
+  for (const WeightRef* w : {&d.gate, &d.up, &d.down}) ok = ok && aligned(w->data) && aligned(w->scales) && aligned(w->biases);
+  return ok;
+}
+
+// lane_tiles for matrices read in place: the same products, summed in the same order (bit for bit
+// the direct path's), from words and scales staged in this warp's `smem` (staged_warp_bytes).
+template <int KIND, bool SF16, bool WIDE, int NA>
+__device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
+                                                  const int64_t (&row0)[NA], const FewB& b, int64_t cols,
+                                                  int scale_stage, char* smem, float (&acc)[NA][4]) {
+  using L = Layout<KIND, WIDE>;
+  constexpr int B = bits_of(KIND);
+  constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
+  constexpr int kPerChunk = kChunk / kBlockBytes;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+  char* const ring = smem;                                  // [kStages][NA][16][kPitch]
+  char* const sc = smem + kStages * NA * kTileChunk;        // [NA][scales, biases][scale_stage]
+  const int64_t row_bytes = cols * B / 8;
+  const int chunks = int((row_bytes + kChunk - 1) / kChunk);
+  // each tile's scales and biases: its rows' are one run of bytes
+#pragma unroll
+  for (int t = 0; t < NA; ++t) {
+    const int64_t gpr = w[t]->groups_per_row;
+    const int64_t n = (min(row0[t] + 16, w[t]->rows) - row0[t]) * gpr * 2;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const char* src = static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) + row0[t] * gpr * 2;
+      for (int64_t off = 16 * lane; off < n; off += 16 * 32)
+        cp_async16(sc + (2 * t + m) * scale_stage + off, src + off, int(n - off < 16 ? n - off : 16));
+    }
+  }
+  // chunk c of every tile's 16 rows (row r clamped to the matrix) into stage c % kStages
+  auto issue = [&](int c) {
+    if (c < chunks) {
+      const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
+      const int64_t left = row_bytes - off;
+      const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
+#pragma unroll
+      for (int t = 0; t < NA; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = lane / 8 + 4 * i;
+          const int64_t row = min(row0[t] + r, w[t]->rows - 1);
+          char* dst = ring + ((c % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
+          cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
+        }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < kStages; ++c) issue(c);
+  // this lane's rows g and g + 8 of each tile, as staged rows of its scales
+  int srow[NA][2];
+#pragma unroll
+  for (int t = 0; t < NA; ++t)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
+  const int kbs = int(cols / L::kCols);
+  for (int c = 0; c < chunks; ++c) {
+    cp_async_wait<kStages - 1>();
+    __syncwarp();
+    const char* stage = ring + (c % kStages) * NA * kTileChunk;
+#pragma unroll
+    for (int i = 0; i < kPerChunk; ++i) {
+      const int kb = c * kPerChunk + i;
+      if (kb >= kbs) break;
+      XBlock<KIND, WIDE> x;
+      x.load(b, kb);
+#pragma unroll
+      for (int t = 0; t < NA; ++t) {
+        uint32_t raw[2][L::kWords];
+        float scale[2], bias[2];
+        const int group = (kb * L::kCols) >> w[t]->group_shift;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const char* p = stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
+          if constexpr (L::kWords == 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            raw[r][0] = v.x;
+            raw[r][1] = v.y;
+          } else {
+            raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
+          }
+          const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
+          scale[r] = scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
+          bias[r] = scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
+        }
+        uint32_t ha[L::kPairs], hb[L::kPairs];
+        code_pairs<KIND, L::kWords>(raw[0], ha);
+        code_pairs<KIND, L::kWords>(raw[1], hb);
+        add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
+      }
+    }
+    __syncwarp();
+    issue(c + kStages);
+  }
+  cp_async_wait<0>();
+}
+
 // The B operand of an item of nt rows: lane (g, j) multiplies by the split row in_row(g) (none
 // past nt) and holds the accumulators of item rows 2j and 2j + 1 (clamped to the item).
 template <int KIND, bool WIDE, class InRow>
@@ -128,8 +257,8 @@ __device__ __forceinline__ void for_each_lane_output(int64_t row0, int nt, int64
 }
 
 // A block of 4 warps takes 64 rows of gate and up (a warp 16 of each) of one item.
-template <int KIND, bool SF16, bool WIDE>
-__global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArgs a) {
+template <int KIND, bool SF16, bool WIDE, bool STAGED>
+__global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArgs a, int scale_stage) {
   int e, r0, nt;
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * (16 * kLaneWarps) + 16 * (int(threadIdx.x) / 32);
@@ -140,7 +269,13 @@ __global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArg
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t rows[2] = {row, row};
   float acc[2][4] = {};
-  lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.dim, acc);
+  if (STAGED && staged(d)) {
+    extern __shared__ __align__(16) char stage_smem[];
+    char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
+    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, a.e.dim, scale_stage, mine, acc);
+  } else {
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.dim, acc);
+  }
   for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
     const float inv = a.in.inv[token(tok)];
     const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
@@ -151,8 +286,8 @@ __global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArg
 }
 
 // A block of 4 warps takes 128 rows of down (a warp two tiles of 16) of one item.
-template <int KIND, bool SF16, bool WIDE>
-__global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a) {
+template <int KIND, bool SF16, bool WIDE, bool STAGED>
+__global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a, int scale_stage) {
   int e, r0, nt;
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * (32 * kLaneWarps) + 32 * (int(threadIdx.x) / 32);
@@ -162,7 +297,13 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
   const WeightRef* const w[2] = {&d.down, &d.down};
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
-  lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.inter, acc);
+  if (STAGED && staged(d)) {
+    extern __shared__ __align__(16) char stage_smem[];
+    char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
+    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, a.e.inter, scale_stage, mine, acc);
+  } else {
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.inter, acc);
+  }
 #pragma unroll
   for (int t = 0; t < 2; ++t)
     for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
@@ -177,6 +318,13 @@ bool lanes_enabled() {
     return !(v && std::string(v) == "0");
   }();
   return on;
+}
+
+// MOESTREAM_CUDA_EXPERT_STAGING=0: experts read in place take the direct path too, for comparison
+// (read at each launch: a test compares both in one process).
+bool staging_enabled() {
+  const char* v = std::getenv("MOESTREAM_CUDA_EXPERT_STAGING");
+  return !(v && std::string(v) == "0");
 }
 
 // Calls f.template operator()<KIND, SF16, WIDE>() for a format few_lanes_take accepted.
@@ -203,21 +351,42 @@ bool few_lanes_take(FormatTag t, int group_shift, int64_t cols) {
   return lanes_enabled() && (t.kind == kQ4 || t.kind == kQ8) && group_shift >= 5 && cols % 32 == 0;
 }
 
-void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
+namespace {
+
+// Launches K<false> (smem 0), or K<true> with each warp's staging when the call may read experts
+// in place and that fits.
+template <auto Plain, auto Staged>
+void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, bool in_place, cudaStream_t s) {
+  const int scale_stage = scale_stage_bytes(cols, group_shift);
+  const int smem = kLaneWarps * staged_warp_bytes(2, scale_stage);
+  if (in_place && staging_enabled() && smem <= kMaxStagedBlockBytes) {
+    static bool configured = false;  // one per kernel
+    if (!configured) {
+      MS_CUDA_CHECK(cudaFuncSetAttribute(Staged, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStagedBlockBytes));
+      configured = true;
+    }
+    Staged<<<grid, kLaneThreads, size_t(smem), s>>>(a, scale_stage);
+  } else {
+    Plain<<<grid, kLaneThreads, 0, s>>>(a, 0);
+  }
+  MS_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
                        cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.dim, [&]<int KIND, bool SF16, bool WIDE>() {
-    gate_up_lanes_kernel<KIND, SF16, WIDE>
-        <<<dim3(blocks_for(a.e.inter, 16 * kLaneWarps), items), kLaneThreads, 0, s>>>(a);
-    MS_CUDA_CHECK_LAUNCH();
+    launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>, gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
+        a, dim3(blocks_for(a.e.inter, 16 * kLaneWarps), items), a.e.dim, group_shift, in_place, s);
   });
 }
 
-void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
+void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
                     cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
-    down_lanes_kernel<KIND, SF16, WIDE>
-        <<<dim3(blocks_for(a.e.dim, 32 * kLaneWarps), items), kLaneThreads, 0, s>>>(a);
-    MS_CUDA_CHECK_LAUNCH();
+    launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>, down_lanes_kernel<KIND, SF16, WIDE, true>>(
+        a, dim3(blocks_for(a.e.dim, 32 * kLaneWarps), items), a.e.inter, group_shift, in_place, s);
   });
 }
 

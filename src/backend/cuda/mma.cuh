@@ -31,6 +31,14 @@ __device__ __forceinline__ void cp_async8_at(uint32_t dst, const void* src) {
 __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+// The copies issued so far form a group; wait until at most N groups are in flight.
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
 
 // Four 8x8 FP16 matrices from shared memory; lane L gives the address of row L % 8 of matrix L / 8.
 __device__ __forceinline__ void ldsm4(uint32_t (&r)[4], const __half* p) {

@@ -21,6 +21,9 @@ struct DevExpert {
   const float* up_bias = nullptr;
   const float* down_bias = nullptr;  // [dim] or null
   int formats = 0;                   // format_pair(gate/up format, down format)
+  // Its bytes are the host tier's (mapped pinned memory, read in place over PCIe), not a VRAM
+  // slot's: the batched decode step's lane-decoded kernels then copy whole lines of it.
+  int in_host = 0;
 };
 
 // One code for an expert's (gate/up, down) formats: a layer whose experts differ in format (a
@@ -87,6 +90,8 @@ struct ExpertBatch {
   // The smallest log2(group size) of the layer's expert matrices; -1 when a group size is not a
   // power of two or not known (the lane-decoded kernels of expert_few_mma.cu need it).
   int group_shift = -1;
+  // Some of the table's experts may be read in place from the host tier (DevExpert::in_host).
+  bool in_place = false;
   // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
   // once per MoE call, never per batch, so that how a call's experts split into batches (what
   // is resident, the budgets) does not change how any expert is computed.
