@@ -256,6 +256,21 @@ __device__ __forceinline__ void for_each_lane_output(int64_t row0, int nt, int64
   }
 }
 
+// This lane's sums of the two tiles of expert d's matrices w (lane_tiles), through the warp's
+// staging when the launch has it (STAGED) and d is read in place.
+template <int KIND, bool SF16, bool WIDE, bool STAGED>
+__device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef* const (&w)[2],
+                                             const int64_t (&rows)[2], const FewB& b, int64_t cols,
+                                             int scale_stage, float (&acc)[2][4]) {
+  if (STAGED && staged(d)) {
+    extern __shared__ __align__(16) char stage_smem[];
+    char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
+    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, cols, scale_stage, mine, acc);
+  } else {
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, cols, acc);
+  }
+}
+
 // A block of 4 warps takes 64 rows of gate and up (a warp 16 of each) of one item.
 template <int KIND, bool SF16, bool WIDE, bool STAGED>
 __global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArgs a, int scale_stage) {
@@ -269,13 +284,7 @@ __global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArg
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t rows[2] = {row, row};
   float acc[2][4] = {};
-  if (STAGED && staged(d)) {
-    extern __shared__ __align__(16) char stage_smem[];
-    char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
-    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, a.e.dim, scale_stage, mine, acc);
-  } else {
-    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.dim, acc);
-  }
+  expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.dim, scale_stage, acc);
   for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
     const float inv = a.in.inv[token(tok)];
     const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
@@ -297,13 +306,7 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
   const WeightRef* const w[2] = {&d.down, &d.down};
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
-  if (STAGED && staged(d)) {
-    extern __shared__ __align__(16) char stage_smem[];
-    char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
-    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, a.e.inter, scale_stage, mine, acc);
-  } else {
-    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, a.e.inter, acc);
-  }
+  expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.inter, scale_stage, acc);
 #pragma unroll
   for (int t = 0; t < 2; ++t)
     for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
