@@ -155,92 +155,96 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
 // VRAM are read in place from pinned memory, steps become CUDA graphs, and misses the policy
 // ranks above a slot's expert are promoted into VRAM between steps. The logits of a prefill,
 // single-token steps and batched steps equal everything resident, bit for bit, and equal the host
-// round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place. With q4 experts the
-// batched steps' lane-decoded kernels copy the lines of experts read in place through shared
+// round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place. With q4 and q8 experts
+// the batched steps' lane-decoded kernels copy the lines of experts read in place through shared
 // memory (expert_few_mma.cu), which sums as the direct loads do: bit for bit with the staging off
 // (MOESTREAM_CUDA_EXPERT_STAGING=0) too.
 TEST(CudaTier, ReadInPlaceMatchesResident) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
-  // 3 layers of 8 bf16 experts, top 2; 2 layers of q4 experts (gate/up groups of 64, down 32)
-  for (const char* fixture : {"models/qwen3moe_gqa_tied", "models/qwen3moe_mlx_g32"}) {
-  SCOPED_TRACE(fixture);
-  const std::string src = test::fixture(fixture);
+  // 3 layers of 8 bf16 experts, top 2 (hidden 64, expert width 32), as published and packed to q8
+  // with groups of 32; 2 layers of q4 experts (gate/up groups of 64, down 32).
   const std::string cache = test::temp_dir("gpu-tier-in-place");
-  const std::string dir = ensure_pack(src, cache);
-  const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
-  struct Result {
-    std::vector<float> logits;
-    GpuTierStats stats;
-  };
-  auto decode = [&](double vram_mb) {
-    auto model = load_model(dir, cuda_options(cache, vram_mb, -1));
-    const int64_t vocab = model->info().vocab_size;
-    Result r;
-    std::vector<float> logits(static_cast<size_t>(vocab));
-    auto keep = [&](const std::vector<float>& l) { r.logits.insert(r.logits.end(), l.begin(), l.end()); };
-    auto seq = model->new_sequence(64);
-    const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
-    model->forward(prompt, *seq, logits);
-    keep(logits);
-    const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
-    for (int step = 0; step < 16; ++step) {
-      model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
+  const std::string q8 = test::temp_dir("gpu-tier-in-place-q8") + "/pack";
+  const auto packed = test::run_cli("pack " + test::fixture("models/qwen3moe_gqa_tied") + " " + q8 +
+                                    " --quant q8 --group-size 32");
+  ASSERT_EQ(packed.exit_code, 0) << packed.err;
+  for (const std::string& dir : {ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), cache), q8,
+                                 ensure_pack(test::fixture("models/qwen3moe_mlx_g32"), cache)}) {
+    SCOPED_TRACE(dir);
+    const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
+    struct Result {
+      std::vector<float> logits;
+      GpuTierStats stats;
+    };
+    auto decode = [&](double vram_mb) {
+      auto model = load_model(dir, cuda_options(cache, vram_mb, -1));
+      const int64_t vocab = model->info().vocab_size;
+      Result r;
+      std::vector<float> logits(static_cast<size_t>(vocab));
+      auto keep = [&](const std::vector<float>& l) { r.logits.insert(r.logits.end(), l.begin(), l.end()); };
+      auto seq = model->new_sequence(64);
+      const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+      model->forward(prompt, *seq, logits);
       keep(logits);
-    }
-    constexpr int kSeqs = 3;  // batched steps: a few tokens a call
-    std::vector<std::unique_ptr<SequenceState>> states;
-    for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
-    std::vector<int32_t> tokens(kSeqs);
-    std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
-    for (int step = 0; step < 6; ++step) {
-      std::vector<SequenceBatch> items;
-      for (int i = 0; i < kSeqs; ++i) {
-        tokens[size_t(i)] = cycle[(3 * step + i) % 8];
-        items.push_back({std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
+      const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+      for (int step = 0; step < 16; ++step) {
+        model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
+        keep(logits);
       }
-      model->forward_batch(items);
-      for (const auto& l : rows) keep(l);
+      constexpr int kSeqs = 3;  // batched steps: a few tokens a call
+      std::vector<std::unique_ptr<SequenceState>> states;
+      for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
+      std::vector<int32_t> tokens(kSeqs);
+      std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
+      for (int step = 0; step < 6; ++step) {
+        std::vector<SequenceBatch> items;
+        for (int i = 0; i < kSeqs; ++i) {
+          tokens[size_t(i)] = cycle[(3 * step + i) % 8];
+          items.push_back({std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
+        }
+        model->forward_batch(items);
+        for (const auto& l : rows) keep(l);
+      }
+      r.stats = *gpu_tier_stats(model->backend());
+      return r;
+    };
+    const Result all = decode(-1);
+    EXPECT_EQ(all.stats.in_place_calls, 0u);
+    for (double slots : {0.0, 3.0, 10.0}) {
+      SCOPED_TRACE(std::to_string(slots) + " slots");
+      const Result in_place = decode(slots * slot_mb);
+      EXPECT_EQ(in_place.logits, all.logits);
+      EXPECT_GT(in_place.stats.in_place_calls, 0u);
+      EXPECT_GT(in_place.stats.bytes_in_place, 0u);
+      EXPECT_GT(in_place.stats.misses, 0u);
+      EXPECT_GT(in_place.stats.graph_steps, 0u);
+      if (slots > 0) {
+        EXPECT_GT(in_place.stats.promotions, 0u);
+        EXPECT_GT(in_place.stats.hits, 0u);
+      }
+      // The routing log is written by the steps' routers, replayed as graphs or launched one
+      // operation at a time: the same counts and promotions either way.
+      setenv("MOESTREAM_CUDA_GRAPHS", "0", 1);
+      const Result launched = decode(slots * slot_mb);
+      unsetenv("MOESTREAM_CUDA_GRAPHS");
+      EXPECT_EQ(launched.logits, all.logits);
+      EXPECT_EQ(launched.stats.graph_steps, 0u);
+      EXPECT_EQ(launched.stats.hits, in_place.stats.hits);
+      EXPECT_EQ(launched.stats.misses, in_place.stats.misses);
+      EXPECT_EQ(launched.stats.bytes_in_place, in_place.stats.bytes_in_place);
+      EXPECT_EQ(launched.stats.promotions, in_place.stats.promotions);
+      setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
+      const Result host_path = decode(slots * slot_mb);
+      unsetenv("MOESTREAM_CUDA_IN_PLACE");
+      EXPECT_EQ(host_path.logits, all.logits);
+      EXPECT_EQ(host_path.stats.in_place_calls, 0u);
+      EXPECT_EQ(host_path.stats.graph_steps, 0u);
+      setenv("MOESTREAM_CUDA_EXPERT_STAGING", "0", 1);
+      const Result direct = decode(slots * slot_mb);
+      unsetenv("MOESTREAM_CUDA_EXPERT_STAGING");
+      EXPECT_EQ(direct.logits, all.logits);
     }
-    r.stats = *gpu_tier_stats(model->backend());
-    return r;
-  };
-  const Result all = decode(-1);
-  EXPECT_EQ(all.stats.in_place_calls, 0u);
-  for (double slots : {0.0, 3.0, 10.0}) {
-    SCOPED_TRACE(std::to_string(slots) + " slots");
-    const Result in_place = decode(slots * slot_mb);
-    EXPECT_EQ(in_place.logits, all.logits);
-    EXPECT_GT(in_place.stats.in_place_calls, 0u);
-    EXPECT_GT(in_place.stats.bytes_in_place, 0u);
-    EXPECT_GT(in_place.stats.misses, 0u);
-    EXPECT_GT(in_place.stats.graph_steps, 0u);
-    if (slots > 0) {
-      EXPECT_GT(in_place.stats.promotions, 0u);
-      EXPECT_GT(in_place.stats.hits, 0u);
-    }
-    // The routing log is written by the steps' routers, replayed as graphs or launched one
-    // operation at a time: the same counts and promotions either way.
-    setenv("MOESTREAM_CUDA_GRAPHS", "0", 1);
-    const Result launched = decode(slots * slot_mb);
-    unsetenv("MOESTREAM_CUDA_GRAPHS");
-    EXPECT_EQ(launched.logits, all.logits);
-    EXPECT_EQ(launched.stats.graph_steps, 0u);
-    EXPECT_EQ(launched.stats.hits, in_place.stats.hits);
-    EXPECT_EQ(launched.stats.misses, in_place.stats.misses);
-    EXPECT_EQ(launched.stats.bytes_in_place, in_place.stats.bytes_in_place);
-    EXPECT_EQ(launched.stats.promotions, in_place.stats.promotions);
-    setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
-    const Result host_path = decode(slots * slot_mb);
-    unsetenv("MOESTREAM_CUDA_IN_PLACE");
-    EXPECT_EQ(host_path.logits, all.logits);
-    EXPECT_EQ(host_path.stats.in_place_calls, 0u);
-    EXPECT_EQ(host_path.stats.graph_steps, 0u);
-    setenv("MOESTREAM_CUDA_EXPERT_STAGING", "0", 1);
-    const Result direct = decode(slots * slot_mb);
-    unsetenv("MOESTREAM_CUDA_EXPERT_STAGING");
-    EXPECT_EQ(direct.logits, all.logits);
-  }
   }
 }
 
