@@ -28,21 +28,28 @@ constexpr int kRowBytes = 1024;
 constexpr int kBlocks = 32;  // k-blocks of 32 bytes (64 codes) a row
 
 bool check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) std::fprintf(stderr, "pcie_read_bench: %s: %s\n", what, cudaGetErrorString(e));
+  if (e != cudaSuccess)
+    std::fprintf(stderr, "pcie_read_bench: %s: %s\n", what, cudaGetErrorString(e));
   return e == cudaSuccess;
 }
 
-__device__ __forceinline__ uint32_t mix(uint2 v) { return v.x + v.y * 3; }
-__device__ __forceinline__ uint32_t mix(uint4 v) { return v.x + v.y * 3 + v.z * 5 + v.w * 7; }
+__device__ __forceinline__ uint32_t mix(uint2 v) {
+  return v.x + v.y * 3;
+}
+__device__ __forceinline__ uint32_t mix(uint4 v) {
+  return v.x + v.y * 3 + v.z * 5 + v.w * 7;
+}
 
 template <bool SCALES>
-__global__ void lanes(const char* base, const uint16_t* scales, int tiles_per_warp, unsigned* sink) {
+__global__ void lanes(const char* base, const uint16_t* scales, int tiles_per_warp,
+                      unsigned* sink) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;
-    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8, base + (row0 + g + 8) * kRowBytes + j * 8};
+    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8,
+                        base + (row0 + g + 8) * kRowBytes + j * 8};
     const uint16_t* s[2] = {scales + (row0 + g) * kBlocks, scales + (row0 + g + 8) * kBlocks};
     uint2 v[4][2];
     uint16_t sv[4][2] = {};
@@ -70,19 +77,22 @@ __global__ void lanes(const char* base, const uint16_t* scales, int tiles_per_wa
   if (acc == 0x12345678u) *sink = acc;
 }
 
-__global__ void lanes_grouped(const char* base, const uint16_t*, int tiles_per_warp, unsigned* sink) {
+__global__ void lanes_grouped(const char* base, const uint16_t*, int tiles_per_warp,
+                              unsigned* sink) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;
-    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8, base + (row0 + g + 8) * kRowBytes + j * 8};
+    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8,
+                        base + (row0 + g + 8) * kRowBytes + j * 8};
     uint2 v[2][4][2];
     auto load = [&](int c, int line) {
 #pragma unroll
       for (int i = 0; i < 4; ++i)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) v[c][i][h] = *reinterpret_cast<const uint2*>(r[h] + (4 * line + i) * 32);
+        for (int h = 0; h < 2; ++h)
+          v[c][i][h] = *reinterpret_cast<const uint2*>(r[h] + (4 * line + i) * 32);
     };
     load(0, 0);
     load(1, 1);
@@ -98,7 +108,8 @@ __global__ void lanes_grouped(const char* base, const uint16_t*, int tiles_per_w
   if (acc == 0x12345678u) *sink = acc;
 }
 
-__global__ void lines(const char* base, const uint16_t* scales, int tiles_per_warp, unsigned* sink) {
+__global__ void lines(const char* base, const uint16_t* scales, int tiles_per_warp,
+                      unsigned* sink) {
   const int lane = int(threadIdx.x) % 32;
   const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   uint32_t acc = 0;
@@ -110,7 +121,8 @@ __global__ void lines(const char* base, const uint16_t* scales, int tiles_per_wa
     uint2 s[2];
     auto load = [&](int c, int line) {
 #pragma unroll
-      for (int i = 0; i < 4; ++i) v[c][i] = *reinterpret_cast<const uint4*>(p + int64_t(4 * i) * kRowBytes + line * 128);
+      for (int i = 0; i < 4; ++i)
+        v[c][i] = *reinterpret_cast<const uint4*>(p + int64_t(4 * i) * kRowBytes + line * 128);
       s[c] = *reinterpret_cast<const uint2*>(sp + 4 * line);
     };
     load(0, 0);
@@ -141,7 +153,8 @@ __global__ void row_spans(const char* base, const uint16_t*, int tiles_per_warp,
       for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int half = 0; half < 2; ++half)
-          v[2 * h + half] = *reinterpret_cast<const uint4*>(base + (row0 + r + h) * kRowBytes + half * 512 + lane * 16);
+          v[2 * h + half] = *reinterpret_cast<const uint4*>(base + (row0 + r + h) * kRowBytes +
+                                                            half * 512 + lane * 16);
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc ^= mix(v[i]);
     }
@@ -166,8 +179,10 @@ int main(int argc, char** argv) {
   char* dev = nullptr;
   unsigned* sink = nullptr;
   if (!check(cudaHostAlloc(&host, bytes, cudaHostAllocMapped), "pinned buffer") ||
-      !check(cudaHostAlloc(&scales, size_t(rows) * kBlocks * 2, cudaHostAllocMapped), "pinned scales") ||
-      !check(cudaMalloc(&dev, bytes), "device buffer") || !check(cudaMalloc(&sink, 4), "device sink"))
+      !check(cudaHostAlloc(&scales, size_t(rows) * kBlocks * 2, cudaHostAllocMapped),
+             "pinned scales") ||
+      !check(cudaMalloc(&dev, bytes), "device buffer") ||
+      !check(cudaMalloc(&sink, 4), "device sink"))
     return 1;
   for (size_t i = 0; i < bytes; i += 4096) host[i] = char(i);
   cudaEvent_t start, stop;
@@ -185,20 +200,26 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   cudaGetDeviceProperties(&prop, 0);
-  std::printf("%s: copy engine host-to-device %.1f GB/s (%zu MiB, best of 3)\n", prop.name, copy, mib);
+  std::printf("%s: copy engine host-to-device %.1f GB/s (%zu MiB, best of 3)\n", prop.name, copy,
+              mib);
   std::printf("%-32s %-16s %8s %8s\n", "shape", "pattern", "GB/s", "of copy");
   struct Shape {
     const char* name;
     int64_t tiles;
     int per_warp;
   };
-  const Shape shapes[] = {{"768 tiles, 1 a warp", 768, 1}, {"768 tiles, 2 a warp", 768, 2},
-                          {"all rows, 1 tile a warp", rows / 16, 1}, {"all rows, 4 tiles a warp", rows / 16, 4}};
+  const Shape shapes[] = {{"768 tiles, 1 a warp", 768, 1},
+                          {"768 tiles, 2 a warp", 768, 2},
+                          {"all rows, 1 tile a warp", rows / 16, 1},
+                          {"all rows, 4 tiles a warp", rows / 16, 4}};
   const struct {
     const char* name;
     Kernel k;
-  } patterns[] = {{"lanes", lanes<false>}, {"lanes+scales", lanes<true>}, {"lanes, grouped", lanes_grouped},
-                  {"lines+scales", lines}, {"row spans", row_spans}};
+  } patterns[] = {{"lanes", lanes<false>},
+                  {"lanes+scales", lanes<true>},
+                  {"lanes, grouped", lanes_grouped},
+                  {"lines+scales", lines},
+                  {"row spans", row_spans}};
   for (const Shape& s : shapes) {
     const int64_t warps = s.tiles / s.per_warp;
     const unsigned blocks = unsigned((warps + 3) / 4);

@@ -110,9 +110,10 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
 }
 
 // --- experts read in place ---
-constexpr int kChunk = 128;            // bytes of a row a chunk (one line)
-constexpr int kPitch = kChunk + 32;    // a staged row: the 8-byte reads of 4 rows (a half warp) on distinct banks
-constexpr int kStages = 2;             // chunks in flight
+constexpr int kChunk = 128;  // bytes of a row a chunk (one line)
+constexpr int kPitch =
+    kChunk + 32;  // a staged row: the 8-byte reads of 4 rows (a half warp) on distinct banks
+constexpr int kStages = 2;  // chunks in flight
 constexpr int kTileChunk = 16 * kPitch;
 
 // Bytes of shared memory a warp stages for NA tiles of rows of `cols` columns whose groups are at
@@ -124,14 +125,17 @@ inline int scale_stage_bytes(int64_t cols, int group_shift) {
 // A block stages at most this much (3 blocks an SM, as the direct path runs); beyond it experts
 // read in place take the direct path.
 constexpr int kMaxStagedBlockBytes = 72 * 1024;
-__host__ __device__ inline int staged_warp_bytes(int na, int scale_stage) { return na * (kStages * kTileChunk + 2 * scale_stage); }
+__host__ __device__ inline int staged_warp_bytes(int na, int scale_stage) {
+  return na * (kStages * kTileChunk + 2 * scale_stage);
+}
 
 // Whether the expert's matrices can be staged: in the host tier, every array 16-byte aligned (a
 // pack's tensors start at multiples of 64 bytes).
 __device__ __forceinline__ bool staged(const DevExpert& d) {
   auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
   bool ok = d.in_host != 0;
-  for (const WeightRef* w : {&d.gate, &d.up, &d.down}) ok = ok && aligned(w->data) && aligned(w->scales) && aligned(w->biases);
+  for (const WeightRef* w : {&d.gate, &d.up, &d.down})
+    ok = ok && aligned(w->data) && aligned(w->scales) && aligned(w->biases);
   return ok;
 }
 
@@ -139,15 +143,16 @@ __device__ __forceinline__ bool staged(const DevExpert& d) {
 // the direct path's), from words and scales staged in this warp's `smem` (staged_warp_bytes).
 template <int KIND, bool SF16, bool WIDE, int NA>
 __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
-                                                  const int64_t (&row0)[NA], const FewB& b, int64_t cols,
-                                                  int scale_stage, char* smem, float (&acc)[NA][4]) {
+                                                  const int64_t (&row0)[NA], const FewB& b,
+                                                  int64_t cols, int scale_stage, char* smem,
+                                                  float (&acc)[NA][4]) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
   constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
   constexpr int kPerChunk = kChunk / kBlockBytes;
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  char* const ring = smem;                                  // [kStages][NA][16][kPitch]
-  char* const sc = smem + kStages * NA * kTileChunk;        // [NA][scales, biases][scale_stage]
+  char* const ring = smem;                            // [kStages][NA][16][kPitch]
+  char* const sc = smem + kStages * NA * kTileChunk;  // [NA][scales, biases][scale_stage]
   const int64_t row_bytes = cols * B / 8;
   const int chunks = int((row_bytes + kChunk - 1) / kChunk);
   // each tile's scales and biases: its rows' are one run of bytes
@@ -157,9 +162,12 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
     const int64_t n = (min(row0[t] + 16, w[t]->rows) - row0[t]) * gpr * 2;
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const char* src = static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) + row0[t] * gpr * 2;
+      const char* src =
+          static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) +
+          row0[t] * gpr * 2;
       for (int64_t off = 16 * lane; off < n; off += 16 * 32)
-        cp_async16(sc + (2 * t + m) * scale_stage + off, src + off, int(n - off < 16 ? n - off : 16));
+        cp_async16(sc + (2 * t + m) * scale_stage + off, src + off,
+                   int(n - off < 16 ? n - off : 16));
     }
   }
   // chunk c of every tile's 16 rows (row r clamped to the matrix) into stage c % kStages
@@ -187,7 +195,8 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
 #pragma unroll
   for (int t = 0; t < NA; ++t)
 #pragma unroll
-    for (int r = 0; r < 2; ++r) srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
+    for (int r = 0; r < 2; ++r)
+      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
   const int kbs = int(cols / L::kCols);
   for (int c = 0; c < chunks; ++c) {
     cp_async_wait<kStages - 1>();
@@ -206,7 +215,8 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
         const int group = (kb * L::kCols) >> w[t]->group_shift;
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
-          const char* p = stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
+          const char* p =
+              stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
           if constexpr (L::kWords == 2) {
             const uint2 v = *reinterpret_cast<const uint2*>(p);
             raw[r][0] = v.x;
@@ -215,8 +225,10 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
             raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
           }
           const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
-          scale[r] = scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
-          bias[r] = scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
+          scale[r] =
+              scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
+          bias[r] = scale_value<SF16>(
+              *reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
         }
         uint32_t ha[L::kPairs], hb[L::kPairs];
         code_pairs<KIND, L::kWords>(raw[0], ha);
@@ -273,7 +285,8 @@ __device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef
 
 // A block of 4 warps takes 64 rows of gate and up (a warp 16 of each) of one item.
 template <int KIND, bool SF16, bool WIDE, bool STAGED>
-__global__ void __launch_bounds__(kLaneThreads, 3) gate_up_lanes_kernel(ExactArgs a, int scale_stage) {
+__global__ void __launch_bounds__(kLaneThreads, 3)
+    gate_up_lanes_kernel(ExactArgs a, int scale_stage) {
   int e, r0, nt;
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * (16 * kLaneWarps) + 16 * (int(threadIdx.x) / 32);
@@ -359,13 +372,15 @@ namespace {
 // Launches K<false> (smem 0), or K<true> with each warp's staging when the call may read experts
 // in place and that fits.
 template <auto Plain, auto Staged>
-void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, bool in_place, cudaStream_t s) {
+void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, bool in_place,
+                  cudaStream_t s) {
   const int scale_stage = scale_stage_bytes(cols, group_shift);
   const int smem = kLaneWarps * staged_warp_bytes(2, scale_stage);
   if (in_place && staging_enabled() && smem <= kMaxStagedBlockBytes) {
     static bool configured = false;  // one per kernel
     if (!configured) {
-      MS_CUDA_CHECK(cudaFuncSetAttribute(Staged, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxStagedBlockBytes));
+      MS_CUDA_CHECK(cudaFuncSetAttribute(Staged, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kMaxStagedBlockBytes));
       configured = true;
     }
     Staged<<<grid, kLaneThreads, size_t(smem), s>>>(a, scale_stage);
@@ -377,10 +392,11 @@ void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, 
 
 }  // namespace
 
-void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
-                       cudaStream_t s) {
+void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
+                       bool in_place, cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.dim, [&]<int KIND, bool SF16, bool WIDE>() {
-    launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>, gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
+    launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>,
+                 gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
         a, dim3(blocks_for(a.e.inter, 16 * kLaneWarps), items), a.e.dim, group_shift, in_place, s);
   });
 }
@@ -388,7 +404,8 @@ void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigne
 void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
                     cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
-    launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>, down_lanes_kernel<KIND, SF16, WIDE, true>>(
+    launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>,
+                 down_lanes_kernel<KIND, SF16, WIDE, true>>(
         a, dim3(blocks_for(a.e.dim, 32 * kLaneWarps), items), a.e.inter, group_shift, in_place, s);
   });
 }

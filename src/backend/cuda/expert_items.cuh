@@ -28,8 +28,8 @@ bool few_lanes_take(FormatTag t, int group_shift, int64_t cols);
 // rows 0 .. items - 1 (items past *n_work return at once). in_place: the table may point into the
 // host tier (ExpertBatch::in_place).
 constexpr int kFewLaneRows = 8;
-void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
-                       cudaStream_t s);
+void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
+                       bool in_place, cudaStream_t s);
 void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
                     cudaStream_t s);
 
