@@ -129,23 +129,6 @@ TEST_F(EngineTest, CancelStopsAndFreesTheSlot) {
   EXPECT_EQ(engine.stats().requests_cancelled, 1);
 }
 
-TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
-  EngineOptions o;
-  o.parallel = 1;
-  o.max_queue = 1;
-  o.ctx = 64;
-  Engine engine(*model_, o);
-  auto a = engine.submit(request(prompts_[0], 40));
-  auto b = engine.submit(request(prompts_[1], 40));
-  EXPECT_THROW(engine.submit(request(prompts_[2], 40)), QueueFull);
-  a->cancel();
-  b->cancel();
-  EXPECT_THROW(engine.submit(request(prompts_[0], 60)), Error);  // 6 + 60 > 64
-  FinishReason reason;
-  drain(*a, reason);
-  drain(*b, reason);
-}
-
 // A model whose first forward pass waits until open() (so that requests submitted meanwhile are
 // all queued when the engine goes on); everything else is the wrapped model's.
 class GatedModel final : public Model {
@@ -180,6 +163,28 @@ class GatedModel final : public Model {
   std::condition_variable cv_;
   bool open_ = false;
 };
+
+// One request running and one queued fill an engine of one slot and a queue of one: a third is
+// refused. The first step waits at the gate, so the first request cannot finish before the third
+// is submitted (on a loaded machine it once did, and the third was taken).
+TEST_F(EngineTest, QueueLimitRefusesAndContextIsChecked) {
+  EngineOptions o;
+  o.parallel = 1;
+  o.max_queue = 1;
+  o.ctx = 64;
+  GatedModel gated(*model_);
+  Engine engine(gated, o);
+  auto a = engine.submit(request(prompts_[0], 40));
+  auto b = engine.submit(request(prompts_[1], 40));
+  EXPECT_THROW(engine.submit(request(prompts_[2], 40)), QueueFull);
+  a->cancel();
+  b->cancel();
+  EXPECT_THROW(engine.submit(request(prompts_[0], 60)), Error);  // 6 + 60 > 64
+  gated.open();
+  FinishReason reason;
+  drain(*a, reason);
+  drain(*b, reason);
+}
 
 // Generates prompts[i] with max_tokens n each, all submitted at once to an engine of `parallel`
 // slots with a KV budget that holds two of them at their longest: the third is preempted once
