@@ -40,16 +40,31 @@ __device__ __forceinline__ uint32_t mix(uint4 v) {
   return v.x + v.y * 3 + v.z * 5 + v.w * 7;
 }
 
+// This warp's index in the grid.
+__device__ __forceinline__ int64_t warp_index() {
+  return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+}
+
+// Lane (g, j)'s 8 bytes of rows g and g + 8 of the tile at row0, at the start of the row.
+struct LaneRows {
+  const char* r[2];
+  __device__ LaneRows(const char* base, int64_t row0) {
+    const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+    r[0] = base + (row0 + g) * kRowBytes + j * 8;
+    r[1] = base + (row0 + g + 8) * kRowBytes + j * 8;
+  }
+};
+
 template <bool SCALES>
 __global__ void lanes(const char* base, const uint16_t* scales, int tiles_per_warp,
                       unsigned* sink) {
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int g = int(threadIdx.x) % 32 / 4;
+  const int64_t warp = warp_index();
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;
-    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8,
-                        base + (row0 + g + 8) * kRowBytes + j * 8};
+    const LaneRows rows(base, row0);
+    const char* const* r = rows.r;
     const uint16_t* s[2] = {scales + (row0 + g) * kBlocks, scales + (row0 + g + 8) * kBlocks};
     uint2 v[4][2];
     uint16_t sv[4][2] = {};
@@ -79,13 +94,12 @@ __global__ void lanes(const char* base, const uint16_t* scales, int tiles_per_wa
 
 __global__ void lanes_grouped(const char* base, const uint16_t*, int tiles_per_warp,
                               unsigned* sink) {
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp = warp_index();
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;
-    const char* r[2] = {base + (row0 + g) * kRowBytes + j * 8,
-                        base + (row0 + g + 8) * kRowBytes + j * 8};
+    const LaneRows rows(base, row0);
+    const char* const* r = rows.r;
     uint2 v[2][4][2];
     auto load = [&](int c, int line) {
 #pragma unroll
@@ -111,7 +125,7 @@ __global__ void lanes_grouped(const char* base, const uint16_t*, int tiles_per_w
 __global__ void lines(const char* base, const uint16_t* scales, int tiles_per_warp,
                       unsigned* sink) {
   const int lane = int(threadIdx.x) % 32;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp = warp_index();
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;
@@ -142,7 +156,7 @@ __global__ void lines(const char* base, const uint16_t* scales, int tiles_per_wa
 
 __global__ void row_spans(const char* base, const uint16_t*, int tiles_per_warp, unsigned* sink) {
   const int lane = int(threadIdx.x) % 32;
-  const int64_t warp = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t warp = warp_index();
   uint32_t acc = 0;
   for (int t = 0; t < tiles_per_warp; ++t) {
     const int64_t row0 = (warp * tiles_per_warp + t) * 16;

@@ -209,6 +209,13 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
       r.stats = *gpu_tier_stats(model->backend());
       return r;
     };
+    // decode() with one of the backend's switches set to 0.
+    auto decode_without = [&](const char* env, double vram_mb) {
+      setenv(env, "0", 1);
+      Result r = decode(vram_mb);
+      unsetenv(env);
+      return r;
+    };
     const Result all = decode(-1);
     EXPECT_EQ(all.stats.in_place_calls, 0u);
     for (double slots : {0.0, 3.0, 10.0}) {
@@ -225,24 +232,18 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
       }
       // The routing log is written by the steps' routers, replayed as graphs or launched one
       // operation at a time: the same counts and promotions either way.
-      setenv("MOESTREAM_CUDA_GRAPHS", "0", 1);
-      const Result launched = decode(slots * slot_mb);
-      unsetenv("MOESTREAM_CUDA_GRAPHS");
+      const Result launched = decode_without("MOESTREAM_CUDA_GRAPHS", slots * slot_mb);
       EXPECT_EQ(launched.logits, all.logits);
       EXPECT_EQ(launched.stats.graph_steps, 0u);
       EXPECT_EQ(launched.stats.hits, in_place.stats.hits);
       EXPECT_EQ(launched.stats.misses, in_place.stats.misses);
       EXPECT_EQ(launched.stats.bytes_in_place, in_place.stats.bytes_in_place);
       EXPECT_EQ(launched.stats.promotions, in_place.stats.promotions);
-      setenv("MOESTREAM_CUDA_IN_PLACE", "0", 1);
-      const Result host_path = decode(slots * slot_mb);
-      unsetenv("MOESTREAM_CUDA_IN_PLACE");
+      const Result host_path = decode_without("MOESTREAM_CUDA_IN_PLACE", slots * slot_mb);
       EXPECT_EQ(host_path.logits, all.logits);
       EXPECT_EQ(host_path.stats.in_place_calls, 0u);
       EXPECT_EQ(host_path.stats.graph_steps, 0u);
-      setenv("MOESTREAM_CUDA_EXPERT_STAGING", "0", 1);
-      const Result direct = decode(slots * slot_mb);
-      unsetenv("MOESTREAM_CUDA_EXPERT_STAGING");
+      const Result direct = decode_without("MOESTREAM_CUDA_EXPERT_STAGING", slots * slot_mb);
       EXPECT_EQ(direct.logits, all.logits);
     }
   }

@@ -134,6 +134,8 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   MS_CUDA_CHECK(cudaEventCreate(&copies_end_));
   const char* in_place = std::getenv("MOESTREAM_CUDA_IN_PLACE");
   in_place_on_ = !(in_place && std::string(in_place) == "0");
+  const char* staging = std::getenv("MOESTREAM_CUDA_EXPERT_STAGING");
+  staging_on_ = !(staging && std::string(staging) == "0");
   MS_CUDA_CHECK(cudaMalloc(&route_done_, kGemvMaxTokens * sizeof(unsigned)));
   MS_CUDA_CHECK(cudaMemsetAsync(route_done_, 0, kGemvMaxTokens * sizeof(unsigned), compute_));
   MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
@@ -454,7 +456,7 @@ void ExpertTier::run_resident(Call& c) {
     ++stats_.resident_calls;
   }
   bind_layer(c);
-  b.in_place = c.in_place;
+  b.in_place = c.in_place && staging_on_;
   if (c.T > 1) {
     if (b.few_tokens) b.rows_per_block = cuda::expert_rows_per_block(c.pairs, c.K, c.dim, b.inter);
     prof_.begin(compute_);

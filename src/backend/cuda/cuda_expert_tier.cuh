@@ -270,6 +270,9 @@ class ExpertTier {
     bool promoting = false;  // a copy into a VRAM slot is in flight
   };
   bool in_place_on_ = true;               // MOESTREAM_CUDA_IN_PLACE=0 turns it off
+  // Batched steps copy the lines of experts read in place through shared memory
+  // (expert_few_mma.cu); MOESTREAM_CUDA_EXPERT_STAGING=0 reads them directly, for comparison.
+  bool staging_on_ = true;
   int host_fit_ = -1;                     // the host tier can hold every expert: 1, 0, -1 unknown
   // The provider whose addresses host_ holds (a model owns its backend, so it outlives the tier's
   // use of them); calls with another provider keep to the host path.

@@ -336,13 +336,6 @@ bool lanes_enabled() {
   return on;
 }
 
-// MOESTREAM_CUDA_EXPERT_STAGING=0: experts read in place take the direct path too, for comparison
-// (read at each launch: a test compares both in one process).
-bool staging_enabled() {
-  const char* v = std::getenv("MOESTREAM_CUDA_EXPERT_STAGING");
-  return !(v && std::string(v) == "0");
-}
-
 // Calls f.template operator()<KIND, SF16, WIDE>() for a format few_lanes_take accepted.
 template <class F>
 void dispatch_lanes(FormatTag t, int group_shift, int64_t cols, F&& f) {
@@ -376,7 +369,7 @@ void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, 
                   cudaStream_t s) {
   const int scale_stage = scale_stage_bytes(cols, group_shift);
   const int smem = kLaneWarps * staged_warp_bytes(2, scale_stage);
-  if (in_place && staging_enabled() && smem <= kMaxStagedBlockBytes) {
+  if (in_place && smem <= kMaxStagedBlockBytes) {
     static bool configured = false;  // one per kernel
     if (!configured) {
       MS_CUDA_CHECK(cudaFuncSetAttribute(Staged, cudaFuncAttributeMaxDynamicSharedMemorySize,

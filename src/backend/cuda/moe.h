@@ -90,7 +90,8 @@ struct ExpertBatch {
   // The smallest log2(group size) of the layer's expert matrices; -1 when a group size is not a
   // power of two or not known (the lane-decoded kernels of expert_few_mma.cu need it).
   int group_shift = -1;
-  // Some of the table's experts may be read in place from the host tier (DevExpert::in_host).
+  // Some of the table's experts may be read in place from the host tier (DevExpert::in_host): the
+  // batched kernels then stage their lines (false with MOESTREAM_CUDA_EXPERT_STAGING=0).
   bool in_place = false;
   // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
   // once per MoE call, never per batch, so that how a call's experts split into batches (what
