@@ -349,6 +349,36 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
     }
 }
 
+// The single-token GEMV takes 4, 2 or 1 rows a warp, by the launch's size (gemv_one.cuh's
+// with_one_rows: at least two blocks an SM), the router's the same. A row sums the same way
+// whatever the rows a warp, so capping them (MOESTREAM_CUDA_ONE_ROWS) changes no bit: a matrix of
+// 20,011 rows (R = 4 by default; 2 for q8, 1 for bf16), and q, k and v of one launch.
+TEST_F(Pair, OneTokenGemvRowsPerWarpChangeNoBit) {
+  for (const std::string fmt : {"q4g64", "mxfp4", "q8g64", "bf16"}) {
+    SCOPED_TRACE(fmt);
+    constexpr int64_t kCols = 512;
+    HostMatrix hm = make_matrix(20011, kCols, fmt, 31), hk = make_matrix(517, kCols, fmt, 32);
+    Matrix w = load(*gpu, hm, fmt), wk = load(*gpu, hk, fmt);
+    Buf x = buf(1, kCols, random(size_t(kCols), 33));
+    auto run = [&](const char* cap) {
+      if (cap) setenv("MOESTREAM_CUDA_ONE_ROWS", cap, 1);
+      Buf o = poisoned(1, w.rows), q = poisoned(1, w.rows), k = poisoned(1, wk.rows);
+      gpu->linear(x.g, w, nullptr, o.g);
+      const Matrix* ws[2] = {&w, &wk};
+      const Vector* bs[2] = {nullptr, nullptr};
+      Buffer* outs[2] = {&q.g, &k.g};
+      gpu->linear_shared_input(x.g, ws, bs, outs);
+      unsetenv("MOESTREAM_CUDA_ONE_ROWS");
+      std::vector<float> all = host(*gpu, o.g), qv = host(*gpu, q.g), kv = host(*gpu, k.g);
+      EXPECT_EQ(qv, all) << "shared input";
+      all.insert(all.end(), kv.begin(), kv.end());
+      return all;
+    };
+    const std::vector<float> chosen = run(nullptr);
+    for (const char* cap : {"1", "2", "4"}) EXPECT_EQ(run(cap), chosen) << "at most " << cap << " rows a warp";
+  }
+}
+
 // The GEMV of 2 to 8 tokens launches one wave of blocks, each taking row blocks in turn, and the
 // few-token tensor-core path a block per 16 rows: a matrix of more row blocks than the device runs
 // at once (an LM head's 20,011 rows of 256 columns) gives every token its lone value (bit for bit

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
 
 namespace moestream::cuda {
@@ -52,6 +53,29 @@ constexpr int one_rows() {
   constexpr int per_row = M * (RawPack<KIND>::kWords + 2);
   return per_row >= kOneRawRegs ? 1 : kOneRawRegs / per_row;
 }
+// MOESTREAM_CUDA_ONE_ROWS=1, 2 or 4: at most that many rows a warp in with_one_rows (read at each
+// launch, so that a test can compare them in one process); 0 when unset.
+int one_rows_cap();
+// f.template operator()<R>() with the rows a warp takes for M matrices of `rows` rows in all: as
+// many as one_rows allows, or 2, or 1, the most that still makes two blocks an SM, so that a small
+// matrix reaches every SM (o_proj's 2,048 rows made 64 blocks of 32 rows on 132 SMs). A row sums
+// the same way whatever R is.
+template <int KIND, int M, class F>
+void with_one_rows(int64_t rows, F&& f) {
+  constexpr int most = one_rows<KIND, M>();
+  const int cap = one_rows_cap();
+  auto takes = [&](int r) {
+    return r <= most && (cap > 0 ? r <= cap : blocks_for(rows, kOneWarps * r) >= 2 * unsigned(sm_count()));
+  };
+  if (takes(most)) {
+    f.template operator()<most>();
+  } else if (takes(2)) {
+    if constexpr (most > 2) f.template operator()<2>();
+  } else {
+    f.template operator()<1>();
+  }
+}
+
 template <int KIND, int M, int R>
 constexpr bool one_double_buffered() {
   return M * R * (RawPack<KIND>::kWords + 2) <= kOneRawRegs;

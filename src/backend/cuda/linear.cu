@@ -85,6 +85,16 @@ size_t max_gemv_smem() {
   return limit;
 }
 
+int sm_count() {
+  static const int sms = [] {
+    int dev = 0, v = 0;
+    MS_CUDA_CHECK(cudaGetDevice(&dev));
+    MS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
+    return v;
+  }();
+  return sms;
+}
+
 namespace {
 
 // Tokens one GEMV pass stages: up to kTokens, or up to kWideTokens for 5 and more (a batched
@@ -165,17 +175,6 @@ __global__ void __launch_bounds__(kGemvWarps * 32)
   });
 }
 
-// The device's SMs (read once).
-int sm_count() {
-  static const int sms = [] {
-    int dev = 0, v = 0;
-    MS_CUDA_CHECK(cudaGetDevice(&dev));
-    MS_CUDA_CHECK(cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev));
-    return v;
-  }();
-  return sms;
-}
-
 // Blocks of a GEMV launch: n_blocks row blocks, at most as many as run at once on the device
 // (the rest are taken by the same blocks in turn, x staged once for them).
 template <class Kernel>
@@ -193,9 +192,8 @@ unsigned gemv_grid(Kernel kernel, size_t smem, unsigned n_blocks) {
 // format and width: the blocks of matrix i are [first_block[i], first_block[i + 1]), kOneWarps * R
 // rows each. Each row's value is gemv_kernel's, bit for bit; the weights' first loads are issued
 // before x is staged and the next ones while the current are computed.
-template <int KIND, bool SF16>
+template <int KIND, bool SF16, int R>
 __global__ void __launch_bounds__(kOneWarps * 32, 3) gemv_one_kernel(SharedInput m, const float* __restrict__ x) {
-  constexpr int R = one_rows<KIND, 1>();
   extern __shared__ float smem[];
   int i = 0;
   while (i + 1 < m.n && blockIdx.x >= m.first_block[i + 1]) ++i;
@@ -461,16 +459,20 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, cudaStream_t
   bool launched = false;
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
     if constexpr (one_token_linear_kind(KIND)) {
-      constexpr int rows_per_block = kOneWarps * one_rows<KIND, 1>();
-      m.first_block[0] = 0;
-      for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(m.w[i].rows, rows_per_block);
-      static bool configured = false;
-      if (!configured) {
-        MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_one_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(limit)));
-        configured = true;
-      }
-      launch(gemv_one_kernel<KIND, SF16>, m.first_block[m.n], kOneWarps * 32, smem, stream, m, x);
+      auto run = [&]<int R>() {
+        m.first_block[0] = 0;
+        for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(m.w[i].rows, kOneWarps * R);
+        static bool configured = false;
+        if (!configured) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(gemv_one_kernel<KIND, SF16, R>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(limit)));
+          configured = true;
+        }
+        launch(gemv_one_kernel<KIND, SF16, R>, m.first_block[m.n], kOneWarps * 32, smem, stream, m, x);
+      };
+      int64_t rows = 0;
+      for (int i = 0; i < m.n; ++i) rows += m.w[i].rows;
+      with_one_rows<KIND, 1>(rows, run);
       launched = true;
     }
   });
@@ -478,6 +480,11 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, cudaStream_t
 }
 
 }  // namespace
+
+int one_rows_cap() {
+  const char* v = std::getenv("MOESTREAM_CUDA_ONE_ROWS");
+  return v ? std::atoi(v) : 0;
+}
 
 bool one_token_gemv_off() {
   static const bool off = [] {

@@ -14,6 +14,9 @@
 
 namespace moestream::cuda {
 
+// The device's SMs (read once).
+int sm_count();
+
 struct FormatTag;  // weights.cuh
 
 // Tokens up to which linear() runs the GEMV kernel (weights read once per 4 tokens); above it

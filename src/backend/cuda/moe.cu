@@ -162,11 +162,11 @@ __global__ void route_kernel(RouteArgs a) {
 
 // A few tokens (grid row t: token t): the router's logits on the single-token tile (gemv_one.cuh:
 // each bit-identical to the GEMV's), then the block of the token's row that finishes last routes
-// the token, in one launch. blocks_done[t] is 0 between launches (that last block resets it).
-template <int KIND, bool SF16>
+// the token, in one launch. blocks_done[t] is 0 between launches (that last block resets it). R
+// rows a warp: with_one_rows.
+template <int KIND, bool SF16, int R>
 __global__ void __launch_bounds__(kOneWarps * 32, 3)
     route_few_kernel(WeightRef w, const float* __restrict__ x, unsigned* blocks_done, RouteArgs a) {
-  constexpr int R = one_rows<KIND, 1>();
   extern __shared__ float smem[];
   __shared__ bool last;
   const WeightRef* const ws[1] = {&w};
@@ -540,14 +540,16 @@ bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams&
   bool launched = false;
   dispatch_format(format_of(router), [&]<int KIND, bool SF16>() {
     if constexpr (one_token_linear_kind(KIND)) {
-      static size_t configured = 0;  // the dynamic bytes allowed so far (the kernel has static shared memory too)
-      if (smem > configured) {
-        MS_CUDA_CHECK(cudaFuncSetAttribute(route_few_kernel<KIND, SF16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           int(smem)));
-        configured = smem;
-      }
-      launch(route_few_kernel<KIND, SF16>, dim3(blocks_for(w.rows, kOneWarps * one_rows<KIND, 1>()), unsigned(T)),
-             kOneWarps * 32, smem, s, w, x, blocks_done, a);
+      with_one_rows<KIND, 1>(w.rows * T, [&]<int R>() {
+        static size_t configured = 0;  // the dynamic bytes allowed so far (the kernel has static shared memory too)
+        if (smem > configured) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(route_few_kernel<KIND, SF16, R>,
+                                             cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+          configured = smem;
+        }
+        launch(route_few_kernel<KIND, SF16, R>, dim3(blocks_for(w.rows, kOneWarps * R), unsigned(T)), kOneWarps * 32,
+               smem, s, w, x, blocks_done, a);
+      });
       launched = true;
     }
   });
