@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "backend/cuda/linear.h"
 #include "backend/cuda/weights.cuh"
@@ -114,15 +115,19 @@ __device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_
 template <int KIND, bool SF16, int M, int R, int NT>
 __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], const float* xv, int64_t stride, int nt,
                                           float (&acc)[NT][M][R]) {
-  float q[M][R][32];
+  // Packed codes are decoded where they are used, 4 a row for each float4 of x (the values
+  // decode_codes gives); FP8 and plain rows all at once.
+  constexpr bool kByQuad = is_quant(KIND) && KIND != kFp8;
+  float q[M][R][kByQuad ? 1 : 32];
+  if constexpr (!kByQuad) {
 #pragma unroll
-  for (int m = 0; m < M; ++m)
+    for (int m = 0; m < M; ++m)
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      if constexpr (KIND == kFp8) load_fp8(reinterpret_cast<const uint8_t*>(raw[m][r].w), true, 32, q[m][r]);
-      else if constexpr (is_quant(KIND)) load_codes<KIND, NT == 1>(raw[m][r].w, q[m][r]);
-      else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
-    }
+      for (int r = 0; r < R; ++r) {
+        if constexpr (KIND == kFp8) load_fp8(reinterpret_cast<const uint8_t*>(raw[m][r].w), true, 32, q[m][r]);
+        else load_plain<KIND>(raw[m][r].w, 0, true, 32, q[m][r]);
+      }
+  }
   float d[NT][M][R];
   float sx[NT];  // sum of this pack of x_t: multiplies the affine bias
 #pragma unroll
@@ -133,23 +138,42 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
 #pragma unroll
       for (int r = 0; r < R; ++r) d[t][m][r] = 0.0f;
   }
+  auto quad = [&]<int J>() {
+    float c[M][R][4];
 #pragma unroll
-  for (int j = 0; j < 8; ++j)
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if constexpr (kByQuad) {
+          const uint32_t(&w)[bits_of(KIND)] = reinterpret_cast<const uint32_t(&)[bits_of(KIND)]>(raw[m][r].w);
+          c[m][r][0] = code_at<KIND, NT == 1, 4 * J>(w);
+          c[m][r][1] = code_at<KIND, NT == 1, 4 * J + 1>(w);
+          c[m][r][2] = code_at<KIND, NT == 1, 4 * J + 2>(w);
+          c[m][r][3] = code_at<KIND, NT == 1, 4 * J + 3>(w);
+        } else {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) c[m][r][e] = q[m][r][4 * J + e];
+        }
+      }
 #pragma unroll
     for (int t = 0; t < NT; ++t)
       if (NT == 1 || t < nt) {
-        const float4 x4 = reinterpret_cast<const float4*>(xv + t * stride)[j];
+        const float4 x4 = reinterpret_cast<const float4*>(xv + t * stride)[J];
         if constexpr (is_affine(KIND)) sx[t] += quad_sum(x4);
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            d[t][m][r] = fmaf(q[m][r][4 * j], x4.x, d[t][m][r]);
-            d[t][m][r] = fmaf(q[m][r][4 * j + 1], x4.y, d[t][m][r]);
-            d[t][m][r] = fmaf(q[m][r][4 * j + 2], x4.z, d[t][m][r]);
-            d[t][m][r] = fmaf(q[m][r][4 * j + 3], x4.w, d[t][m][r]);
+            d[t][m][r] = fmaf(c[m][r][0], x4.x, d[t][m][r]);
+            d[t][m][r] = fmaf(c[m][r][1], x4.y, d[t][m][r]);
+            d[t][m][r] = fmaf(c[m][r][2], x4.z, d[t][m][r]);
+            d[t][m][r] = fmaf(c[m][r][3], x4.w, d[t][m][r]);
           }
       }
+  };
+  [&]<int... J>(std::integer_sequence<int, J...>) {
+    (quad.template operator()<J>(), ...);
+  }(std::make_integer_sequence<int, 8>{});
 #pragma unroll
   for (int t = 0; t < NT; ++t)
     if (NT == 1 || t < nt) {

@@ -179,6 +179,27 @@ __device__ __forceinline__ void decode_codes(const uint32_t (&w)[bits_of(KIND)],
   }
 }
 
+// Value I of the pack in words w, exactly as decode_codes computes it (so that a kernel can decode
+// a pack's codes where it uses them, not all 32 at once).
+template <int KIND, bool IN_MANTISSA, int I>
+__device__ __forceinline__ float code_at(const uint32_t (&w)[bits_of(KIND)]) {
+  constexpr int B = bits_of(KIND);
+  if constexpr (IN_MANTISSA && KIND == kQ4) {
+    constexpr int k = I / 8, e = I % 8;
+    if constexpr (e < 5) return code_in_mantissa<4, 4 * e>(w[k]);
+    else return code_in_mantissa<4, 4 * (e - 5) + 8>(w[k] >> 12);
+  } else if constexpr (IN_MANTISSA && KIND == kQ8) {
+    constexpr int k = I / 4, e = I % 4;
+    if constexpr (e < 2) return code_in_mantissa<8, 8 * e>(w[k]);
+    else return code_in_mantissa<8, 8 * (e - 2)>(w[k] >> 16);
+  } else {
+    constexpr int bit = I * B, k = bit >> 5, sh = bit & 31;
+    uint32_t v = w[k] >> sh;
+    if constexpr (sh + B > 32) v |= w[k + 1] << (32 - sh);
+    return code_value<KIND>(v & ((1u << B) - 1u));
+  }
+}
+
 // The 32 code values of one pack of a packed format, from B words = 32 * B bits.
 template <int KIND, bool IN_MANTISSA = false>
 __device__ __forceinline__ void load_codes(const uint32_t* words, float (&q)[32]) {
