@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 
 #include "backend/backend.h"
 #include "backend/cuda/common.cuh"
@@ -138,49 +139,10 @@ __device__ __forceinline__ float code_in_mantissa(uint32_t w) {
   return fmaf(f, 1.0f / float(1u << S), -float(1u << (23 - S)));
 }
 
-// The 32 code values of one pack of a packed format from its B words. IN_MANTISSA: 4- and 8-bit
-// codes through code_in_mantissa, the same values. It pays where each decoded value is used once
-// (one row of x: +3-9% one-token decode on an H200); where the values serve two rows of x, ptxas
-// spilled them (the 8-stream expert kernels took 2.7x as long), so the others convert.
-template <int KIND, bool IN_MANTISSA = false>
-__device__ __forceinline__ void decode_codes(const uint32_t (&w)[bits_of(KIND)], float (&q)[32]) {
-  constexpr int B = bits_of(KIND);
-  constexpr uint32_t mask = (1u << B) - 1;
-  if constexpr (IN_MANTISSA && KIND == kQ4) {  // nibbles 0-4 in place, 5-7 from the word shifted by 12
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t hi = w[k] >> 12;
-      q[8 * k + 0] = code_in_mantissa<4, 0>(w[k]);
-      q[8 * k + 1] = code_in_mantissa<4, 4>(w[k]);
-      q[8 * k + 2] = code_in_mantissa<4, 8>(w[k]);
-      q[8 * k + 3] = code_in_mantissa<4, 12>(w[k]);
-      q[8 * k + 4] = code_in_mantissa<4, 16>(w[k]);
-      q[8 * k + 5] = code_in_mantissa<4, 8>(hi);
-      q[8 * k + 6] = code_in_mantissa<4, 12>(hi);
-      q[8 * k + 7] = code_in_mantissa<4, 16>(hi);
-    }
-  } else if constexpr (IN_MANTISSA && KIND == kQ8) {  // bytes 0-1 in place, 2-3 from the word shifted by 16
-#pragma unroll
-    for (int k = 0; k < 8; ++k) {
-      const uint32_t hi = w[k] >> 16;
-      q[4 * k + 0] = code_in_mantissa<8, 0>(w[k]);
-      q[4 * k + 1] = code_in_mantissa<8, 8>(w[k]);
-      q[4 * k + 2] = code_in_mantissa<8, 0>(hi);
-      q[4 * k + 3] = code_in_mantissa<8, 8>(hi);
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const int bit = i * B, k = bit >> 5, s = bit & 31;
-      uint32_t v = w[k] >> s;
-      if (s + B > 32) v |= w[k + 1] << (32 - s);
-      q[i] = code_value<KIND>(v & mask);
-    }
-  }
-}
-
-// Value I of the pack in words w, exactly as decode_codes computes it (so that a kernel can decode
-// a pack's codes where it uses them, not all 32 at once).
+// Value I of the pack in words w (decode_codes' I-th; a kernel may decode a pack's codes where it
+// uses them, not all 32 at once). IN_MANTISSA: 4- and 8-bit codes through code_in_mantissa, the
+// same values: q4 nibbles 0-4 of a word in place, 5-7 from the word shifted by 12; q8 bytes 0-1 in
+// place, 2-3 from the word shifted by 16.
 template <int KIND, bool IN_MANTISSA, int I>
 __device__ __forceinline__ float code_at(const uint32_t (&w)[bits_of(KIND)]) {
   constexpr int B = bits_of(KIND);
@@ -198,6 +160,17 @@ __device__ __forceinline__ float code_at(const uint32_t (&w)[bits_of(KIND)]) {
     if constexpr (sh + B > 32) v |= w[k + 1] << (32 - sh);
     return code_value<KIND>(v & ((1u << B) - 1u));
   }
+}
+
+// The 32 code values of one pack of a packed format from its B words (code_at's). IN_MANTISSA pays
+// where each decoded value is used once (one row of x: +3-9% one-token decode on an H200); where
+// the values serve two rows of x, ptxas spilled them (the 8-stream expert kernels took 2.7x as
+// long), so the others convert.
+template <int KIND, bool IN_MANTISSA = false>
+__device__ __forceinline__ void decode_codes(const uint32_t (&w)[bits_of(KIND)], float (&q)[32]) {
+  [&]<int... I>(std::integer_sequence<int, I...>) {
+    ((q[I] = code_at<KIND, IN_MANTISSA, I>(w)), ...);
+  }(std::make_integer_sequence<int, 32>{});
 }
 
 // The 32 code values of one pack of a packed format, from B words = 32 * B bits.
