@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "models/generate.h"
+#include "server/prefix_cache.h"
 #include "test_util.h"
 
 namespace moestream {
@@ -106,6 +107,42 @@ TEST_F(EngineTest, PrefixCacheReusesStateWithIdenticalResults) {
   EXPECT_EQ(drain(*third, reason), expect3);
   EXPECT_EQ(third->cached_tokens(), 10);
   EXPECT_GE(engine.stats().cache.hits, 2);
+}
+
+// The prefix cache seals what it stores (SequenceState::seal), so on the CPU a request restored
+// from an entry borrows the entry's KV pages: the KV memory of the entry and its borrower together
+// stays below two copies, the borrower continues as a fresh sequence would, and so does a second
+// borrower after the first wrote its own tokens.
+TEST(PrefixCacheMemory, RestoredStatesBorrowTheEntry) {
+  auto model = load_model(test::fixture("models/qwen3moe_gqa_tied"), growable());
+  std::vector<int32_t> prompt;
+  for (int j = 0; j < 200; ++j) prompt.push_back((13 * j + 7) % 200);
+  auto seq = model->new_sequence(256);
+  std::vector<float> logits(size_t(model->info().vocab_size));
+  model->forward(prompt, *seq, logits);
+  PrefixCache cache(2);
+  cache.store(prompt, *seq);
+  const int64_t copy = seq->bytes_at(200) - seq->bytes_at(0);  // the 200 positions, unshared
+  seq.reset();
+  EXPECT_EQ(cache.kv_bytes(), copy);
+  std::vector<int32_t> longer = prompt;
+  longer.insert(longer.end(), {3, 4, 5});
+  const auto want = reference(*model, longer, 6);
+  for (int round = 0; round < 2; ++round) {
+    auto s = model->new_sequence(256);
+    s->trim();
+    ASSERT_EQ(cache.restore(longer, *s), 200);
+    EXPECT_LT(s->held_bytes() - s->bytes_at(0), copy / 2) << "the borrower holds a fraction of a copy";
+    Sampler greedy(SamplingParams{});
+    std::vector<int32_t> got;
+    model->forward(std::span<const int32_t>(longer).subspan(200), *s, logits);
+    got.push_back(greedy.sample(logits, {}));
+    for (int i = 1; i < 6; ++i) {
+      model->forward(std::span<const int32_t>(&got.back(), 1), *s, logits);
+      got.push_back(greedy.sample(logits, {}));
+    }
+    EXPECT_EQ(got, want) << "round " << round;
+  }
 }
 
 TEST_F(EngineTest, CancelStopsAndFreesTheSlot) {

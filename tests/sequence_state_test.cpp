@@ -204,6 +204,67 @@ TEST_P(SequenceStateTest, MemoryFollowsThePositions) {
   EXPECT_TRUE(identical(run(*other, {b}), run(*seq, {b}))) << "restored";
 }
 
+// A sealed snapshot (a prefix cache's entry) lends its KV memory to the states restored from it:
+// on the CPU they map its whole pages copy-on-write and hold less than a copy, each continues
+// exactly (interleaved, so a page written through by either would show), a cut inside the
+// borrowed rows rewrites only the borrower's, and once the snapshot is gone they continue and
+// count that memory as their own.
+TEST_P(SequenceStateTest, SealedSnapshotsLendTheirMemory) {
+  constexpr int64_t kLong = 256;  // rows enough for whole pages in the narrowest fixture's caches
+  const Tokens prompt = tokens(200, 15), cut_tail = tokens(5, 18);
+  const Calls b1 = continuation(tokens(6, 16)), b2 = continuation(tokens(6, 17)), more = continuation(tokens(4, 19));
+  auto reference = [&](const Calls& calls, size_t skip) {
+    auto seq = model_->new_sequence(kLong);
+    run(*seq, Calls(calls.begin(), calls.begin() + long(skip)));
+    return run(*seq, Calls(calls.begin() + long(skip), calls.end()));
+  };
+  const std::vector<float> want1 = reference(concat({prompt}, b1), 1), want2 = reference(concat({prompt}, b2), 1);
+  auto seq = model_->new_sequence(kLong);
+  run(*seq, {prompt});
+  auto snap = seq->clone(200);
+  snap->seal();
+  seq.reset();
+  auto a = model_->new_sequence(kLong), b = model_->new_sequence(kLong);
+  a->trim();
+  b->trim();
+  a->restore(*snap);
+  b->restore(*snap);
+  const int64_t copy_bytes = snap->held_bytes() - snap->bytes_at(0);
+  EXPECT_LT(a->held_bytes() - a->bytes_at(0), copy_bytes) << "a restored state borrows the snapshot's pages";
+  EXPECT_LT(b->held_bytes() - b->bytes_at(0), copy_bytes);
+  std::vector<float> got1, got2;
+  for (size_t i = 0; i < b1.size(); ++i) {
+    const std::vector<float> x = run(*a, {b1[i]}), y = run(*b, {b2[i]});
+    got1.insert(got1.end(), x.begin(), x.end());
+    got2.insert(got2.end(), y.begin(), y.end());
+  }
+  EXPECT_TRUE(identical(got1, want1)) << "the first borrower";
+  EXPECT_TRUE(identical(got2, want2)) << "the second borrower";
+  if (a->can_truncate(20)) {  // attention-only: rewrite borrowed rows of one borrower
+    auto ref = model_->new_sequence(kLong);
+    run(*ref, {prompt});
+    ref->truncate(20);
+    const std::vector<float> want_cut = run(*ref, {cut_tail});
+    a->truncate(20);
+    EXPECT_TRUE(identical(run(*a, {cut_tail}), want_cut)) << "rows rewritten inside the borrowed pages";
+    auto c = model_->new_sequence(kLong);
+    c->restore_prefix(*snap, 20);
+    EXPECT_EQ(c->n_past, 20);
+    EXPECT_TRUE(identical(run(*c, {cut_tail}), want_cut))
+        << "a prefix of the snapshot, which the other borrower's writes left unchanged";
+  }
+  auto c = model_->new_sequence(kLong);
+  c->restore(*snap);
+  EXPECT_TRUE(identical(run(*c, b2), want2)) << "the snapshot after its borrowers wrote";
+  snap.reset();  // the lender goes; the borrowers keep the pages
+  auto d = model_->new_sequence(kLong);
+  run(*d, concat({prompt}, b2));
+  d->trim();
+  b->trim();
+  EXPECT_EQ(b->held_bytes(), d->held_bytes()) << "a borrower counts the pages once the lender is gone";
+  EXPECT_TRUE(identical(run(*b, more), run(*d, more))) << "a borrower continuing after the lender is gone";
+}
+
 TEST_P(SequenceStateTest, MismatchesAreErrors) {
   auto seq = model_->new_sequence(kCapacity);
   run(*seq, {tokens(20, 13)});

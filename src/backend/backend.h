@@ -223,6 +223,15 @@ class Backend {
   virtual int64_t growable_bytes(int64_t rows, int64_t cols) const {
     return rows * cols * int64_t(sizeof(float));
   }
+  // Marks the first `rows` rows of growable buffer b final: nothing writes them again while b lives
+  // (a prefix-cache snapshot). The backend may then lend their memory: copy_rows from b into
+  // another growable buffer may map the same memory copy-on-write instead of copying it (a later
+  // write to either side stays its own), and lent_bytes() tells how much of a buffer is borrowed
+  // so. The default does nothing (copies copy).
+  virtual void seal_rows(Buffer& b, int64_t rows) {}
+  // Bytes at the start of growable buffer b that read a sealed buffer's memory lent by copy_rows,
+  // while that buffer lives (memory it already holds); 0 by default.
+  virtual int64_t lent_bytes(const Buffer& b) const { return 0; }
   // Sets `bytes` of memory aside for growable buffers now, before anything else sizes itself by the
   // memory left (the CUDA expert cache): commits take it from there and fail once it is used up.
   // The default does nothing (commits take memory from the system as they come).

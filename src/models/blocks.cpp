@@ -328,17 +328,23 @@ std::unique_ptr<SequenceState> KvSequence::clone(int64_t capacity) const {
   return copy;
 }
 
-void KvSequence::restore(const SequenceState& snapshot) {
-  if (&snapshot == this) return;
+void KvSequence::restore(const SequenceState& snapshot) { restore_prefix(snapshot, snapshot.n_past); }
+
+void KvSequence::restore_prefix(const SequenceState& snapshot, int64_t n) {
+  if (&snapshot == this) return truncate(n);
   const auto* s = dynamic_cast<const KvSequence*>(&snapshot);
   if (!s) fail("restore: the snapshot is not a KV-cache sequence state (it comes from another model)");
-  check_restore(be_, s->be_, capacity_, s->n_past);
-  reserve(s->n_past);
-  const int64_t rows = kv_rows_used(s->k, s->n_past);
+  if (n < s->n_past && !s->can_truncate(n)) fail_truncate(n, s->n_past);
+  n = std::min(n, s->n_past);
+  check_restore(be_, s->be_, capacity_, n);
+  reserve(n);
+  const int64_t rows = kv_rows_used(s->k, n);  // a ring's rows that position n reads are intact (can_truncate)
   copy_state_rows(be_, s->k, k, rows, "K cache");
   copy_state_rows(be_, s->v, v, rows, "V cache");
-  n_past = s->n_past;
+  n_past = n;
 }
+
+void KvSequence::seal() { KvReservation::seal(be_, k, v, n_past); }
 
 bool KvSequence::can_truncate(int64_t n) const {
   return kv_can_truncate(kv_, k.empty() ? capacity_ : k[0].rows, n, n_past);
@@ -380,8 +386,16 @@ int64_t KvReservation::bytes_at(const Backend& be, const KvCacheSpec& kv, const 
   int64_t bytes = 0;
   for (const auto* caches : {&k, &v})
     for (const Buffer& b : *caches)
-      if (b.data) bytes += be.growable_bytes(std::min(b.rows, kv_cache_rows(kv, n)), b.cols);
+      if (b.data)
+        bytes += std::max<int64_t>(0, be.growable_bytes(std::min(b.rows, kv_cache_rows(kv, n)), b.cols) - be.lent_bytes(b));
   return bytes;
+}
+
+void KvReservation::seal(Backend& be, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n) {
+  const int64_t rows = kv_rows_used(k, n);
+  for (auto* caches : {&k, &v})
+    for (Buffer& b : *caches)
+      if (b.data) be.seal_rows(b, rows);
 }
 
 int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }

@@ -122,8 +122,11 @@ struct KvReservation {
   int64_t positions = 0;
   void reserve(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n);
   void trim(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n_past);
+  // Memory of the first n positions, less what another (sealed) state lends (Backend::lent_bytes).
   static int64_t bytes_at(const Backend& be, const KvCacheSpec& kv, const std::vector<Buffer>& k,
                           const std::vector<Buffer>& v, int64_t n);
+  // Seals the rows of the first n positions of each buffer (SequenceState::seal).
+  static void seal(Backend& be, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n);
 };
 
 // The KV cache of a decoder-only model: one K and one V buffer per layer, rows of
@@ -142,6 +145,8 @@ class KvSequence : public SequenceState {
   using SequenceState::clone;
   std::unique_ptr<SequenceState> clone(int64_t capacity) const override;
   void restore(const SequenceState& snapshot) override;
+  void restore_prefix(const SequenceState& snapshot, int64_t n) override;
+  void seal() override;
   bool can_truncate(int64_t n) const override;
   void truncate(int64_t n) override;
   int64_t bytes() const override;

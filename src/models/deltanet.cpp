@@ -56,6 +56,8 @@ void HybridSequence::restore(const SequenceState& snapshot) {
   n_past = s->n_past;
 }
 
+void HybridSequence::seal() { KvReservation::seal(be_, k, v, n_past); }
+
 void HybridSequence::truncate(int64_t n) {
   if (!can_truncate(n)) fail_truncate(n, n_past);
   if (n == n_past) return;

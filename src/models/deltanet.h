@@ -67,6 +67,7 @@ class HybridSequence final : public SequenceState {
   using SequenceState::clone;
   std::unique_ptr<SequenceState> clone(int64_t capacity) const override;
   void restore(const SequenceState& snapshot) override;
+  void seal() override;
   bool can_truncate(int64_t n) const override { return n == n_past || n == 0; }
   void truncate(int64_t n) override;
   int64_t bytes() const override;

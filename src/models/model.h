@@ -70,6 +70,16 @@ class SequenceState {
   // clone of one) whose n_past fits this capacity. Copies only what the snapshot computed; never
   // allocates. An Error names the mismatch otherwise.
   virtual void restore(const SequenceState& snapshot) = 0;
+  // restore(snapshot) cut to its first n positions (snapshot.can_truncate(n)): only those are
+  // copied.
+  virtual void restore_prefix(const SequenceState& snapshot, int64_t n) {
+    restore(snapshot);
+    if (n < n_past) truncate(n);
+  }
+  // Declares this state final (a prefix cache's entry): it is neither forwarded nor restored into
+  // again, and the backend may lend its KV memory to the states restored from it instead of
+  // copying it (Backend::seal_rows); those then count only what they hold alone (held_bytes).
+  virtual void seal() {}
   // Whether truncate(n) can keep exactly the first n positions: any 0 <= n <= n_past for
   // attention-only models; with recurrent state only n == n_past (nothing to do) or n == 0 (a
   // fresh sequence), since the state after n positions is not kept once later ones are folded in.

@@ -31,8 +31,7 @@ int64_t PrefixCache::restore(std::span<const int32_t> prompt, SequenceState& sta
     state.truncate(0);
     return 0;
   }
-  state.restore(*best->state);
-  if (best_len < int64_t(best->tokens.size())) state.truncate(best_len);
+  state.restore_prefix(*best->state, best_len);
   entries_.splice(entries_.begin(), entries_, best);
   ++stats_.hits;
   stats_.reused_tokens += best_len;
@@ -41,24 +40,19 @@ int64_t PrefixCache::restore(std::span<const int32_t> prompt, SequenceState& sta
 
 void PrefixCache::store(std::span<const int32_t> tokens, const SequenceState& state) {
   if (max_entries_ <= 0 || tokens.empty()) return;
-  // Reuse the memory of a superseded entry (one whose tokens this sequence extends).
-  std::unique_ptr<SequenceState> reuse;
+  // Entries that this sequence extends are superseded.
   for (auto it = entries_.begin(); it != entries_.end();) {
-    if (it->tokens.size() <= tokens.size() &&
-        common_prefix(it->tokens, tokens) == int64_t(it->tokens.size())) {
-      if (!reuse) reuse = std::move(it->state);
+    if (it->tokens.size() <= tokens.size() && common_prefix(it->tokens, tokens) == int64_t(it->tokens.size()))
       it = entries_.erase(it);
-    } else {
+    else
       ++it;
-    }
   }
-  if (reuse && reuse->capacity() >= state.n_past) {
-    reuse->restore(state);
-  } else {
-    if (!reuse && int(entries_.size()) >= max_entries_) entries_.pop_back();
-    reuse = state.clone(state.n_past);  // a snapshot holds only what was computed
-  }
-  entries_.push_front(Entry{std::vector<int32_t>(tokens.begin(), tokens.end()), std::move(reuse)});
+  if (int(entries_.size()) >= max_entries_) entries_.pop_back();
+  // A snapshot holds only what was computed. Sealed, it is never written again, so the states
+  // restored from it may share its KV memory instead of copying it (SequenceState::seal).
+  std::unique_ptr<SequenceState> snapshot = state.clone(state.n_past);
+  snapshot->seal();
+  entries_.push_front(Entry{std::vector<int32_t>(tokens.begin(), tokens.end()), std::move(snapshot)});
 }
 
 int64_t PrefixCache::kv_bytes() const {

@@ -1,12 +1,16 @@
 // The CPU backend: float32 activations in host memory, weights read in place from the mapping,
 // work split across a thread pool by output rows (linear) or by (token, head) (attention).
+#include <fcntl.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
 #include <deque>
+#include <map>
+#include <memory>
 #include <numeric>
 #include <unordered_map>
 
@@ -48,6 +52,9 @@ class CpuBackend final : public Backend {
   CpuBackend(int n_threads, bool precise) : pool_(n_threads), precise_(precise) {}
   ~CpuBackend() override {
     for (auto& [p, bytes] : growable_) munmap(p, bytes);
+    lent_.clear();  // before the arena's bookkeeping goes: the last references hand ranges back
+    sealed_.clear();
+    if (arena_fd_ >= 0) close(arena_fd_);
   }
   CpuBackend(const CpuBackend&) = delete;
   CpuBackend& operator=(const CpuBackend&) = delete;
@@ -82,6 +89,11 @@ class CpuBackend final : public Backend {
     if (auto g = growable_.find(b.data); g != growable_.end()) {
       munmap(b.data, g->second);
       growable_.erase(g);
+      if (auto s = sealed_.find(b.data); s != sealed_.end()) {
+        s->second->lender_alive = false;
+        sealed_.erase(s);
+      }
+      lent_.erase(b.data);
     }
     allocations_.erase(b.data);
     b = Buffer{};
@@ -101,11 +113,48 @@ class CpuBackend final : public Backend {
     auto g = growable_.find(b.data);
     if (g == growable_.end()) return;
     const size_t keep = size_t(growable_bytes(std::min(rows, b.rows), b.cols));
+    if (auto l = lent_.find(b.data); l != lent_.end() && keep < l->second.bytes) {
+      // Borrowed pages past `keep` go back to the lender; the rows read as zeros again.
+      map_anonymous(b.data, keep, l->second.bytes);
+      if (keep == 0) lent_.erase(l);
+      else l->second.bytes = keep;
+    }
     if (keep < g->second)
       madvise(reinterpret_cast<char*>(b.data) + keep, g->second - keep, MADV_DONTNEED);
   }
+  // A sealed buffer's whole pages move into a memory file (one for the backend, pages placed at
+  // page-aligned offsets), mapped back privately at the same address; copy_rows from it maps
+  // the same pages privately into the destination, so that either side's writes copy the page
+  // they touch (the kernel's copy-on-write) and the other keeps reading the sealed rows. A range
+  // of the file is handed back only once neither its buffer nor any borrower maps it.
+  void seal_rows(Buffer& b, int64_t rows) override {
+    if (!growable_.count(b.data) || sealed_.count(b.data) || lent_.count(b.data)) return;
+    const size_t bytes = size_t(std::min(rows, b.rows) * b.cols) * sizeof(float) / kPage * kPage;
+    if (bytes == 0 || !open_arena()) return;
+    const int64_t offset = arena_take(bytes);
+    const char* src = reinterpret_cast<const char*>(b.data);
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t n = pwrite(arena_fd_, src + done, bytes - done, off_t(offset + int64_t(done)));
+      if (n <= 0) {  // no memory for the file: the buffer stays as it is, and copies copy
+        arena_give(offset, bytes);
+        return;
+      }
+      done += size_t(n);
+    }
+    if (mmap(b.data, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_, off_t(offset)) == MAP_FAILED)
+      fail("KV cache: cannot map ", bytes, " bytes of a snapshot");  // the range was mapped anonymously: not reached
+    sealed_[b.data] = std::shared_ptr<SealedPages>(new SealedPages{offset, bytes, true}, [this](SealedPages* r) {
+      arena_give(r->offset, r->bytes);
+      delete r;
+    });
+  }
+  int64_t lent_bytes(const Buffer& b) const override {
+    const auto l = lent_.find(b.data);
+    // Once the lender is gone the pages are the borrowers' to count (each counts them: never less
+    // than the memory held).
+    return l == lent_.end() || !l->second.pages->lender_alive ? 0 : int64_t(l->second.bytes);
+  }
   int64_t growable_bytes(int64_t rows, int64_t cols) const override {
-    constexpr int64_t kPage = 4096;
     return (rows * cols * int64_t(sizeof(float)) + kPage - 1) / kPage * kPage;
   }
   void to_host(const Buffer& b, float* dst) override {
@@ -115,7 +164,22 @@ class CpuBackend final : public Backend {
     check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
     if (n == 0) return;
-    std::memcpy(dst.data, src.data, n * sizeof(float));
+    size_t shared = 0;
+    if (growable_.count(dst.data) && !sealed_.count(dst.data)) {
+      if (auto l = lent_.find(dst.data); l != lent_.end()) {  // drop what it borrowed before
+        map_anonymous(dst.data, 0, l->second.bytes);
+        lent_.erase(l);
+      }
+      if (auto s = sealed_.find(src.data); s != sealed_.end()) {
+        shared = std::min(n * sizeof(float) / kPage * kPage, s->second->bytes);
+        if (shared > 0 && mmap(dst.data, shared, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_,
+                               off_t(s->second->offset)) == MAP_FAILED)
+          fail("KV cache: cannot map ", shared, " bytes of a snapshot");
+        if (shared > 0) lent_[dst.data] = Lent{s->second, shared};
+      }
+    }
+    std::memcpy(reinterpret_cast<char*>(dst.data) + shared, reinterpret_cast<const char*>(src.data) + shared,
+                n * sizeof(float) - shared);
   }
 
   void embed(std::span<const int32_t> tokens, const Matrix& table, Buffer& out) override {
@@ -667,6 +731,63 @@ class CpuBackend final : public Backend {
   cpu::PreparedInput input_;     // reused by every linear call
   std::unordered_map<float*, std::unique_ptr<float[]>> allocations_;  // behind alloc()
   std::unordered_map<float*, size_t> growable_;  // alloc_growable's mappings and their bytes
+
+  // Sealed rows (seal_rows): pages of the arena file, shared by their buffer and its borrowers.
+  static constexpr int64_t kPage = 4096;
+  struct SealedPages {
+    int64_t offset;
+    size_t bytes;
+    bool lender_alive = true;  // the sealed buffer still maps them
+  };
+  struct Lent {
+    std::shared_ptr<SealedPages> pages;  // keeps the file's range while mapped here
+    size_t bytes;                        // the buffer's first bytes read those pages
+  };
+  std::unordered_map<float*, std::shared_ptr<SealedPages>> sealed_;
+  std::unordered_map<float*, Lent> lent_;
+  int arena_fd_ = -1;
+  int64_t arena_end_ = 0;
+  std::map<int64_t, int64_t> arena_free_;  // offset -> bytes, ranges handed back
+
+  bool open_arena() {
+    if (arena_fd_ < 0) arena_fd_ = memfd_create("moestream-kv", MFD_CLOEXEC);
+    return arena_fd_ >= 0;
+  }
+  int64_t arena_take(size_t bytes) {
+    for (auto it = arena_free_.begin(); it != arena_free_.end(); ++it)
+      if (it->second >= int64_t(bytes)) {
+        const int64_t offset = it->first, rest = it->second - int64_t(bytes);
+        arena_free_.erase(it);
+        if (rest > 0) arena_free_[offset + int64_t(bytes)] = rest;
+        return offset;
+      }
+    const int64_t offset = arena_end_;
+    arena_end_ += int64_t(bytes);
+    if (ftruncate(arena_fd_, off_t(arena_end_)) != 0) fail("KV cache: cannot grow the snapshot file to ", arena_end_, " bytes");
+    return offset;
+  }
+  // The range's pages are freed (a hole punched) and the range reused; neighbours merge.
+  void arena_give(int64_t offset, size_t bytes) {
+    fallocate(arena_fd_, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, off_t(offset), off_t(bytes));
+    int64_t lo = offset, size = int64_t(bytes);
+    if (auto next = arena_free_.find(lo + size); next != arena_free_.end()) {
+      size += next->second;
+      arena_free_.erase(next);
+    }
+    if (auto prev = arena_free_.lower_bound(lo); prev != arena_free_.begin() && (--prev)->first + prev->second == lo) {
+      lo = prev->first;
+      size += prev->second;
+      arena_free_.erase(prev);
+    }
+    arena_free_[lo] = size;
+  }
+  // Fresh anonymous pages (reading as zeros) over bytes [from, to) of a growable buffer.
+  static void map_anonymous(float* base, size_t from, size_t to) {
+    if (to <= from) return;
+    if (mmap(reinterpret_cast<char*>(base) + from, to - from, PROT_READ | PROT_WRITE,
+             MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0) == MAP_FAILED)
+      fail("KV cache: cannot map ", to - from, " bytes");
+  }
   std::deque<std::vector<float>> vectors_;  // storage behind load_vector (stable addresses)
   std::vector<std::vector<float>> scratch_;
   cpu::DeltaNetScratch deltanet_;
