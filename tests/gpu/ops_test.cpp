@@ -322,7 +322,8 @@ TEST_F(Pair, FewTokenTensorCoresEveryQ4AndQ8Layout) {
 // matrices sharing x, and agree within rounding with the few-token tensor-core path that q4 and q8
 // take (few_mma). Rows past a whole block (100, 33) and widths of one and several passes of 32 packs.
 TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
-  for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "mxfp4", "q8g64", "q8g128"})
+  for (const std::string fmt :
+       {"q4g64", "q4g32", "q4g64-f16", "mxfp4", "q8g64", "q8g128", "q2g64", "q2g128", "q3g64", "q6g64", "fp8g128"})
     for (auto [rows, cols] : {std::pair<int64_t, int64_t>{100, 256}, {33, 2048}, {200, 4096}}) {
       SCOPED_TRACE(fmt + " [" + std::to_string(rows) + ", " + std::to_string(cols) + "]");
       HostMatrix hm = make_matrix(rows, cols, fmt, 7), hm2 = make_matrix(rows / 2 + 1, cols, fmt, 8);
@@ -331,7 +332,7 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
       Buf x3 = buf(3, cols, xv), x1 = buf(1, cols, std::vector<float>(xv.begin(), xv.begin() + cols));
       Buf many = poisoned(3, rows), one = poisoned(1, rows), one2 = poisoned(1, w2.rows), many2 = poisoned(3, w2.rows);
       const bool mma = few_mma(w, 3, x3.g);
-      EXPECT_EQ(mma, fmt != "mxfp4");
+      EXPECT_EQ(mma, fmt.starts_with("q4") || fmt.starts_with("q8"));
       gpu->linear(x3.g, w, nullptr, many.g);
       gpu->linear(x1.g, w, nullptr, one.g);
       const std::vector<float> m = host(*gpu, many.g), o = host(*gpu, one.g);
@@ -354,7 +355,7 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
 // whatever the rows a warp, so capping them (MOESTREAM_CUDA_ONE_ROWS) changes no bit: a matrix of
 // 20,011 rows (R = 4 by default; 2 for q8, 1 for bf16), and q, k and v of one launch.
 TEST_F(Pair, OneTokenGemvRowsPerWarpChangeNoBit) {
-  for (const std::string fmt : {"q4g64", "mxfp4", "q8g64", "bf16"}) {
+  for (const std::string fmt : {"q4g64", "mxfp4", "q8g64", "bf16", "q2g128"}) {
     SCOPED_TRACE(fmt);
     constexpr int64_t kCols = 512;
     HostMatrix hm = make_matrix(20011, kCols, fmt, 31), hk = make_matrix(517, kCols, fmt, 32);

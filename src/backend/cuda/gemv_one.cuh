@@ -22,12 +22,16 @@ namespace moestream::cuda {
 constexpr int kOneWarps = 8;
 constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded packs (two are in flight)
 
-// The kinds these kernels decode (through weights.cuh's load_codes / load_fp8 / load_plain and
-// scale helpers): those the GPU parity tests have run through them (bf16, q4 and MXFP4 experts of
-// the fixtures, bit-identical to the batched kernels). RawPack / load_raw also read f16, q2, q3,
-// q6, q8 and FP8; list a kind here once a fixture exercises it. Any other kind, or a width that is
-// not whole packs, goes through the batched kernels.
-constexpr bool one_token_kind(int kind) { return kind == kBF16 || kind == kQ4 || kind == kMxfp4; }
+// The kinds these kernels decode (through weights.cuh's code_at / load_fp8 / load_plain and scale
+// helpers): those the GPU parity tests run through them (bf16, q4 and MXFP4 experts of the
+// fixtures, bit-identical to the batched kernels; every expert format of Pair.MoeEveryExpertFormat
+// at one token against the CPU; q2 and q4 experts of one layer in TieredGpu). RawPack / load_raw
+// also read f16; any other kind, or a width that is not whole packs, goes through the batched
+// kernels.
+constexpr bool one_token_kind(int kind) {
+  return kind == kBF16 || kind == kMxfp4 || kind == kFp8 || kind == kQ2 || kind == kQ3 || kind == kQ4 ||
+         kind == kQ6 || kind == kQ8;
+}
 // The kinds the one-token linears and router take through the tile (linear.cu, moe.cu's
 // route_few): the above and q8 (--quant-all's routers), each checked bit for bit against the GEMV
 // (Pair.OneTokenGemvEqualsTheGemvBitForBit).
