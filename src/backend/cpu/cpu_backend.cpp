@@ -131,18 +131,31 @@ class CpuBackend final : public Backend {
     if (!growable_.count(b.data) || sealed_.count(b.data) || lent_.count(b.data)) return;
     const size_t bytes = size_t(std::min(rows, b.rows) * b.cols) * sizeof(float) / kPage * kPage;
     if (bytes == 0 || !open_arena()) return;
+    // Whatever fails here (no memory for the file, no mapping left) leaves the buffer as it was,
+    // unsealed: copies from it then copy.
     const int64_t offset = arena_take(bytes);
-    const char* src = reinterpret_cast<const char*>(b.data);
+    if (offset < 0) return;
+    char* data = reinterpret_cast<char*>(b.data);
     for (size_t done = 0; done < bytes;) {
-      const ssize_t n = pwrite(arena_fd_, src + done, bytes - done, off_t(offset + int64_t(done)));
-      if (n <= 0) {  // no memory for the file: the buffer stays as it is, and copies copy
+      const ssize_t n = pwrite(arena_fd_, data + done, bytes - done, off_t(offset + int64_t(done)));
+      if (n <= 0) {
         arena_give(offset, bytes);
         return;
       }
       done += size_t(n);
     }
-    if (mmap(b.data, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_, off_t(offset)) == MAP_FAILED)
-      fail("KV cache: cannot map ", bytes, " bytes of a snapshot");  // the range was mapped anonymously: not reached
+    if (mmap(b.data, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_, off_t(offset)) == MAP_FAILED) {
+      // A failed fixed mapping may have taken the old pages with it: map fresh ones and read the
+      // rows back from the file.
+      map_anonymous(b.data, 0, bytes);
+      for (size_t done = 0; done < bytes;) {
+        const ssize_t n = pread(arena_fd_, data + done, bytes - done, off_t(offset + int64_t(done)));
+        if (n <= 0) fail("KV cache: cannot read back ", bytes, " bytes of a snapshot");
+        done += size_t(n);
+      }
+      arena_give(offset, bytes);
+      return;
+    }
     sealed_[b.data] = std::shared_ptr<SealedPages>(new SealedPages{offset, bytes, true}, [this](SealedPages* r) {
       arena_give(r->offset, r->bytes);
       delete r;
@@ -173,8 +186,10 @@ class CpuBackend final : public Backend {
       if (auto s = sealed_.find(src.data); s != sealed_.end()) {
         shared = std::min(n * sizeof(float) / kPage * kPage, s->second->bytes);
         if (shared > 0 && mmap(dst.data, shared, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_,
-                               off_t(s->second->offset)) == MAP_FAILED)
-          fail("KV cache: cannot map ", shared, " bytes of a snapshot");
+                               off_t(s->second->offset)) == MAP_FAILED) {
+          map_anonymous(dst.data, 0, shared);  // no mapping left: copy after all
+          shared = 0;
+        }
         if (shared > 0) lent_[dst.data] = Lent{s->second, shared};
       }
     }
@@ -753,6 +768,7 @@ class CpuBackend final : public Backend {
     if (arena_fd_ < 0) arena_fd_ = memfd_create("moestream-kv", MFD_CLOEXEC);
     return arena_fd_ >= 0;
   }
+  // A page-aligned range of `bytes` in the arena; -1 when the file cannot grow.
   int64_t arena_take(size_t bytes) {
     for (auto it = arena_free_.begin(); it != arena_free_.end(); ++it)
       if (it->second >= int64_t(bytes)) {
@@ -761,9 +777,9 @@ class CpuBackend final : public Backend {
         if (rest > 0) arena_free_[offset + int64_t(bytes)] = rest;
         return offset;
       }
+    if (ftruncate(arena_fd_, off_t(arena_end_ + int64_t(bytes))) != 0) return -1;
     const int64_t offset = arena_end_;
     arena_end_ += int64_t(bytes);
-    if (ftruncate(arena_fd_, off_t(arena_end_)) != 0) fail("KV cache: cannot grow the snapshot file to ", arena_end_, " bytes");
     return offset;
   }
   // The range's pages are freed (a hole punched) and the range reused; neighbours merge.
