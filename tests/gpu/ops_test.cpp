@@ -353,7 +353,7 @@ TEST_F(Pair, OneTokenGemvEqualsTheGemvBitForBit) {
 // The single-token GEMV takes 4, 2 or 1 rows a warp, by the launch's size (gemv_one.cuh's
 // with_one_rows: at least two blocks an SM), the router's the same. A row sums the same way
 // whatever the rows a warp, so capping them (MOESTREAM_CUDA_ONE_ROWS) changes no bit: a matrix of
-// 20,011 rows (R = 4 by default; 2 for q8, 1 for bf16), and q, k and v of one launch.
+// 20,011 rows (R = 4 by default; 6 for q2, 2 for q8, 1 for bf16), and q, k and v of one launch.
 TEST_F(Pair, OneTokenGemvRowsPerWarpChangeNoBit) {
   for (const std::string fmt : {"q4g64", "mxfp4", "q8g64", "bf16", "q2g128"}) {
     SCOPED_TRACE(fmt);

@@ -136,25 +136,10 @@ class CpuBackend final : public Backend {
     const int64_t offset = arena_take(bytes);
     if (offset < 0) return;
     char* data = reinterpret_cast<char*>(b.data);
-    for (size_t done = 0; done < bytes;) {
-      const ssize_t n = pwrite(arena_fd_, data + done, bytes - done, off_t(offset + int64_t(done)));
-      if (n <= 0) {
-        arena_give(offset, bytes);
-        return;
-      }
-      done += size_t(n);
-    }
-    if (mmap(b.data, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_, off_t(offset)) == MAP_FAILED) {
-      // A failed fixed mapping may have taken the old pages with it: map fresh ones and read the
-      // rows back from the file.
-      map_anonymous(b.data, 0, bytes);
-      for (size_t done = 0; done < bytes;) {
-        const ssize_t n = pread(arena_fd_, data + done, bytes - done, off_t(offset + int64_t(done)));
-        if (n <= 0) fail("KV cache: cannot read back ", bytes, " bytes of a snapshot");
-        done += size_t(n);
-      }
-      arena_give(offset, bytes);
-      return;
+    if (!arena_io(pwrite, data, bytes, offset)) return arena_give(offset, bytes);
+    if (!map_arena(b.data, bytes, offset)) {  // fresh zero pages there now: read the rows back
+      if (!arena_io(pread, data, bytes, offset)) fail("KV cache: cannot read back ", bytes, " bytes of a snapshot");
+      return arena_give(offset, bytes);
     }
     sealed_[b.data] = std::shared_ptr<SealedPages>(new SealedPages{offset, bytes, true}, [this](SealedPages* r) {
       arena_give(r->offset, r->bytes);
@@ -185,12 +170,8 @@ class CpuBackend final : public Backend {
       }
       if (auto s = sealed_.find(src.data); s != sealed_.end()) {
         shared = std::min(n * sizeof(float) / kPage * kPage, s->second->bytes);
-        if (shared > 0 && mmap(dst.data, shared, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_,
-                               off_t(s->second->offset)) == MAP_FAILED) {
-          map_anonymous(dst.data, 0, shared);  // no mapping left: copy after all
-          shared = 0;
-        }
-        if (shared > 0) lent_[dst.data] = Lent{s->second, shared};
+        if (shared > 0 && map_arena(dst.data, shared, s->second->offset)) lent_[dst.data] = Lent{s->second, shared};
+        else shared = 0;  // nothing to lend, or no mapping left: copy after all
       }
     }
     std::memcpy(reinterpret_cast<char*>(dst.data) + shared, reinterpret_cast<const char*>(src.data) + shared,
@@ -796,6 +777,25 @@ class CpuBackend final : public Backend {
       arena_free_.erase(prev);
     }
     arena_free_[lo] = size;
+  }
+  // The arena's `bytes` at `offset` mapped privately over the start of a growable buffer; false
+  // when the mapping fails, and fresh zero pages stand there instead.
+  bool map_arena(float* base, size_t bytes, int64_t offset) {
+    if (mmap(base, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_FIXED, arena_fd_, off_t(offset)) != MAP_FAILED)
+      return true;
+    map_anonymous(base, 0, bytes);  // a failed fixed mapping may have taken the old pages with it
+    return false;
+  }
+  // All `bytes` between memory at p and the arena at `offset` through op (pwrite or pread); false
+  // on an error.
+  template <class Op>
+  bool arena_io(Op op, char* p, size_t bytes, int64_t offset) {
+    for (size_t done = 0; done < bytes;) {
+      const ssize_t n = op(arena_fd_, p + done, bytes - done, off_t(offset + int64_t(done)));
+      if (n <= 0) return false;
+      done += size_t(n);
+    }
+    return true;
   }
   // Fresh anonymous pages (reading as zeros) over bytes [from, to) of a growable buffer.
   static void map_anonymous(float* base, size_t from, size_t to) {

@@ -27,15 +27,12 @@ constexpr int kOneRawRegs = 24;  // registers for one buffer of a warp's loaded 
 // fixtures, bit-identical to the batched kernels; every expert format of Pair.MoeEveryExpertFormat
 // at one token against the CPU; q2 and q4 experts of one layer in TieredGpu). RawPack / load_raw
 // also read f16; any other kind, or a width that is not whole packs, goes through the batched
-// kernels.
+// kernels. The one-token linears and router take the same kinds (linear.cu, moe.cu's route_few),
+// each checked bit for bit against the GEMV (Pair.OneTokenGemvEqualsTheGemvBitForBit).
 constexpr bool one_token_kind(int kind) {
   return kind == kBF16 || kind == kMxfp4 || kind == kFp8 || kind == kQ2 || kind == kQ3 || kind == kQ4 ||
          kind == kQ6 || kind == kQ8;
 }
-// The kinds the one-token linears and router take through the tile (linear.cu, moe.cu's
-// route_few): the above and q8 (--quant-all's routers), each checked bit for bit against the GEMV
-// (Pair.OneTokenGemvEqualsTheGemvBitForBit).
-constexpr bool one_token_linear_kind(int kind) { return one_token_kind(kind) || kind == kQ8; }
 // MOESTREAM_CUDA_ONE_TOKEN_GEMV=0: one-token linears and routers through the GEMV of several
 // tokens instead, for comparison (linear.cu).
 bool one_token_gemv_off();

@@ -458,7 +458,7 @@ bool gemv_one(const FormatTag& tag, SharedInput& m, const float* x, cudaStream_t
   if (smem > limit) return false;
   bool launched = false;
   dispatch_format(tag, [&]<int KIND, bool SF16>() {
-    if constexpr (one_token_linear_kind(KIND)) {
+    if constexpr (one_token_kind(KIND)) {
       auto run = [&]<int R>() {
         m.first_block[0] = 0;
         for (int i = 0; i < m.n; ++i) m.first_block[i + 1] = m.first_block[i] + blocks_for(m.w[i].rows, kOneWarps * R);

@@ -539,7 +539,7 @@ bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams&
               direct_groups != nullptr && T == 1};
   bool launched = false;
   dispatch_format(format_of(router), [&]<int KIND, bool SF16>() {
-    if constexpr (one_token_linear_kind(KIND)) {
+    if constexpr (one_token_kind(KIND)) {
       with_one_rows<KIND, 1>(w.rows * T, [&]<int R>() {
         static size_t configured = 0;  // the dynamic bytes allowed so far (the kernel has static shared memory too)
         if (smem > configured) {

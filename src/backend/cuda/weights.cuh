@@ -141,24 +141,16 @@ __device__ __forceinline__ float code_in_mantissa(uint32_t w) {
 
 // Value I of the pack in words w (decode_codes' I-th; a kernel may decode a pack's codes where it
 // uses them, not all 32 at once). IN_MANTISSA: 2-, 4- and 8-bit codes through code_in_mantissa,
-// the same values: q2 codes 0-10 of a word in place, 11-15 from the word shifted by 12; q4 nibbles
-// 0-4 in place, 5-7 from the word shifted by 12; q8 bytes 0-1 in place, 2-3 from the word shifted
-// by 16.
+// the same values: the codes of a word that end within its low 23 bits in place, the others from
+// the word shifted right by 12 (16 for bytes), which brings them there (q2: codes 0-10 in place;
+// q4: nibbles 0-4; q8: bytes 0-1).
 template <int KIND, bool IN_MANTISSA, int I>
 __device__ __forceinline__ float code_at(const uint32_t (&w)[bits_of(KIND)]) {
   constexpr int B = bits_of(KIND);
-  if constexpr (IN_MANTISSA && KIND == kQ2) {
-    constexpr int k = I / 16, e = I % 16;
-    if constexpr (e < 11) return code_in_mantissa<2, 2 * e>(w[k]);
-    else return code_in_mantissa<2, 2 * e - 12>(w[k] >> 12);
-  } else if constexpr (IN_MANTISSA && KIND == kQ4) {
-    constexpr int k = I / 8, e = I % 8;
-    if constexpr (e < 5) return code_in_mantissa<4, 4 * e>(w[k]);
-    else return code_in_mantissa<4, 4 * (e - 5) + 8>(w[k] >> 12);
-  } else if constexpr (IN_MANTISSA && KIND == kQ8) {
-    constexpr int k = I / 4, e = I % 4;
-    if constexpr (e < 2) return code_in_mantissa<8, 8 * e>(w[k]);
-    else return code_in_mantissa<8, 8 * (e - 2)>(w[k] >> 16);
+  if constexpr (IN_MANTISSA && (KIND == kQ2 || KIND == kQ4 || KIND == kQ8)) {
+    constexpr int per = 32 / B, k = I / per, bit = B * (I % per), shift = B == 8 ? 16 : 12;
+    if constexpr (bit + B <= 23) return code_in_mantissa<B, bit>(w[k]);
+    else return code_in_mantissa<B, bit - shift>(w[k] >> shift);
   } else {
     constexpr int bit = I * B, k = bit >> 5, sh = bit & 31;
     uint32_t v = w[k] >> sh;
