@@ -68,6 +68,13 @@ void Backend::gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& 
   add(out, s);
 }
 
+void Backend::moe_gated_shared(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p,
+                               const MlpWeights& shared, const Matrix& gate, Buffer& s, Buffer& g, Buffer& out) {
+  moe(x, router, experts, p, out);
+  ScopedTimer timer(times().dense_mlp);
+  gated_mlp_add(x, shared, gate, s, g, out);
+}
+
 void Backend::qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,
                            int n_heads, int n_kv_heads, int head_dim, const RopeTable& rope, int64_t n_past) {
   if (q_norm) rmsnorm(q, q_norm, eps, head_dim, q);

@@ -278,6 +278,11 @@ class Backend {
   // Qwen3.5). s (x.rows, out.cols) and g (x.rows, 1) are scratch: what mlp() and the gate write.
   virtual void gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& gate, Buffer& s, Buffer& g,
                              Buffer& out);
+  // The MoE block of Qwen3-Next and Qwen3.5: moe(x, router, experts, p, out), then
+  // gated_mlp_add(x, shared, gate, s, g, out). The shared expert does not depend on the routing,
+  // so a backend may compute it while the routed experts run.
+  virtual void moe_gated_shared(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p,
+                                const MlpWeights& shared, const Matrix& gate, Buffer& s, Buffer& g, Buffer& out);
   // q and k normalized per head of head_dim (each only when its weight is non-empty), then both
   // rotated at positions n_past + t (attention's query and key preparation).
   virtual void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps,

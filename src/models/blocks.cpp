@@ -478,18 +478,15 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     if (ws.moe_top_k > 0) p.next_top_k = std::min(p.next_top_k, ws.moe_top_k);
     if (ws.lookahead_k > 0) p.next_top_k = std::min(p.next_top_k, ws.lookahead_k);
   }
-  be.moe(xn, router, experts, p, out);
-  if (!shared.gate) return residual(out);
   Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
-  if (shared_gate) {
-    // Qwen3-Next: out += sigmoid(shared_gate xn) * shared(xn), then x += out.
-    {
-      ScopedTimer timer(be.times().dense_mlp);
-      Buffer gate = ws.shared_gate.rows_view(0, T);
-      be.gated_mlp_add(xn, shared, shared_gate, s, gate, out);
-    }
+  if (shared.gate && shared_gate) {
+    // Qwen3-Next: out = moe(xn) + sigmoid(shared_gate xn) * shared(xn), then x += out.
+    Buffer gate = ws.shared_gate.rows_view(0, T);
+    be.moe_gated_shared(xn, router, experts, p, shared, shared_gate, s, gate, out);
     return residual(out);
   }
+  be.moe(xn, router, experts, p, out);
+  if (!shared.gate) return residual(out);
   be.add(x, out);
   {
     ScopedTimer timer(be.times().dense_mlp);

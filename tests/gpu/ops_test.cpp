@@ -955,53 +955,95 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
   }
 }
 
+// Qwen3.5's MoE block with one token: its shared expert on a second stream beside the routed
+// experts (moe_gated_shared) gives the two calls' output bit for bit, call after call (the streams
+// fork and join each time), and a few tokens (one stream) too; resident experts and experts read
+// through the host.
+TEST_F(Pair, MoeBlockWithSharedExpertEqualsItsParts) {
+  const int E = 64;
+  const int64_t dim = 256, inter = 64;
+  for (const int64_t vram_mb : {int64_t(64), int64_t(0)}) {
+    SCOPED_TRACE("VRAM tier of " + std::to_string(vram_mb) + " MB");
+    HostExperts experts(E, dim, inter, "q4g64", 71);
+    CudaOptions o;
+    o.gpu_expert_mb = vram_mb;
+    o.total_experts = E;
+    std::unique_ptr<Backend> g = make_cuda_backend(o);
+    const Matrix router = load(*g, make_matrix(E, dim, "bf16", 72), "bf16");
+    HostMatrix sg = make_matrix(128, dim, "bf16", 73), su = make_matrix(128, dim, "bf16", 74),
+               sd = make_matrix(dim, 128, "bf16", 75), gate = make_matrix(1, dim, "bf16", 76);
+    const MlpWeights shared{load(*g, sg, "bf16"), load(*g, su, "bf16"), load(*g, sd, "bf16"), {}, {}, {}};
+    const Matrix gate_g = load(*g, gate, "bf16");
+    MoeParams p;
+    p.n_experts = E;
+    p.top_k = 8;
+    p.norm_topk_prob = true;
+    for (int64_t T : {1, 1, 1, 3}) {
+      SCOPED_TRACE("T=" + std::to_string(T));
+      const std::vector<float> xv = random(size_t(T * dim), uint32_t(80 + T));
+      Buffer x = g->alloc(T, dim), out = g->alloc(T, dim), parts = g->alloc(T, dim);
+      Buffer s = g->alloc(T, dim), s2 = g->alloc(T, dim), gv = g->alloc(T, 1), gv2 = g->alloc(T, 1);
+      ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+      g->moe_gated_shared(x, router, experts, p, shared, gate_g, s, gv, out);
+      g->Backend::moe_gated_shared(x, router, experts, p, shared, gate_g, s2, gv2, parts);
+      EXPECT_EQ(host(*g, out), host(*g, parts));
+    }
+  }
+}
+
 // One token's router logits and routing in one launch (moe.cu's route_few) for routers the
 // single-token tile reads: 160 experts make 10-20 blocks, of which the last to finish routes;
-// five calls in a row (its counter of finished blocks must start at 0 each time), the three
-// router kinds (grouped sigmoid with its bias), against the CPU. A wrong expert would move a
-// token's output by far more than 2e-5.
+// 512 (Qwen3.5-397B-A17B's) take the logits and route_kernel; five calls in a row (route_few's
+// counter of finished blocks must start at 0 each time), the three router kinds (grouped sigmoid with its bias), against the CPU; "ties": a
+// router whose rows repeat in threes, so that the k-th pick splits equal scores (the lower id
+// wins, as the CPU's). A wrong expert would move a token's output by far more than 2e-5.
 TEST_F(Pair, OneTokenRouterOfManyExpertsMatchesTheCpu) {
-  const int E = 160;
-  const int64_t dim = 256, inter = 64;
-  HostExperts experts(E, dim, inter, "q4g64", 41);
-  const std::vector<float> bias_values = random(E, 42);
-  const TensorView bias_view{"e_score_correction_bias", DType::F32, {E}, bias_values.data(), bias_values.size() * 4};
-  const Vector bias_c = cpu->load_vector(bias_view);
-  for (const std::string fmt : {"bf16", "q8g64", "q4g64"})
-    for (RouterKind kind : {RouterKind::SoftmaxTopK, RouterKind::TopKSoftmax, RouterKind::SigmoidGroupTopK}) {
-      SCOPED_TRACE(fmt + " router kind " + std::to_string(int(kind)));
-      CudaOptions o;
-      o.gpu_expert_mb = 64;
-      o.total_experts = E;
-      std::unique_ptr<Backend> g = make_cuda_backend(o);
-      HostMatrix r = make_matrix(E, dim, fmt, 9);
-      const Matrix rc = load(*cpu, r, fmt), rg = load(*g, r, fmt);
-      const Vector bias_g = g->load_vector(bias_view);
-      MoeParams p;
-      p.n_experts = E;
-      p.top_k = 8;
-      p.router = kind;
-      p.norm_topk_prob = true;
-      if (kind == RouterKind::SigmoidGroupTopK) {
-        p.n_group = 8;
-        p.topk_group = 4;
-        p.routed_scaling_factor = 2.5f;
+  for (const int E : {160, 512}) {
+    const int64_t dim = 256, inter = 64;
+    HostExperts experts(E, dim, inter, "q4g64", 41);
+    const std::vector<float> bias_values = random(size_t(E), 42);
+    const TensorView bias_view{"e_score_correction_bias", DType::F32, {E}, bias_values.data(), bias_values.size() * 4};
+    const Vector bias_c = cpu->load_vector(bias_view);
+    for (const std::string name : {"bf16", "q8g64", "q4g64", "ties"})
+      for (RouterKind kind : {RouterKind::SoftmaxTopK, RouterKind::TopKSoftmax, RouterKind::SigmoidGroupTopK}) {
+        SCOPED_TRACE(std::to_string(E) + " experts, " + name + " router kind " + std::to_string(int(kind)));
+        const std::string fmt = name == "ties" ? "bf16" : name;
+        CudaOptions o;
+        o.gpu_expert_mb = 64;
+        o.total_experts = E;
+        std::unique_ptr<Backend> g = make_cuda_backend(o);
+        HostMatrix r = make_matrix(E, dim, fmt, 9);
+        if (name == "ties")
+          for (int64_t e = 0; e < E; ++e)
+            std::copy_n(r.half.begin() + (e / 3 * 3) * dim, dim, r.half.begin() + e * dim);
+        const Matrix rc = load(*cpu, r, fmt), rg = load(*g, r, fmt);
+        const Vector bias_g = g->load_vector(bias_view);
+        MoeParams p;
+        p.n_experts = E;
+        p.top_k = 8;
+        p.router = kind;
+        p.norm_topk_prob = true;
+        if (kind == RouterKind::SigmoidGroupTopK) {
+          p.n_group = 8;
+          p.topk_group = 4;
+          p.routed_scaling_factor = 2.5f;
+        }
+        MoeParams pc = p;
+        if (kind == RouterKind::SigmoidGroupTopK) {
+          p.router_bias = &bias_g;
+          pc.router_bias = &bias_c;
+        }
+        for (int call = 0; call < 5; ++call) {
+          const std::vector<float> xv = random(size_t(dim), 50 + uint32_t(call));
+          Buffer xc = cpu->alloc(1, dim), xg = g->alloc(1, dim), oc = cpu->alloc(1, dim), og = g->alloc(1, dim);
+          std::memcpy(xc.data, xv.data(), xv.size() * sizeof(float));
+          ASSERT_EQ(cudaMemcpy(xg.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+          cpu->moe(xc, rc, experts, pc, oc);
+          g->moe(xg, rg, experts, p, og);
+          EXPECT_LT(test::relative_error(host(*g, og), host(*cpu, oc)), 2e-5) << "call " << call;
+        }
       }
-      MoeParams pc = p;
-      if (kind == RouterKind::SigmoidGroupTopK) {
-        p.router_bias = &bias_g;
-        pc.router_bias = &bias_c;
-      }
-      for (int call = 0; call < 5; ++call) {
-        const std::vector<float> xv = random(size_t(dim), 50 + uint32_t(call));
-        Buffer xc = cpu->alloc(1, dim), xg = g->alloc(1, dim), oc = cpu->alloc(1, dim), og = g->alloc(1, dim);
-        std::memcpy(xc.data, xv.data(), xv.size() * sizeof(float));
-        ASSERT_EQ(cudaMemcpy(xg.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-        cpu->moe(xc, rc, experts, pc, oc);
-        g->moe(xg, rg, experts, p, og);
-        EXPECT_LT(test::relative_error(host(*g, og), host(*cpu, oc)), 2e-5) << "call " << call;
-      }
-    }
+  }
 }
 
 // The fused steps of backend.h against the ops they replace, on the GPU (bit for bit: the model

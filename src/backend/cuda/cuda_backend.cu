@@ -69,6 +69,10 @@ class CudaBackend final : public Backend {
     graph_rows_ = env_int("MOESTREAM_CUDA_GRAPH_ROWS", kMaxGraphRows, 1, kMaxGraphRows);
     first_segment_ = env_int("MOESTREAM_CUDA_GRAPH_SEGMENT", 8, 0, 1 << 20);
     append_in_attention_ = env_int("MOESTREAM_CUDA_ATTN_APPEND", 1, 0, 1) == 1;
+    shared_beside_ = env_int("MOESTREAM_CUDA_SHARED_BESIDE", 1, 0, 1) == 1;
+    MS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
+    MS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
+    MS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
     tier_ = std::make_unique<ExpertTier>(opt_, compute_, copy_, gemm_, times_, sync_ops_, prof_);
     growable_ = std::make_unique<GrowableMemory>(0);
   }
@@ -86,6 +90,9 @@ class CudaBackend final : public Backend {
     for (void* p : device_allocs_) cudaFree(p);
     tier_.reset();
     cudaEventDestroy(staging_free_);
+    cudaEventDestroy(fork_);
+    cudaEventDestroy(join_);
+    cudaStreamDestroy(side_);
     cudaStreamDestroy(compute_);
     cudaStreamDestroy(copy_);
   }
@@ -412,7 +419,7 @@ class CudaBackend final : public Backend {
 
   void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) override {
     prof_.begin(compute_);
-    mlp_steps(x, w, nullptr, nullptr, out.data, out.cols);
+    mlp_steps(x, w, nullptr, nullptr, out.data, out.cols, compute_, gemm_);
     op_done([&] { return weight_label("mlp gate/up/down", w.gate, x.rows); }, stored_bytes(w.gate) + stored_bytes(w.up) + stored_bytes(w.down));
   }
 
@@ -420,17 +427,49 @@ class CudaBackend final : public Backend {
   // residual add: four launches instead of seven for one token.
   void gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& gate, Buffer& s, Buffer& g,
                      Buffer& out) override {
-    const int64_t T = x.rows;
-    if (gate.rows != 1 || gate.cols != x.cols || g.rows != T || g.cols != 1 || s.rows != T || out.rows != T ||
-        s.cols != out.cols || w.down.rows != out.cols) {
+    if (!gated_mlp_fits(x, w, gate, s, g, out)) {
       Backend::gated_mlp_add(x, w, gate, s, g, out);  // the unfused ops name what is wrong
       return;
     }
     prof_.begin(compute_);
-    mlp_steps(x, w, &gate, g.data, s.data, s.cols);
-    cuda::sigmoid_gate_add(out.data, s.data, g.data, T, out.cols, compute_);
+    mlp_steps(x, w, &gate, g.data, s.data, s.cols, compute_, gemm_);
+    cuda::sigmoid_gate_add(out.data, s.data, g.data, x.rows, out.cols, compute_);
     op_done([&] { return weight_label("shared expert, gated", w.gate, x.rows); },
             stored_bytes(w.gate) + stored_bytes(w.up) + stored_bytes(w.down) + stored_bytes(gate));
+  }
+
+  // One token's shared expert runs on a stream of its own beside the routed experts (the router
+  // and the experts' kernels are one wave or less and leave SMs idle; ~20 us a layer of
+  // Qwen3.5-397B-A17B's shape); then its sigmoid and add as gated_mlp_add's. The same kernels on
+  // the same inputs as the two calls, so the same output bit for bit. In a graph step the second
+  // stream's work is a branch of the graph. Not with the profile (its times are of one stream) or
+  // MOESTREAM_CUDA_SHARED_BESIDE=0.
+  void moe_gated_shared(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p,
+                        const MlpWeights& shared, const Matrix& gate, Buffer& s, Buffer& g, Buffer& out) override {
+    if (x.rows != 1 || !shared_beside_ || prof_.on() || sync_ops_ || !gated_mlp_fits(x, shared, gate, s, g, out)) {
+      Backend::moe_gated_shared(x, router, experts, p, shared, gate, s, g, out);
+      return;
+    }
+    MS_CUDA_CHECK(cudaEventRecord(fork_, compute_));
+    MS_CUDA_CHECK(cudaStreamWaitEvent(side_, fork_, 0));
+    mlp_steps(x, shared, &gate, g.data, s.data, s.cols, side_, gemm_side_);
+    MS_CUDA_CHECK(cudaEventRecord(join_, side_));
+    try {
+      tier_->moe(x, router, experts, p, out);
+    } catch (...) {
+      cudaStreamWaitEvent(compute_, join_, 0);  // the branch joins before the error leaves
+      throw;
+    }
+    MS_CUDA_CHECK(cudaStreamWaitEvent(compute_, join_, 0));
+    cuda::sigmoid_gate_add(out.data, s.data, g.data, x.rows, out.cols, compute_);
+    op_done([&] { return weight_label("moe and shared expert, gated", shared.gate, x.rows); });
+  }
+
+  static bool gated_mlp_fits(const Buffer& x, const MlpWeights& w, const Matrix& gate, const Buffer& s,
+                             const Buffer& g, const Buffer& out) {
+    const int64_t T = x.rows;
+    return gate.rows == 1 && gate.cols == x.cols && g.rows == T && g.cols == 1 && s.rows == T && out.rows == T &&
+           s.cols == out.cols && w.down.rows == out.cols;
   }
 
   void sigmoid_gate(Buffer& y, const Buffer& gate) override {
@@ -455,7 +494,7 @@ class CudaBackend final : public Backend {
   // out (ldo) = down(act(gate x) * up x), gate and up (and `extra`, into extra_out, when given)
   // in one launch where the format allows; bit for bit the separate products.
   void mlp_steps(const Buffer& x, const MlpWeights& w, const Matrix* extra, float* extra_out, float* out,
-                 int64_t ldo) {
+                 int64_t ldo, cudaStream_t stream, GemmScratch& gemm) {
     const int64_t T = x.rows, inter = w.gate.rows;
     float* g = scratch_.get(kMlpGate, size_t(T * inter));
     float* u = scratch_.get(kMlpUp, size_t(T * inter));
@@ -464,12 +503,12 @@ class CudaBackend final : public Backend {
     float* outs[3] = {g, u, extra_out};
     const size_t n = extra ? 3 : 2;
     if (!cuda::linear_shared_input(std::span<const Matrix* const>(ms, n), x.data, x.cols, T,
-                                   std::span<const float* const>(biases, n), std::span<float* const>(outs, n), gemm_,
-                                   compute_))
+                                   std::span<const float* const>(biases, n), std::span<float* const>(outs, n), gemm,
+                                   stream))
       for (size_t i = 0; i < n; ++i)
-        cuda::linear(*ms[i], x.data, x.cols, T, biases[i], outs[i], ms[i]->rows, gemm_, compute_);
-    cuda::expert_activation(g, u, T, inter, nullptr, nullptr, MoeParams{}, compute_);
-    cuda::linear(w.down, g, inter, T, w.down_bias ? w.down_bias.data : nullptr, out, ldo, gemm_, compute_);
+        cuda::linear(*ms[i], x.data, x.cols, T, biases[i], outs[i], ms[i]->rows, gemm, stream);
+    cuda::expert_activation(g, u, T, inter, nullptr, nullptr, MoeParams{}, stream);
+    cuda::linear(w.down, g, inter, T, w.down_bias ? w.down_bias.data : nullptr, out, ldo, gemm, stream);
   }
 
   GpuLimits measure_limits() { return probe_gpu_limits(compute_, gemm_, opt_.max_expert_bytes); }
@@ -634,6 +673,12 @@ class CudaBackend final : public Backend {
   HostStaging staging_;
   Scratch scratch_, deltanet_scratch_;
   GemmScratch gemm_;
+  // One token's shared expert beside the routed experts (moe_gated_shared): its stream, the events
+  // that fork it from the compute stream and join it back, and its own GEMM scratch.
+  bool shared_beside_ = true;  // MOESTREAM_CUDA_SHARED_BESIDE=0: one stream, for comparison
+  cudaStream_t side_ = nullptr;
+  cudaEvent_t fork_ = nullptr, join_ = nullptr;
+  GemmScratch gemm_side_;
   PinnedPool pinned_;
   struct RopeDevice {
     std::vector<float> host;
