@@ -50,9 +50,18 @@ struct RouteArgs {
   bool direct;
 };
 
+// Routers of more experts than this pick their top k from candidates (route_token).
+constexpr int kRankAllMax = 256;
+
+// Shared memory route_token uses for n experts and top k.
+inline size_t route_smem_bytes(int n, int k) {
+  return (size_t(2 * n) + 32) * sizeof(float) + size_t(k) * sizeof(int) + (n > kRankAllMax ? size_t(n) * sizeof(int) : 0);
+}
+
 // Token t's routing by one block (blockDim.x a multiple of 32, at least k). The logits are read
 // past L1 (another block of the same launch may have written them: route_few_kernel).
-// Shared `sm`: probs [n], choice [n], scratch [32], by_rank [k].
+// Shared `sm`: probs [n], choice [n], scratch [32], by_rank [k], and past kRankAllMax experts the
+// candidates [n].
 __device__ __forceinline__ void route_token(const RouteArgs& a, int64_t t, float* sm) {
   float* probs = sm;
   float* choice = sm + a.n;
@@ -104,17 +113,48 @@ __device__ __forceinline__ void route_token(const RouteArgs& a, int64_t t, float
     for (int e = tid; e < a.n; e += nth) choice[e] = probs[e] = __ldcg(l + e) + (a.bias ? a.bias[e] : 0.0f);
   }
   __syncthreads();
-  // Each thread ranks its experts against all (rank = how many come first: a larger value, or an
-  // equal value and a lower id, as the CPU's partial_sort comparator); the first k by rank.
-  for (int e = tid; e < a.n; e += nth) {
-    const float v = choice[e];
-    int rank = 0;
+  // An expert's rank: how many come first (a larger value, or an equal value and a lower id, as
+  // the CPU's partial_sort comparator); the first k by rank.
+  auto before = [&](int o, float w, int e, float v) { return w > v || (w == v && o < e); };
+  if (a.n <= kRankAllMax) {
+    // each thread ranks its experts against all
+    for (int e = tid; e < a.n; e += nth) {
+      const float v = choice[e];
+      int rank = 0;
 #pragma unroll 8
-    for (int o = 0; o < a.n; ++o) {
-      const float w = choice[o];
-      rank += w > v || (w == v && o < e);
+      for (int o = 0; o < a.n; ++o) rank += before(o, choice[o], e, v);
+      if (rank < a.k) by_rank[rank] = e;
     }
-    if (rank < a.k) by_rank[rank] = e;
+  } else {
+    // All against all is n^2 steps on one SM (~8 us for 512 experts). An expert with k others
+    // before it among its 32 neighbours (ids e / 32 alike) has rank k or more; those with fewer
+    // are the candidates, and an expert of rank below k has only candidates before it (each
+    // non-candidate before it brings k of its own neighbours before it), so its rank among the
+    // candidates is its rank. (32 + candidates) steps an expert instead of n.
+    int* cand = reinterpret_cast<int*>(by_rank + a.k);
+    __shared__ int n_cand;
+    if (tid == 0) n_cand = 0;
+    __syncthreads();
+    for (int e = tid; e < a.n; e += nth) {
+      const float v = choice[e];
+      const int g0 = e / 32 * 32, g1 = min(a.n, g0 + 32);
+      int near = 0;
+#pragma unroll 8
+      for (int o = g0; o < g1; ++o) near += before(o, choice[o], e, v);
+      if (near < a.k) cand[atomicAdd(&n_cand, 1)] = e;
+    }
+    __syncthreads();
+    const int nc = n_cand;
+    for (int i = tid; i < nc; i += nth) {
+      const int e = cand[i];
+      const float v = choice[e];
+      int rank = 0;
+      for (int j = 0; j < nc; ++j) {
+        const int o = cand[j];
+        rank += before(o, choice[o], e, v);
+      }
+      if (rank < a.k) by_rank[rank] = e;
+    }
   }
   __syncthreads();
   if (tid >= a.k) return;
@@ -517,7 +557,7 @@ void route(const float* logits, int64_t T, const MoeParams& p, const float* rout
               p.routed_scaling_factor, sel_ids, sel_w, direct_groups ? *direct_groups : MoeGroups{},
               direct_groups != nullptr && T == 1};
   const int threads = std::min(1024, (p.n_experts + kWarp - 1) / kWarp * kWarp);
-  const size_t smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
+  const size_t smem = route_smem_bytes(p.n_experts, p.top_k);
   launch(route_kernel, unsigned(T), unsigned(threads), smem, s, a);
 }
 
@@ -531,7 +571,7 @@ bool route_few(const Matrix& router, const float* x, int64_t T, const MoeParams&
   if (one_token_gemv_off() || T < 1 || T > kGemvMaxTokens || w.cols % 32 != 0 ||
       (reinterpret_cast<uintptr_t>(x) & 15) != 0 || p.n_experts > kOneWarps * 32 || w.rows != p.n_experts)
     return false;
-  const size_t route_smem = (size_t(2 * p.n_experts) + 32) * sizeof(float) + size_t(p.top_k) * sizeof(int);
+  const size_t route_smem = route_smem_bytes(p.n_experts, p.top_k);
   const size_t smem = std::max(size_t(padded_cols(w.cols)) * sizeof(float), route_smem);
   if (smem + 1024 > max_gemv_smem()) return false;
   RouteArgs a{logits, p.n_experts, p.top_k, p.router, p.norm_topk_prob, router_bias, p.n_group, p.topk_group,
