@@ -962,7 +962,7 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
 TEST_F(Pair, MoeBlockWithSharedExpertEqualsItsParts) {
   const int E = 64;
   const int64_t dim = 256, inter = 64;
-  for (const int64_t vram_mb : {int64_t(64), int64_t(0)}) {
+  for (const int vram_mb : {64, 0}) {
     SCOPED_TRACE("VRAM tier of " + std::to_string(vram_mb) + " MB");
     HostExperts experts(E, dim, inter, "q4g64", 71);
     CudaOptions o;

@@ -55,7 +55,8 @@ constexpr int kRankAllMax = 256;
 
 // Shared memory route_token uses for n experts and top k.
 inline size_t route_smem_bytes(int n, int k) {
-  return (size_t(2 * n) + 32) * sizeof(float) + size_t(k) * sizeof(int) + (n > kRankAllMax ? size_t(n) * sizeof(int) : 0);
+  const size_t candidates = n > kRankAllMax ? size_t(n) * sizeof(int) : 0;
+  return (size_t(2 * n) + 32) * sizeof(float) + size_t(k) * sizeof(int) + candidates;
 }
 
 // Token t's routing by one block (blockDim.x a multiple of 32, at least k). The logits are read
