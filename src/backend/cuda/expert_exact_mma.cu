@@ -110,7 +110,7 @@ __device__ __forceinline__ int split_shift(float mx) {
 template <bool INTERLEAVED>
 __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
   __shared__ float scratch[kSplitThreads / 32];
-  wait_prior_grid();  // x is the kernel before's output (when launched to overlap it: split_tokens)
+  wait_prior_grid();  // x is the kernel before's output (when launched to overlap it)
   allow_next_grid();
   const int64_t r = blockIdx.x;
   if (a.offset) {
@@ -158,6 +158,8 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
 // in active order. One warp.
 __global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int* n_active, int tok, int2* work,
                             int* n_work) {
+  wait_prior_grid();  // the groups are the kernel before's (when launched to overlap it)
+  allow_next_grid();
   const int lane = int(threadIdx.x);
   const int end = n_active ? *n_active : a_end;
   int base = 0;
@@ -668,8 +670,7 @@ enum ExactSlot { kXHi, kXLo, kXSum, kXInv, kHHi, kHLo, kHSum, kHInv, kWork, kNWo
 
 template <bool INTERLEAVED>
 void split(const SplitArgs& a, cudaStream_t s) {
-  split_kernel<INTERLEAVED><<<unsigned(a.n_rows), kSplitThreads, 0, s>>>(a);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(split_kernel<INTERLEAVED>, unsigned(a.n_rows), kSplitThreads, 0, s, a);
 }
 
 void split_rows(const SplitArgs& a, bool interleaved, cudaStream_t s) {
@@ -725,8 +726,7 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   a.work = work;
   a.n_work = n_work;
   const int* count = b.count_on_device ? b.groups.n_active : nullptr;
-  plan_kernel<<<1, 32, 0, s>>>(b.groups.offset, b.a_begin, b.a_end, count, TOK, work, n_work);
-  MS_CUDA_CHECK_LAUNCH();
+  launch(plan_kernel, 1, 32, 0, s, b.groups.offset, b.a_begin, b.a_end, count, TOK, work, n_work);
 
   // gate/up over the tokens' x
   a.in = split_buffers(get, kXHi, T, b.dim);

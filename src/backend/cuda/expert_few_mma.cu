@@ -376,11 +376,10 @@ void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, 
                                          kMaxStagedBlockBytes));
       configured = true;
     }
-    Staged<<<grid, kLaneThreads, size_t(smem), s>>>(a, scale_stage);
+    launch(Staged, grid, kLaneThreads, size_t(smem), s, a, scale_stage);
   } else {
-    Plain<<<grid, kLaneThreads, 0, s>>>(a, 0);
+    launch(Plain, grid, kLaneThreads, 0, s, a, 0);
   }
-  MS_CUDA_CHECK_LAUNCH();
 }
 
 }  // namespace

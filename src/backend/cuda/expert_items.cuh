@@ -37,6 +37,8 @@ void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned i
 // The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
 template <int TOK>
 __device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt) {
+  wait_prior_grid();  // the plan and x are the kernels' before (when launched to overlap them)
+  allow_next_grid();
   if (int(blockIdx.y) >= *a.n_work) return false;
   const int2 w = a.work[blockIdx.y];
   expert = a.e.g.active[w.x];
