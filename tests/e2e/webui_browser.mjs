@@ -69,18 +69,26 @@ try {
 
   // Stop: a long reply in a new conversation, stopped after it has started.
   // The click happens in the page as soon as text shows: on a busy 2-core machine a round trip
-  // through puppeteer can take longer than the whole reply.
+  // through puppeteer can take longer than the whole reply. It is made by a MutationObserver,
+  // whose callback runs between the reply's chunks: a timer polling the page can be held off
+  // until the page has drained the whole stream (when it falls behind the server), and a click
+  // then finds the reply finished.
   await set('#max-tokens', 2000);
   await page.click('#new-chat');
+  await page.evaluate(() => {
+    window.stopLabel = null;
+    const observer = new MutationObserver(() => {
+      if ((document.querySelector('.msg.assistant .content')?.textContent.length ?? 0) <= 20) return;
+      observer.disconnect();
+      const send = document.getElementById('send');
+      window.stopLabel = send.textContent;
+      send.click();
+    });
+    observer.observe(document.getElementById('messages'), { childList: true, subtree: true, characterData: true });
+  });
   await page.type('#input', 'Tell me a long story.');
   await page.keyboard.press('Enter');
-  const button = await page.waitForFunction(() => {
-    if ((document.querySelector('.msg.assistant .content')?.textContent.length ?? 0) <= 20) return false;
-    const send = document.getElementById('send');
-    const label = send.textContent;
-    send.click();
-    return label;
-  }, { polling: 10, timeout: 60000 });
+  const button = await page.waitForFunction(() => window.stopLabel, { polling: 10, timeout: 60000 });
   assert.equal(await button.jsonValue(), 'Stop');
   await page.waitForFunction(() => document.querySelector('.msg.assistant .stats'), { timeout: 30000 });
   assert.match(await page.$eval('.msg.assistant .stats', (el) => el.textContent), /stopped/);
