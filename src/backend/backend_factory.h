@@ -39,6 +39,7 @@ bool cuda_built();
 struct GpuTierStats {
   uint64_t hits = 0, misses = 0, prefetched = 0, resident_calls = 0;
   uint64_t graph_steps = 0;   // decode steps replayed as one CUDA graph
+  uint64_t norm_splits = 0;   // RMSNorms whose split rows the products after them took
   uint64_t bytes_h2d = 0;     // expert bytes copied host -> GPU
   // Decode read in place: MoE calls so run, the experts they read from pinned host memory (each
   // distinct expert of a call counted once), and misses copied into VRAM slots after their call.

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/backend_factory.h"
 #include "backend/expert_provider.h"
 #include "backend/cuda/attention.h"
 #include "backend/cuda/cuda_backend.h"
@@ -953,6 +954,87 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
       }
     }
   }
+}
+
+// A batched step's RMSNorm splits its rows for the tensor-core products after it (NormSplit): q, k
+// and v and the experts take those instead of splitting x themselves, with the same values, so
+// every output equals, bit for bit, a backend that never does (MOESTREAM_CUDA_NORM_SPLIT=0). q4 asks
+// for q4's column order, q8 for the plain one (a norm's first split is in q4's order, then it
+// learns). A write to the norm's output between it and the product (copy_rows here) drops the split.
+TEST_F(Pair, NormSplitEqualsTheProductsOwnSplit) {
+  if (!cuda::few_mma_enabled()) GTEST_SKIP() << "the few-token tensor-core paths are off";
+  constexpr int E = 16;
+  constexpr int64_t inter = 64;
+  MoeParams p;
+  p.n_experts = E;
+  p.top_k = 4;
+  p.norm_topk_prob = true;
+  for (const std::string fmt : {"q4g64", "q8g64"})
+    for (int64_t dim : {256, 2048}) {
+      // backends of their own: the expert tier sizes its slots by the first experts it sees
+      CudaOptions o;
+      o.gpu_expert_mb = 64;
+      o.total_experts = E;
+      setenv("MOESTREAM_CUDA_NORM_SPLIT", "0", 1);
+      std::unique_ptr<Backend> plain = make_cuda_backend(o);
+      unsetenv("MOESTREAM_CUDA_NORM_SPLIT");
+      std::unique_ptr<Backend> split = make_cuda_backend(o);
+      const Qkv m(*plain, *split, fmt, {160, 48, 40}, dim, 41);
+      HostExperts experts0(E, dim, inter, fmt, 48), experts1(E, dim, inter, fmt, 48);
+      HostExperts* experts[2] = {&experts0, &experts1};
+      const HostMatrix router = make_matrix(E, dim, "bf16", 49);
+      const Matrix routers[2] = {load(*plain, router, "bf16"), load(*split, router, "bf16")};
+      const std::vector<float> wv = random(size_t(dim), 3);
+      const TensorView wt{"norm", DType::F32, {dim}, wv.data(), wv.size() * 4};
+      for (int64_t T : {2, 8}) {
+        SCOPED_TRACE(fmt + " dim " + std::to_string(dim) + " T=" + std::to_string(T));
+        // norms of their own each time: each learns what the product after it asks for
+        const Vector norms[2] = {plain->load_vector(wt), split->load_vector(wt)};
+        const std::vector<float> rv = random(size_t(T * dim), 4), yv = random(size_t(T * dim), 5, 0.5f),
+                                 other = random(size_t(T * dim), 6);
+        const uint64_t before = gpu_tier_stats(*split)->norm_splits;
+        std::vector<std::vector<float>> outs[2];
+        for (int b = 0; b < 2; ++b) {
+          Backend& be = b ? *split : *plain;
+          auto up = [&](const std::vector<float>& v) {
+            Buffer d = be.alloc(T, dim);
+            EXPECT_EQ(cudaMemcpy(d.data, v.data(), v.size() * 4, cudaMemcpyHostToDevice), cudaSuccess);
+            return d;
+          };
+          Buffer r = up(rv), y = up(yv), ob = up(other), xn = be.alloc(T, dim), mo = be.alloc(T, dim);
+          Buffer q = be.alloc(T, 160), k = be.alloc(T, 48), v = be.alloc(T, 40);
+          const Matrix* w3[3] = {&(b ? m.g : m.c)[0], &(b ? m.g : m.c)[1], &(b ? m.g : m.c)[2]};
+          const Vector* b3[3] = {nullptr, nullptr, b ? &m.bg : &m.bc};
+          Buffer* o3[3] = {&q, &k, &v};
+          // twice each: a q8 norm's first split is in q4's order and is not taken; its second is
+          for (int round = 0; round < 2; ++round) {
+            be.add_rmsnorm(r, y, norms[b], 1e-6f, xn);
+            be.linear_shared_input(xn, w3, b3, o3);
+            outs[b].push_back(host(be, q));
+            outs[b].push_back(host(be, v));
+          }
+          const Vector moe_norm = be.load_vector(wt);  // another norm, learning on its own
+          for (int round = 0; round < 2; ++round) {
+            be.add_rmsnorm(r, y, moe_norm, 1e-6f, xn);
+            be.moe(xn, routers[b], *experts[b], p, mo);
+            outs[b].push_back(host(be, mo));
+          }
+          // the norm's output overwritten before the product: q is of what was copied in
+          be.add_rmsnorm(r, y, norms[b], 1e-6f, xn);
+          be.copy_rows(ob, xn, T);
+          be.linear(xn, *w3[0], nullptr, q);
+          outs[b].push_back(host(be, q));
+          outs[b].push_back(host(be, r));
+          be.linear(ob, *w3[0], nullptr, q);
+          outs[b].push_back(host(be, q));
+        }
+        for (size_t i = 0; i < outs[0].size(); ++i) EXPECT_EQ(outs[1][i], outs[0][i]) << "output " << i;
+        EXPECT_EQ(outs[1][outs[1].size() - 3], outs[1].back()) << "the norm's split outlived a write to its rows";
+        // taken by q, k, v in both rounds in q4, in the second in q8; by the experts the same
+        EXPECT_EQ(gpu_tier_stats(*split)->norm_splits - before, fmt == "q4g64" ? 4u : 2u);
+      }
+      EXPECT_EQ(gpu_tier_stats(*plain)->norm_splits, 0u);
+    }
 }
 
 // Qwen3.5's MoE block with one token: its shared expert on a second stream beside the routed

@@ -70,6 +70,7 @@ class CudaBackend final : public Backend {
     first_segment_ = env_int("MOESTREAM_CUDA_GRAPH_SEGMENT", 8, 0, 1 << 20);
     append_in_attention_ = env_int("MOESTREAM_CUDA_ATTN_APPEND", 1, 0, 1) == 1;
     shared_beside_ = env_int("MOESTREAM_CUDA_SHARED_BESIDE", 1, 0, 1) == 1;
+    norm_split_ = env_int("MOESTREAM_CUDA_NORM_SPLIT", 1, 0, 1) == 1;
     MS_CUDA_CHECK(cudaStreamCreateWithFlags(&side_, cudaStreamNonBlocking));
     MS_CUDA_CHECK(cudaEventCreateWithFlags(&fork_, cudaEventDisableTiming));
     MS_CUDA_CHECK(cudaEventCreateWithFlags(&join_, cudaEventDisableTiming));
@@ -131,6 +132,7 @@ class CudaBackend final : public Backend {
   }
 
   Buffer alloc(int64_t rows, int64_t cols) override {
+    drop_norm_split();
     const size_t bytes = size_t(std::max<int64_t>(1, rows * cols)) * sizeof(float);
     void* p = nullptr;
     MS_CUDA_CHECK(cudaMalloc(&p, bytes));
@@ -140,6 +142,7 @@ class CudaBackend final : public Backend {
   }
 
   void free(Buffer& b) override {
+    drop_norm_split();
     if (b.data && device_allocs_.erase(b.data)) {
       MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
       MS_CUDA_CHECK(cudaFree(b.data));
@@ -155,10 +158,12 @@ class CudaBackend final : public Backend {
     return Buffer{static_cast<float*>(p), rows, cols};
   }
   void commit_rows(Buffer& b, int64_t rows) override {
+    drop_norm_split();
     if (b.data && growable_->owns(b.data))
       growable_->commit(b.data, size_t(std::min(rows, b.rows) * b.cols) * sizeof(float), compute_);
   }
   void decommit_rows(Buffer& b, int64_t rows) override {
+    drop_norm_split();
     if (!b.data || !growable_->owns(b.data)) return;
     MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // no kernel still reads the rows
     growable_->decommit(
@@ -173,6 +178,7 @@ class CudaBackend final : public Backend {
   }
 
   void to_host(const Buffer& b, float* dst) override {
+    drop_norm_split();
     if (capturing_) finish_capture();
     MS_CUDA_CHECK(cudaMemcpyAsync(dst, b.data, size_t(b.rows * b.cols) * sizeof(float), cudaMemcpyDeviceToHost, compute_));
     MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
@@ -193,6 +199,7 @@ class CudaBackend final : public Backend {
   }
 
   void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
+    drop_norm_split();
     check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
     if (n == 0) return;
@@ -294,8 +301,22 @@ class CudaBackend final : public Backend {
       return;
     }
     prof_.begin(compute_);
-    cuda::add_rmsnorm(x.data, y.data, w.data, eps, x.rows, x.cols, out.data, compute_);
-    op_done([&] { return op_label("add + rmsnorm", x.rows); });
+    // A batched step's norm also splits its rows for the products after it (NormSplit), in the
+    // order they last asked for here.
+    const auto want = norm_split_ && x.rows >= 2 && x.rows <= cuda::kGemvMaxTokens && cuda::few_mma_enabled() &&
+                              cuda::add_rmsnorm_splits(x.cols) && reinterpret_cast<uintptr_t>(out.data) % 16 == 0
+                          ? split_orders_.try_emplace(w.data, SplitOrder::kInterleaved).first->second
+                          : SplitOrder::kNone;
+    cuda::SplitRows rows;
+    if (want != SplitOrder::kNone) {
+      auto get = [&](int slot, size_t bytes) { return gemm_.area(slot, bytes); };
+      rows = cuda::split_buffers(get, cuda::kAreaNormHi, x.rows, x.cols);
+    }
+    const bool interleaved = want == SplitOrder::kInterleaved;
+    cuda::add_rmsnorm(x.data, y.data, w.data, eps, x.rows, x.cols, out.data, compute_,
+                      want != SplitOrder::kNone ? &rows : nullptr, interleaved);
+    op_done([&] { return op_label(want != SplitOrder::kNone ? "add + rmsnorm + split" : "add + rmsnorm", x.rows); });
+    if (want != SplitOrder::kNone) gemm_.norm_split = cuda::NormSplit{out.data, x.rows, interleaved, rows, w.data};
   }
 
   void qk_norm_rope(Buffer& q, Buffer& k, const Vector& q_norm, const Vector& k_norm, float eps, int n_heads,
@@ -489,6 +510,7 @@ class CudaBackend final : public Backend {
 
   void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts, const MoeParams& p, Buffer& out) override {
     tier_->moe(x, router, experts, p, out);
+    drop_norm_split();
   }
 
   // out (ldo) = down(act(gate x) * up x), gate and up (and `extra`, into extra_out, when given)
@@ -516,6 +538,7 @@ class CudaBackend final : public Backend {
   GpuTierStats tier_stats() const {
     GpuTierStats s = tier_->stats();
     s.graph_steps = graph_steps_;
+    s.norm_splits = norm_splits_;
     s.pinned_bytes = pinned_.total();
     s.device = device_name_;
     return s;
@@ -631,10 +654,21 @@ class CudaBackend final : public Backend {
     cudaGetLastError();
   }
 
+  // The norm's split rows, once the operation after it has ended (or any that writes or frees
+  // memory without op_done): what that one asked for decides what the norm makes next time.
+  void drop_norm_split() {
+    cuda::NormSplit& n = gemm_.norm_split;
+    if (!n.x) return;
+    split_orders_[n.norm] = !n.asked ? SplitOrder::kNone : n.asked_interleaved ? SplitOrder::kInterleaved : SplitOrder::kInOrder;
+    if (n.asked && n.asked_interleaved == n.interleaved) ++norm_splits_;
+    n = cuda::NormSplit{};
+  }
+
   // Ends an operation: its profile entry (label() is called only when profiling) and, with
   // MOESTREAM_CUDA_SYNC, the wait for it.
   template <class Label>
   void op_done(Label&& label, double bytes = 0) {
+    drop_norm_split();
     if (prof_.on()) prof_.end(compute_, label(), bytes);
     if (sync_ops_) MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
     if (capturing_ && segment_limit_ > 0 && ++segment_ops_ >= segment_limit_) {
@@ -655,6 +689,11 @@ class CudaBackend final : public Backend {
   int first_segment_ = 8;  // MOESTREAM_CUDA_GRAPH_SEGMENT: operations in a step's first graph; 0 = one graph a step
   int segment_limit_ = 0, segment_ops_ = 0, segment_ = 0;
   bool append_in_attention_ = true;  // MOESTREAM_CUDA_ATTN_APPEND=0: a decode step's cache append as copies
+  // What each RMSNorm (by its weights) of a batched step splits its rows for (NormSplit); learned
+  // from the operation after it. MOESTREAM_CUDA_NORM_SPLIT=0: never, for comparison.
+  enum class SplitOrder { kNone, kInOrder, kInterleaved };
+  std::unordered_map<const void*, SplitOrder> split_orders_;
+  bool norm_split_ = true;
   int decode_streak_ = 0;   // steps in a row of streak_rows_ tokens
   int64_t streak_rows_ = 0;
   // The graphs of steps of one row count: one per segment, and how their updates went.
@@ -689,6 +728,7 @@ class CudaBackend final : public Backend {
   std::unique_ptr<ExpertTier> tier_;  // routed experts and moe(); made once the streams exist
   std::unique_ptr<GrowableMemory> growable_;  // the KV caches' memory (alloc_growable)
   uint64_t graph_steps_ = 0;           // steps replayed as CUDA graphs
+  uint64_t norm_splits_ = 0;           // GpuTierStats::norm_splits
 };
 
 }  // namespace

@@ -3,6 +3,7 @@
 
 #include "backend/cuda/common.cuh"
 #include "backend/cuda/elementwise.h"
+#include "backend/cuda/split_rows.cuh"
 
 namespace moestream::cuda {
 
@@ -15,9 +16,13 @@ namespace {
 // for the one before it (a weight is never written during a step); PER 0: any width, each element
 // read again after the sum. Every PER sums in the same order, so each gives the same bits. x and
 // out may be one buffer.
-template <int PER, bool ADD>
+// SPLIT (1 in order, 2 in q4's order; PER > 0 only): out's row is then also split for the
+// tensor-core products (split_rows.cuh), as split_kernel splits it: its largest magnitude from
+// the values in registers, its columns read back 8 a thread (the block's own stores, visible after
+// block_max's barriers).
+template <int PER, bool ADD, int SPLIT = 0>
 __global__ void rmsnorm_kernel(float* x, const float* __restrict__ y, const float* __restrict__ w, float eps,
-                               int64_t cols, float* out) {
+                               int64_t cols, float* out, SplitRows split = {}) {
   __shared__ float scratch[32];
   float* row = x + int64_t(blockIdx.x) * cols;
   float* dst = out + int64_t(blockIdx.x) * cols;
@@ -50,10 +55,27 @@ __global__ void rmsnorm_kernel(float* x, const float* __restrict__ y, const floa
     }
     ss = block_sum(ss, scratch);
     const float inv = 1.0f / sqrtf(ss / float(cols) + eps);
+    float mx = 0.0f;
 #pragma unroll
     for (int j = 0; j < PER; ++j) {
       const int64_t i = threadIdx.x + int64_t(j) * blockDim.x;
-      if (i < cols) dst[i] = wv[j] * (v[j] * inv);
+      if (i < cols) {
+        const float o = wv[j] * (v[j] * inv);
+        dst[i] = o;
+        if constexpr (SPLIT != 0) mx = fmaxf(mx, fabsf(o));
+      }
+    }
+    if constexpr (SPLIT != 0) {
+      const int shift = split_shift(block_max(mx, scratch));
+      const float up = pow2(shift);
+      const int64_t r = blockIdx.x;
+      if (threadIdx.x == 0) {
+        split.inv[r] = pow2(-shift);
+        for (int64_t p = cols / 32; p < split.sum_stride; ++p) split.sum[r * split.sum_stride + p] = 0.0f;
+      }
+      for (int64_t c8 = 8 * int64_t(threadIdx.x); c8 < cols; c8 += 8 * int64_t(blockDim.x))
+        split_eight<SPLIT == 2>(*reinterpret_cast<const float4*>(dst + c8), *reinterpret_cast<const float4*>(dst + c8 + 4),
+                                up, r, c8, split);
     }
   } else {
     wait_prior_grid();
@@ -212,17 +234,25 @@ void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group
   const int threads = rmsnorm_threads(group);
   with_per_thread(group, threads, [&]<int PER>() {
     launch(rmsnorm_kernel<PER, false>, unsigned(n / group), threads, 0, s, const_cast<float*>(x), nullptr, w, eps,
-           group, out);
+           group, out, SplitRows{});
   });
 }
 
 void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
-                 cudaStream_t s) {
+                 cudaStream_t s, const SplitRows* split, bool interleaved) {
   if (rows * cols == 0) return;
   const int threads = rmsnorm_threads(cols);
   with_per_thread(cols, threads, [&]<int PER>() {
-    launch(rmsnorm_kernel<PER, true>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out);
+    if (!split) launch(rmsnorm_kernel<PER, true>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out, SplitRows{});
+    else if constexpr (PER == 0) fail("add_rmsnorm: rows of ", cols, " cannot be split in the norm");
+    else if (interleaved) launch(rmsnorm_kernel<PER, true, 2>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out, *split);
+    else launch(rmsnorm_kernel<PER, true, 1>, unsigned(rows), threads, 0, s, x, y, w, eps, cols, out, *split);
   });
+}
+
+bool add_rmsnorm_splits(int64_t cols) {
+  const int threads = rmsnorm_threads(cols);
+  return cols % 32 == 0 && (cols + threads - 1) / threads <= 8;
 }
 
 void add(float* x, const float* y, int64_t n, cudaStream_t s) {

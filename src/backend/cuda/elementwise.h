@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "backend/backend.h"
+#include "backend/cuda/split_rows.cuh"
 
 namespace moestream::cuda {
 
@@ -16,8 +17,12 @@ void rmsnorm(const float* x, const float* w, float eps, int64_t n, int64_t group
 // of the sum of squares: the fused kernels that norm use the same).
 int rmsnorm_threads(int64_t group);
 // x += y; out = RMSNorm of each row of x (rows x cols) times w: as add() then rmsnorm(), bit for bit.
+// With `split` (areas for rows x cols), out is also split for the tensor-core products, in q4's
+// column order when `interleaved`: split_tokens(out, ...)'s values (cols as add_rmsnorm_splits
+// allows).
 void add_rmsnorm(float* x, const float* y, const float* w, float eps, int64_t rows, int64_t cols, float* out,
-                 cudaStream_t s);
+                 cudaStream_t s, const SplitRows* split = nullptr, bool interleaved = false);
+bool add_rmsnorm_splits(int64_t cols);
 void add(float* x, const float* y, int64_t n, cudaStream_t s);
 void clamp(float* x, float limit, int64_t n, cudaStream_t s);
 // dst[t, to.offset + g * to.stride + i] = src[t, from.offset + g * from.stride + i]

@@ -68,11 +68,6 @@ struct alignas(128) Stage {
 // Alignment of the kernels' shared memory and of each Stage in it.
 constexpr int kSmemAlign = 128;
 
-// The q4 decode below turns a word of 8 codes into FP16 pairs of columns (i, i + 4); the
-// activations are laid out the same way, so each product still pairs a code with its column.
-// Position of column c (0..7) of each 8 in shared memory and in SplitRows.
-__device__ __forceinline__ int slot_of(int c, bool interleaved) { return interleaved ? 2 * (c & 3) + (c >> 2) : c; }
-
 struct SplitArgs {
   const float* src;  // [n_rows, out.cols], row stride ld
   int64_t ld, n_rows;
@@ -94,15 +89,6 @@ __device__ __forceinline__ float block_max(float v, float* scratch) {
 #pragma unroll
   for (int w = 1; w < WARPS; ++w) v = fmaxf(v, scratch[w]);
   return v;
-}
-
-// The power of two s such that mx * 2^s, a row's largest magnitude, lies in [2^14, 2^15); 0 when
-// mx is zero, infinite or NaN (such rows go through unscaled).
-__device__ __forceinline__ int split_shift(float mx) {
-  if (!(mx > 0.0f && mx <= 3.4e38f)) return 0;
-  int e;
-  frexpf(mx, &e);  // mx = f * 2^e, f in [0.5, 1)
-  return min(max(15 - e, -126), 126);
 }
 
 // One block per row: the row's largest finite magnitude, then 8 columns per thread scaled, split
@@ -129,27 +115,11 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
   const float up = pow2(shift);
   if (tid == 0) a.out.inv[r] = pow2(-shift);
   const int64_t packs = cols / 32;
-  for (int64_t c8 = 8 * int64_t(tid); c8 < cols; c8 += 8 * kSplitThreads) {
-    const float4 v0 = *reinterpret_cast<const float4*>(x + c8), v1 = *reinterpret_cast<const float4*>(x + c8 + 4);
-    const float v[8] = {v0.x * up, v0.y * up, v0.z * up, v0.w * up, v1.x * up, v1.y * up, v1.z * up, v1.w * up};
-    __align__(16) __half hi[8], lo[8];
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const __half h = __float2half_rn(v[i]);
-      const int at = slot_of(i, INTERLEAVED);
-      hi[at] = h;
-      lo[at] = __float2half_rn(v[i] - __half2float(h));
-      s += v[i];
-    }
-    *reinterpret_cast<uint4*>(a.out.hi + r * cols + c8) = *reinterpret_cast<const uint4*>(hi);
-    *reinterpret_cast<uint4*>(a.out.lo + r * cols + c8) = *reinterpret_cast<const uint4*>(lo);
-    // The 4 threads of a pack are 4 consecutive lanes (kSplitThreads * 8 columns per round is a
-    // multiple of 32).
-    s += __shfl_xor_sync(0xffffffffu, s, 1);
-    s += __shfl_xor_sync(0xffffffffu, s, 2);
-    if (tid % 4 == 0) a.out.sum[r * a.out.sum_stride + c8 / 32] = s;
-  }
+  // The 4 threads of a pack are 4 consecutive lanes (kSplitThreads * 8 columns per round is a
+  // multiple of 32).
+  for (int64_t c8 = 8 * int64_t(tid); c8 < cols; c8 += 8 * kSplitThreads)
+    split_eight<INTERLEAVED>(*reinterpret_cast<const float4*>(x + c8), *reinterpret_cast<const float4*>(x + c8 + 4), up,
+                             r, c8, a.out);
   if (tid == 0)
     for (int64_t p = packs; p < a.out.sum_stride; ++p) a.out.sum[r * a.out.sum_stride + p] = 0.0f;
 }
@@ -729,8 +699,13 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   launch(plan_kernel, 1, 32, 0, s, b.groups.offset, b.a_begin, b.a_end, count, TOK, work, n_work);
 
   // gate/up over the tokens' x
-  a.in = split_buffers(get, kXHi, T, b.dim);
-  split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
+  const SplitRows* pre = b.gemm ? b.gemm->norm_split.find(b.x, b.dim, T, b.dim, interleaved_of(b.gate_up)) : nullptr;
+  if (pre) {
+    a.in = *pre;  // the norm before split x
+  } else {
+    a.in = split_buffers(get, kXHi, T, b.dim);
+    split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
+  }
   // a batched decode step's q4 and q8 experts: the lane-decoded kernels
   const bool lanes = TOK == kFewTok && few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
                      few_lanes_take(b.down, b.group_shift, b.inter);

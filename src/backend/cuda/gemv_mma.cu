@@ -167,9 +167,13 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
   }
   const int64_t cols = a.w[0].cols;
   auto get = [&](int slot, size_t bytes) { return scratch.area(slot, bytes); };
-  a.in = split_buffers(get, kAreaExactHi, T, cols);
   a.T = int(T);
-  split_tokens(x, ldx, T, tag.kind == kQ4, a.in, s);
+  if (const SplitRows* pre = scratch.norm_split.find(x, ldx, T, cols, tag.kind == kQ4)) {
+    a.in = *pre;  // the norm before split x
+  } else {
+    a.in = split_buffers(get, kAreaExactHi, T, cols);
+    split_tokens(x, ldx, T, tag.kind == kQ4, a.in, s);
+  }
   auto run = [&]<int KIND, bool WIDE>() {
     if (tag.scale_f16) launch(gemv_few_mma_kernel<KIND, true, WIDE>, a.first_tile[a.n], kFewThreads, 0, s, a);
     else launch(gemv_few_mma_kernel<KIND, false, WIDE>, a.first_tile[a.n], kFewThreads, 0, s, a);

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "backend/backend.h"
+#include "backend/cuda/split_rows.cuh"
 
 namespace moestream::cuda {
 
@@ -37,7 +38,8 @@ bool tensor_cores_for(int64_t T);
 enum GemmArea : int { kAreaTile16, kAreaX16, kAreaExpertW16, kAreaExpertX16, kAreaExpertGate, kAreaExpertUp,
                       kAreaExpertHidden, kAreaExpertDown, kAreaExpertPointers,
                       kAreaExactHi, kAreaExactLo, kAreaExactSum, kAreaExactInv,  // linear_exact_mma's split x
-                      kAreaSplitW, kAreaSplitInv, kAreaSplitSums };  // its weights split for cuBLAS
+                      kAreaSplitW, kAreaSplitInv, kAreaSplitSums,  // its weights split for cuBLAS
+                      kAreaNormHi, kAreaNormLo, kAreaNormSum, kAreaNormInv };  // NormSplit's rows
 
 // A failed cuBLAS call throws Error naming the call site (like MS_CUDA_CHECK).
 void check_cublas(cublasStatus_t s, const char* what, const char* file, int line);
@@ -54,6 +56,8 @@ struct GemmScratch {
   // Device areas by slot (GemmArea), each grown to the largest size asked for.
   std::vector<std::pair<void*, size_t>> areas;
   void* area(int slot, size_t bytes);
+  // x as the RMSNorm before this operation split it (split_rows.cuh), or nothing.
+  NormSplit norm_split;
   cublasHandle_t tensor_handle(cudaStream_t stream);
   ~GemmScratch();
 };

@@ -24,18 +24,6 @@ constexpr int kMaxTopK = 32;
 // 2 tiles 3409, 4 tiles 3375, 8 tiles 2926.
 constexpr int kExpertRowTiles = 2;
 
-// Reduction over the block (blockDim.x a multiple of 32); every thread gets the result.
-// `scratch` holds 32 floats of shared memory; the call ends with the block synchronized.
-__device__ __forceinline__ float block_max(float v, float* scratch) {
-  const int lane = threadIdx.x % kWarp, warp = threadIdx.x / kWarp, n_warps = blockDim.x / kWarp;
-  v = warp_max(v);
-  __syncthreads();
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  v = lane < n_warps ? scratch[lane] : -INFINITY;
-  return warp_max(v);
-}
-
 struct RouteArgs {
   const float* logits;
   int n, k;
