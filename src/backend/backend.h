@@ -232,6 +232,11 @@ class Backend {
   // Bytes at the start of growable buffer b that read a sealed buffer's memory lent by copy_rows,
   // while that buffer lives (memory it already holds); 0 by default.
   virtual int64_t lent_bytes(const Buffer& b) const { return 0; }
+  // Rows of growable buffer b from `row` on are about to be written (called before the step that
+  // writes them, never inside one): memory there that b borrows from a sealed buffer becomes its
+  // own first, holding the same rows, where the backend cannot copy on write by itself (CUDA).
+  // The default does nothing.
+  virtual void own_rows(Buffer& b, int64_t row) {}
   // Sets `bytes` of memory aside for growable buffers now, before anything else sizes itself by the
   // memory left (the CUDA expert cache): commits take it from there and fail once it is used up.
   // The default does nothing (commits take memory from the system as they come).

@@ -398,8 +398,19 @@ void KvReservation::seal(Backend& be, std::vector<Buffer>& k, std::vector<Buffer
       if (b.data) be.seal_rows(b, rows);
 }
 
+void KvReservation::own(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v,
+                        int64_t n_past) {
+  const int64_t row = kv.window > 0 && kv.ring ? std::min(n_past, kv.sinks) : n_past;
+  for (auto* caches : {&k, &v})
+    for (Buffer& b : *caches)
+      if (b.data) be.own_rows(b, row);
+}
+
 int64_t KvSequence::bytes() const { return state_bytes(k) + state_bytes(v); }
-void KvSequence::reserve(int64_t positions) { reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_)); }
+void KvSequence::reserve(int64_t positions) {
+  reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_));
+  KvReservation::own(be_, kv_, k, v, n_past);
+}
 void KvSequence::trim() { reserved_.trim(be_, kv_, k, v, n_past); }
 int64_t KvSequence::held_bytes() const { return bytes_at(reserved_.positions); }
 int64_t KvSequence::bytes_at(int64_t positions) const {

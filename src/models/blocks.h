@@ -127,6 +127,9 @@ struct KvReservation {
                           const std::vector<Buffer>& v, int64_t n);
   // Seals the rows of the first n positions of each buffer (SequenceState::seal).
   static void seal(Backend& be, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n);
+  // Before positions from n_past on are written: the rows they may write are each buffer's own
+  // (Backend::own_rows); a ring's from its first row past the sinks, where it wraps to.
+  static void own(Backend& be, const KvCacheSpec& kv, std::vector<Buffer>& k, std::vector<Buffer>& v, int64_t n_past);
 };
 
 // The KV cache of a decoder-only model: one K and one V buffer per layer, rows of

@@ -73,7 +73,10 @@ int64_t HybridSequence::bytes() const {
   return state_bytes(k) + state_bytes(v) + state_bytes(conv) + state_bytes(recurrent);
 }
 
-void HybridSequence::reserve(int64_t positions) { reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_)); }
+void HybridSequence::reserve(int64_t positions) {
+  reserved_.reserve(be_, kv_, k, v, std::min(positions, capacity_));
+  KvReservation::own(be_, kv_, k, v, n_past);
+}
 void HybridSequence::trim() { reserved_.trim(be_, kv_, k, v, n_past); }
 int64_t HybridSequence::held_bytes() const { return bytes_at(reserved_.positions); }
 int64_t HybridSequence::bytes_at(int64_t positions) const {

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -123,6 +124,79 @@ TEST_F(GpuKvMemory, ThePoolBoundsCommits) {
   Buffer c = be.alloc_growable(2 * chunk / 4, 1);
   be.commit_rows(c, 2 * chunk / 4);
   be.free(c);
+}
+
+// A sealed snapshot (a prefix cache's entry) lends its whole chunks: states restored from it map
+// them instead of copying and hold less; each continues as the snapshot's own sequence does, bit
+// for bit (interleaved, so a chunk written through by either would show); a cut inside the
+// borrowed rows writes into a copy of its own, so the snapshot reads on unchanged; once the
+// snapshot is gone a borrower continues and counts the chunks as its own.
+TEST_F(GpuKvMemory, SealedSnapshotsLendTheirChunks) {
+  KvCacheSpec kv;
+  kv.growable = true;
+  auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
+  const int64_t vocab = model->info().vocab_size;
+  auto probe = model->new_sequence(40000);
+  int64_t per_chunk = 1;  // positions a chunk of one layer's cache holds
+  while (probe->bytes_at(per_chunk + 1) == probe->bytes_at(1)) per_chunk *= 2;
+  while (probe->bytes_at(per_chunk) > probe->bytes_at(1)) --per_chunk;
+  probe.reset();
+  const int64_t n = per_chunk + per_chunk / 2, cap = 2 * per_chunk + 64;  // one whole chunk to lend
+  const auto prompt = some_tokens(n, vocab, 3), cut_tail = some_tokens(5, vocab, 6), more = some_tokens(4, vocab, 7);
+  const auto t1 = some_tokens(6, vocab, 4), t2 = some_tokens(6, vocab, 5);
+  std::vector<float> last(static_cast<size_t>(vocab));
+  auto step = [&](SequenceState& s, int32_t t) {
+    model->forward(std::span(&t, 1), s, last);
+    return last;
+  };
+  auto fresh = [&](const std::vector<int32_t>& decode) {  // the snapshot's own sequence, continued
+    auto s = model->new_sequence(cap);
+    std::vector<float> out = run(*model, *s, prompt, decode);
+    return std::make_pair(std::move(s), std::move(out));
+  };
+  const auto want1 = fresh(t1).second;
+  auto [d, want2] = fresh(t2);
+
+  auto seq = model->new_sequence(cap);
+  model->forward(prompt, *seq, last);
+  auto snap = seq->clone(n);
+  snap->seal();
+  const int64_t copy_bytes = snap->held_bytes() - snap->bytes_at(0);
+  auto a = model->new_sequence(cap), b = model->new_sequence(cap);
+  a->trim();
+  b->trim();
+  a->restore(*snap);
+  b->restore(*snap);
+  EXPECT_LT(a->held_bytes() - a->bytes_at(0), copy_bytes) << "a restored state borrows the snapshot's chunks";
+  EXPECT_LT(b->held_bytes() - b->bytes_at(0), copy_bytes);
+  std::vector<float> got1, got2;
+  for (size_t i = 0; i < t1.size(); ++i) {
+    const std::vector<float> x = step(*a, t1[i]), y = step(*b, t2[i]);
+    got1.insert(got1.end(), x.begin(), x.end());
+    got2.insert(got2.end(), y.begin(), y.end());
+  }
+  EXPECT_TRUE(got1 == want1) << "the first borrower";
+  EXPECT_TRUE(got2 == want2) << "the second borrower";
+
+  // A cut inside the borrowed chunk, as the snapshot's own sequence cut the same way.
+  seq->truncate(20);
+  const std::vector<float> want_cut = run(*model, *seq, cut_tail, t1);
+  a->truncate(20);
+  EXPECT_TRUE(run(*model, *a, cut_tail, t1) == want_cut) << "rows rewritten inside a borrowed chunk";
+  auto c = model->new_sequence(cap);
+  c->restore(*snap);
+  std::vector<float> got_c;
+  for (int32_t t : t2) {
+    const std::vector<float> x = step(*c, t);
+    got_c.insert(got_c.end(), x.begin(), x.end());
+  }
+  EXPECT_TRUE(got_c == want2) << "the snapshot after a borrower wrote inside its rows";
+
+  snap.reset();  // the lender goes; the borrowers keep the chunks
+  d->trim();
+  b->trim();
+  EXPECT_EQ(b->held_bytes(), d->held_bytes()) << "a borrower counts the chunks once the lender is gone";
+  for (int32_t t : more) EXPECT_TRUE(step(*b, t) == step(*d, t)) << "a borrower continuing after the lender is gone";
 }
 
 }  // namespace

@@ -198,12 +198,42 @@ class CudaBackend final : public Backend {
     std::copy_n(host, ids.size(), ids.data());
   }
 
+  // From a sealed buffer into a growable one: its whole chunks are lent (mapped, not copied) and
+  // the rest copied. What dst borrowed before and would be written now becomes its own first.
   void copy_rows(const Buffer& src, Buffer& dst, int64_t rows) override {
     drop_norm_split();
     check_copy_rows(src, dst, rows);
     const size_t n = size_t(rows * src.cols);
     if (n == 0) return;
-    MS_CUDA_CHECK(cudaMemcpyAsync(dst.data, src.data, n * sizeof(float), cudaMemcpyDeviceToDevice, compute_));
+    size_t lent = 0;
+    if (dst.data && growable_->owns(dst.data)) {
+      if (growable_->sealed(src.data)) {
+        MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // no kernel still uses dst's chunks
+        lent = std::min(n * sizeof(float), growable_->lend(src.data, dst.data, n * sizeof(float), compute_));
+      } else if (growable_->borrows_from(dst.data, 0)) {
+        own_rows(dst, 0);
+      }
+    }
+    MS_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dst.data) + lent, reinterpret_cast<const char*>(src.data) + lent,
+                                  n * sizeof(float) - lent, cudaMemcpyDeviceToDevice, compute_));
+  }
+
+  // A sealed buffer's whole chunks may be lent by copy_rows (GrowableMemory::lend).
+  void seal_rows(Buffer& b, int64_t rows) override {
+    if (b.data && growable_->owns(b.data))
+      growable_->seal(b.data, size_t(std::clamp<int64_t>(rows, 0, b.rows) * b.cols) * sizeof(float));
+  }
+  int64_t lent_bytes(const Buffer& b) const override {
+    return b.data && growable_->owns(b.data) ? int64_t(growable_->lent_bytes(b.data)) : 0;
+  }
+  void own_rows(Buffer& b, int64_t row) override {
+    if (!b.data || !growable_->owns(b.data)) return;
+    const size_t from = size_t(std::clamp<int64_t>(row, 0, b.rows) * b.cols) * sizeof(float);
+    if (!growable_->borrows_from(b.data, from)) return;
+    if (capturing_) fail("KV cache: rows borrowed from a prefix cache entry written inside a captured step");
+    drop_norm_split();
+    MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // no kernel still reads the chunks replaced
+    growable_->own(b.data, from, compute_);
   }
 
   void* alloc_host(size_t bytes) override { return pinned_.alloc(bytes); }
