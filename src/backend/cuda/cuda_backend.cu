@@ -227,7 +227,7 @@ class CudaBackend final : public Backend {
     return b.data && growable_->owns(b.data) ? int64_t(growable_->lent_bytes(b.data)) : 0;
   }
   void own_rows(Buffer& b, int64_t row) override {
-    if (!b.data || !growable_->owns(b.data)) return;
+    if (!growable_->borrows_any() || !b.data || !growable_->owns(b.data)) return;
     const size_t from = size_t(std::clamp<int64_t>(row, 0, b.rows) * b.cols) * sizeof(float);
     if (!growable_->borrows_from(b.data, from)) return;
     if (capturing_) fail("KV cache: rows borrowed from a prefix cache entry written inside a captured step");

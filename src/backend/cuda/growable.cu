@@ -138,8 +138,7 @@ void GrowableMemory::decommit(void* base, size_t bytes) {
     unmap_chunk(base, r.chunks.size() - 1, r.chunks.back());
     r.chunks.pop_back();
   }
-  r.n_borrowed = std::min(r.n_borrowed, r.chunks.size());
-  if (r.n_borrowed == 0) r.borrowed.reset();
+  set_borrowed(r, std::min(r.n_borrowed, r.chunks.size()));
   if (r.sealed && r.sealed->chunks.size() > r.chunks.size()) r.sealed->chunks.resize(r.chunks.size());
 }
 
@@ -210,12 +209,16 @@ size_t GrowableMemory::lend(const void* src, void* dst, size_t bytes, cudaStream
     if (i < to.chunks.size()) to.chunks[i] = h;
     else to.chunks.push_back(h);
   }
-  to.n_borrowed = n;
-  to.borrowed = n ? from.sealed : nullptr;
+  set_borrowed(to, 0);  // the old loan, if any, is let go
+  if (n > 0) {
+    to.borrowed = from.sealed;
+    set_borrowed(to, n);
+  }
   return n * granularity_;
 }
 
 bool GrowableMemory::borrows_from(const void* base, size_t from) const {
+  if (borrowing_ranges_ == 0) return false;
   const auto it = ranges_.find(base);
   return it != ranges_.end() && from / granularity_ < it->second.n_borrowed;
 }
@@ -224,8 +227,14 @@ void GrowableMemory::own(void* base, size_t from, cudaStream_t s) {
   Range& r = ranges_.at(base);
   const size_t first = from / granularity_;
   for (size_t i = first; i < r.n_borrowed; ++i) replace_borrowed(base, r, i, true, s);
-  r.n_borrowed = std::min(r.n_borrowed, first);
-  if (r.n_borrowed == 0) r.borrowed.reset();
+  set_borrowed(r, std::min(r.n_borrowed, first));
+}
+
+void GrowableMemory::set_borrowed(Range& r, size_t n) {
+  if (r.n_borrowed == 0 && n > 0) ++borrowing_ranges_;
+  if (r.n_borrowed > 0 && n == 0) --borrowing_ranges_;
+  r.n_borrowed = n;
+  if (n == 0) r.borrowed.reset();
 }
 
 size_t GrowableMemory::lent_bytes(const void* base) const {

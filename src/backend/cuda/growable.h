@@ -54,8 +54,9 @@ class GrowableMemory {
   // zeroed chunks of its own on s); returns the bytes so lent, from dst's start. The GPU must be
   // done with dst's chunks.
   size_t lend(const void* src, void* dst, size_t bytes, cudaStream_t s);
-  // Whether the range at base borrows a chunk holding a byte at or after `from`.
+  // Whether the range at base borrows a chunk holding a byte at or after `from`; whether any does.
   bool borrows_from(const void* base, size_t from) const;
+  bool borrows_any() const { return borrowing_ranges_ > 0; }
   // Gives the range at base its own copy of each chunk it borrows at or after byte `from` (copied
   // on s, which is synchronized). The GPU must be done with them.
   void own(void* base, size_t from, cudaStream_t s);
@@ -81,6 +82,8 @@ class GrowableMemory {
   // (once no other range maps it).
   void map_chunk(void* base, size_t i, CUmemGenericAllocationHandle h);
   void unmap_chunk(void* base, size_t i, CUmemGenericAllocationHandle h);
+  // r's first n chunks are borrowed (of r.borrowed, which it drops at 0).
+  void set_borrowed(Range& r, size_t n);
   // Chunk i of the range at base, borrowed, replaced by one of its own (zeroed on s, or holding a
   // copy of the borrowed one's bytes when `copy`).
   void replace_borrowed(void* base, Range& r, size_t i, bool copy, cudaStream_t s);
@@ -97,6 +100,7 @@ class GrowableMemory {
   size_t committed_chunks_ = 0;
   // Chunks mapped in more than one range: how many map each.
   std::unordered_map<CUmemGenericAllocationHandle, int> shared_maps_;
+  size_t borrowing_ranges_ = 0;  // ranges with n_borrowed > 0
   CUdeviceptr scratch_ = 0;  // one chunk of addresses where own() maps a new chunk to fill it
 
   // The driver entry points (cudaGetDriverEntryPointByVersion).
