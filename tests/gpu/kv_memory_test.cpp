@@ -50,17 +50,22 @@ std::vector<float> run(Model& m, SequenceState& seq, const std::vector<int32_t>&
   return out;
 }
 
+// Positions a chunk of one layer's cache holds (fewer than 39,000 in the fixtures used here).
+int64_t positions_per_chunk(Model& model) {
+  auto probe = model.new_sequence(40000);
+  int64_t n = 1;
+  while (probe->bytes_at(n + 1) == probe->bytes_at(1)) n *= 2;
+  while (probe->bytes_at(n) > probe->bytes_at(1)) --n;
+  return n;
+}
+
 TEST_F(GpuKvMemory, SequencesGrowAcrossChunksExactly) {
   KvCacheSpec kv;
   kv.growable = true;
   auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
   const int64_t vocab = model->info().vocab_size;
-  auto probe = model->new_sequence(40000);
-  // Positions a chunk of one layer's cache holds: the prompt ends just before the second chunk,
-  // so that the decode steps cross into it.
-  int64_t per_chunk = 1;
-  while (probe->bytes_at(per_chunk + 1) == probe->bytes_at(1)) per_chunk *= 2;
-  while (probe->bytes_at(per_chunk) > probe->bytes_at(1)) --per_chunk;
+  // The prompt ends just before the second chunk, so that the decode steps cross into it.
+  const int64_t per_chunk = positions_per_chunk(*model);
   ASSERT_LT(per_chunk, 39000);
   const auto prompt = some_tokens(per_chunk - 3, vocab, 1), decode = some_tokens(8, vocab, 2);
 
@@ -136,11 +141,7 @@ TEST_F(GpuKvMemory, SealedSnapshotsLendTheirChunks) {
   kv.growable = true;
   auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
   const int64_t vocab = model->info().vocab_size;
-  auto probe = model->new_sequence(40000);
-  int64_t per_chunk = 1;  // positions a chunk of one layer's cache holds
-  while (probe->bytes_at(per_chunk + 1) == probe->bytes_at(1)) per_chunk *= 2;
-  while (probe->bytes_at(per_chunk) > probe->bytes_at(1)) --per_chunk;
-  probe.reset();
+  const int64_t per_chunk = positions_per_chunk(*model);
   const int64_t n = per_chunk + per_chunk / 2, cap = 2 * per_chunk + 64;  // one whole chunk to lend
   const auto prompt = some_tokens(n, vocab, 3), cut_tail = some_tokens(5, vocab, 6), more = some_tokens(4, vocab, 7);
   const auto t1 = some_tokens(6, vocab, 4), t2 = some_tokens(6, vocab, 5);

@@ -73,9 +73,7 @@ __global__ void rmsnorm_kernel(float* x, const float* __restrict__ y, const floa
         split.inv[r] = pow2(-shift);
         for (int64_t p = cols / 32; p < split.sum_stride; ++p) split.sum[r * split.sum_stride + p] = 0.0f;
       }
-      for (int64_t c8 = 8 * int64_t(threadIdx.x); c8 < cols; c8 += 8 * int64_t(blockDim.x))
-        split_eight<SPLIT == 2>(*reinterpret_cast<const float4*>(dst + c8), *reinterpret_cast<const float4*>(dst + c8 + 4),
-                                up, r, c8, split);
+      split_row<SPLIT == 2>(dst, cols, up, r, split);
     }
   } else {
     wait_prior_grid();

@@ -115,11 +115,7 @@ __global__ void __launch_bounds__(kSplitThreads) split_kernel(SplitArgs a) {
   const float up = pow2(shift);
   if (tid == 0) a.out.inv[r] = pow2(-shift);
   const int64_t packs = cols / 32;
-  // The 4 threads of a pack are 4 consecutive lanes (kSplitThreads * 8 columns per round is a
-  // multiple of 32).
-  for (int64_t c8 = 8 * int64_t(tid); c8 < cols; c8 += 8 * kSplitThreads)
-    split_eight<INTERLEAVED>(*reinterpret_cast<const float4*>(x + c8), *reinterpret_cast<const float4*>(x + c8 + 4), up,
-                             r, c8, a.out);
+  split_row<INTERLEAVED>(x, cols, up, r, a.out);
   if (tid == 0)
     for (int64_t p = packs; p < a.out.sum_stride; ++p) a.out.sum[r * a.out.sum_stride + p] = 0.0f;
 }

@@ -55,11 +55,11 @@ __device__ __forceinline__ int split_shift(float mx) {
 __device__ __forceinline__ int slot_of(int c, bool interleaved) { return interleaved ? 2 * (c & 3) + (c >> 2) : c; }
 
 // Columns [c8, c8 + 8) of row r (v0, v1: the row's values there) times `up` (2^split_shift) into
-// out, and the sum of their pack of 32 from the 4 threads that hold it (4 consecutive lanes, all
-// of the warp calling). Row r's inv and its sums past the packs are the caller's.
+// out, and the sum of their pack of 32 from the 4 threads that hold it (4 consecutive lanes, all in
+// `lanes`, the warp's lanes calling). Row r's inv and its sums past the packs are the caller's.
 template <bool INTERLEAVED>
 __device__ __forceinline__ void split_eight(float4 v0, float4 v1, float up, int64_t r, int64_t c8,
-                                            const SplitRows& out) {
+                                            const SplitRows& out, unsigned lanes) {
   const float v[8] = {v0.x * up, v0.y * up, v0.z * up, v0.w * up, v1.x * up, v1.y * up, v1.z * up, v1.w * up};
   __align__(16) __half hi[8], lo[8];
   float s = 0.0f;
@@ -73,9 +73,22 @@ __device__ __forceinline__ void split_eight(float4 v0, float4 v1, float up, int6
   }
   *reinterpret_cast<uint4*>(out.hi + r * out.cols + c8) = *reinterpret_cast<const uint4*>(hi);
   *reinterpret_cast<uint4*>(out.lo + r * out.cols + c8) = *reinterpret_cast<const uint4*>(lo);
-  s += __shfl_xor_sync(0xffffffffu, s, 1);
-  s += __shfl_xor_sync(0xffffffffu, s, 2);
+  s += __shfl_xor_sync(lanes, s, 1);
+  s += __shfl_xor_sync(lanes, s, 2);
   if ((c8 / 8) % 4 == 0) out.sum[r * out.sum_stride + c8 / 32] = s;
+}
+
+// split_eight over row r's columns (cols a multiple of 32; x: the row), 8 a thread: every thread
+// of the block calls it, so that each round's calling lanes are known to the warp.
+template <bool INTERLEAVED>
+__device__ __forceinline__ void split_row(const float* x, int64_t cols, float up, int64_t r, const SplitRows& out) {
+  for (int64_t base = 0; base < cols; base += 8 * int64_t(blockDim.x)) {
+    const int64_t c8 = base + 8 * int64_t(threadIdx.x);
+    const unsigned lanes = __ballot_sync(0xffffffffu, c8 < cols);
+    if (c8 < cols)
+      split_eight<INTERLEAVED>(*reinterpret_cast<const float4*>(x + c8), *reinterpret_cast<const float4*>(x + c8 + 4),
+                               up, r, c8, out, lanes);
+  }
 }
 
 #endif  // __CUDACC__
