@@ -50,6 +50,13 @@ std::vector<float> run(Model& m, SequenceState& seq, const std::vector<int32_t>&
   return out;
 }
 
+// The Qwen3-MoE fixture on CUDA with KV caches that grow in chunks.
+auto growable_model() {
+  KvCacheSpec kv;
+  kv.growable = true;
+  return load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
+}
+
 // Positions a chunk of one layer's cache holds (fewer than 39,000 in the fixtures used here).
 int64_t positions_per_chunk(Model& model) {
   auto probe = model.new_sequence(40000);
@@ -60,9 +67,7 @@ int64_t positions_per_chunk(Model& model) {
 }
 
 TEST_F(GpuKvMemory, SequencesGrowAcrossChunksExactly) {
-  KvCacheSpec kv;
-  kv.growable = true;
-  auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
+  auto model = growable_model();
   const int64_t vocab = model->info().vocab_size;
   // The prompt ends just before the second chunk, so that the decode steps cross into it.
   const int64_t per_chunk = positions_per_chunk(*model);
@@ -112,9 +117,7 @@ TEST_F(GpuKvMemory, SequencesGrowAcrossChunksExactly) {
 }
 
 TEST_F(GpuKvMemory, ThePoolBoundsCommits) {
-  KvCacheSpec kv;
-  kv.growable = true;
-  auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
+  auto model = growable_model();
   Backend& be = model->backend();
   const int64_t chunk = be.growable_bytes(1, 1);
   ASSERT_GT(chunk, 4096);
@@ -137,9 +140,7 @@ TEST_F(GpuKvMemory, ThePoolBoundsCommits) {
 // borrowed rows writes into a copy of its own, so the snapshot reads on unchanged; once the
 // snapshot is gone a borrower continues and counts the chunks as its own.
 TEST_F(GpuKvMemory, SealedSnapshotsLendTheirChunks) {
-  KvCacheSpec kv;
-  kv.growable = true;
-  auto model = load(model_fixture("qwen3moe_gqa_tied"), -1, kv, "cuda");
+  auto model = growable_model();
   const int64_t vocab = model->info().vocab_size;
   const int64_t per_chunk = positions_per_chunk(*model);
   const int64_t n = per_chunk + per_chunk / 2, cap = 2 * per_chunk + 64;  // one whole chunk to lend

@@ -210,8 +210,8 @@ class CudaBackend final : public Backend {
       if (growable_->sealed(src.data)) {
         MS_CUDA_CHECK(cudaStreamSynchronize(compute_));  // no kernel still uses dst's chunks
         lent = std::min(n * sizeof(float), growable_->lend(src.data, dst.data, n * sizeof(float), compute_));
-      } else if (growable_->borrows_from(dst.data, 0)) {
-        own_rows(dst, 0);
+      } else {
+        own_rows(dst, 0);  // nothing unless dst borrows
       }
     }
     MS_CUDA_CHECK(cudaMemcpyAsync(reinterpret_cast<char*>(dst.data) + lent, reinterpret_cast<const char*>(src.data) + lent,
