@@ -427,6 +427,53 @@ TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
   }
 }
 
+// A matrix of many waves of 16-row tiles (an LM head) goes through the rows kernel: a grid that
+// stays, units of two tiles copied whole into shared memory ahead, each warp loading a k-block's x
+// once for both, the tile kernel's k-blocks and order of sums. Its rows equal, bit for bit, the
+// tile kernel's (MOESTREAM_CUDA_FEW_ROWS=0): every layout (k-blocks of 32 and 64 columns, q8, F16
+// scales), 2 to 8 tokens, a partial last unit, q, k and v in one launch (MOESTREAM_CUDA_FEW_ROWS=2
+// takes the rows kernel for any size), and a head of 20,011 rows (the rows kernel by its size).
+TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
+  auto rows_with = [&](const char* mode, auto&& f) {
+    setenv("MOESTREAM_CUDA_FEW_ROWS", mode, 1);
+    auto r = f();
+    unsetenv("MOESTREAM_CUDA_FEW_ROWS");
+    return r;
+  };
+  for (const std::string fmt : {"q4g32", "q4g64", "q4g128", "q4g64-f16", "q8g64", "q8g128"})
+    for (int64_t T : {2, 5, 8}) {
+      SCOPED_TRACE(fmt + " T=" + std::to_string(T));
+      constexpr int64_t cols = 2048;
+      HostMatrix hm = make_matrix(100, cols, fmt, 51);
+      Matrix wg = load(*gpu, hm, fmt);
+      const Qkv m(*cpu, *gpu, fmt, {160, 48, 40}, cols, 52);
+      Buf x = buf(T, cols, 53);
+      ASSERT_TRUE(few_mma(wg, T, x.g));
+      auto run = [&] {
+        Buf o = poisoned(T, 100), oq = poisoned(T, 160), ok = poisoned(T, 48), ov = poisoned(T, 40);
+        gpu->linear(x.g, wg, nullptr, o.g);
+        m.run(*cpu, *gpu, x.c, x.g, {&oq.c, &ok.c, &ov.c}, {&oq.g, &ok.g, &ov.g});
+        return std::vector<std::vector<float>>{host(*gpu, o.g), host(*gpu, oq.g), host(*gpu, ok.g), host(*gpu, ov.g)};
+      };
+      const auto tile = rows_with("0", run), rows = rows_with("2", run);
+      for (size_t i = 0; i < tile.size(); ++i) EXPECT_EQ(rows[i], tile[i]) << "matrix " << i;  // NaN (unwritten) fails
+    }
+  for (const std::string fmt : {"q4g64", "q8g64"}) {
+    SCOPED_TRACE(fmt + " head");
+    constexpr int64_t kRows = 20011, kCols = 512, T = 8;
+    HostMatrix hm = make_matrix(kRows, kCols, fmt, 54);
+    Matrix wg = load(*gpu, hm, fmt);
+    Buf x = buf(T, kCols, 55);
+    auto run = [&] {
+      Buf o = poisoned(T, kRows);
+      gpu->linear(x.g, wg, nullptr, o.g);
+      return host(*gpu, o.g);
+    };
+    const std::vector<float> tile = rows_with("0", run), chosen = rows_with("1", run);
+    EXPECT_EQ(chosen, tile);
+  }
+}
+
 // Rows that are not a multiple of 32 (FP8: nor of its group, the last group partial).
 TEST_F(Pair, LinearOddWidthWithBias) {
   for (std::string fmt : {"f32", "bf16", "fp8g32", "fp8g128"}) {

@@ -11,10 +11,21 @@
 // A block owns 16 rows of a matrix; its 8 warps take the k-blocks in turn, each keeping the words
 // of its next kPrefetch k-blocks in flight, and the warps' sums are added in a fixed order at the
 // end (the result does not depend on timing).
+//
+// A matrix of many waves of such blocks (an LM head) goes through gemv_few_rows_kernel instead: a
+// grid that stays, whose blocks copy units of two tiles (32 rows of words, scales and biases) into
+// shared memory a unit ahead, in 16-byte pieces of whole rows, and take them in turn with the tile
+// kernel's warps, k-blocks and order of sums (so the same rows bit for bit), each warp loading a
+// k-block's x once for both tiles. The tile kernel's blocks issue their loads at their start and
+// then wait a whole memory latency with nothing else in flight (ncu on the head at 8 tokens: 38%
+// of its stalls on the first word's decode, DRAM 26% busy), and its lanes' 8- and 2-byte loads,
+// with x loaded again for every tile, keep L1 74% busy (docs/PERFORMANCE.md, sessions 32-33).
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "backend/cuda/few_mma.cuh"
 #include "backend/cuda/linear.h"
@@ -131,6 +142,170 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_mma_kernel(FewArgs a)
   }
 }
 
+// The rows kernel's units in shared memory: kRowStages of them, each kUnitRows rows of words (each
+// row padded by 32 bytes, so that rows g and g + 1 of a lane group fall 8 banks apart), then as
+// many rows of scales and of biases (padded by 16 bytes); then the warps' sums of two units.
+constexpr int kRowStages = 2;
+constexpr int kRowTiles = 2;                     // tiles a stage: each warp loads x once for both
+constexpr int kUnitRows = kRowTiles * kFewRows;  // rows a stage
+struct RowsGeometry {
+  int row_bytes = 0, word_stride = 0;  // a row's words; between rows in a stage
+  int scale_bytes = 0, scale_stride = 0;
+  int stage_bytes = 0;
+};
+
+RowsGeometry rows_geometry(const WeightRef& w, int bits) {
+  RowsGeometry g;
+  g.row_bytes = int(w.cols * bits / 8);
+  g.word_stride = g.row_bytes + 32;
+  g.scale_bytes = int(w.groups_per_row * 2);
+  g.scale_stride = g.scale_bytes + 16;
+  g.stage_bytes = kUnitRows * (g.word_stride + 2 * g.scale_stride);
+  return g;
+}
+size_t rows_smem_bytes(const RowsGeometry& g) {
+  return size_t(kRowStages) * size_t(g.stage_bytes) + 2 * size_t(kRowTiles * kFewWarps) * 32 * sizeof(float4);
+}
+
+// Copies unit u's rows (a row past the matrix repeats its last, as the tile kernel reads) into a
+// stage, in 16-byte pieces spread over the block's threads. a.first_tile counts units here.
+__device__ __forceinline__ void copy_unit(const FewArgs& a, const RowsGeometry& geo, unsigned u,
+                                               unsigned char* stage) {
+  int m = 0;
+  while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
+  const WeightRef& w = a.w[m];
+  const int64_t row0 = int64_t(u - a.first_tile[m]) * kUnitRows;
+  const int word_pieces = geo.row_bytes / 16, scale_pieces = geo.scale_bytes / 16;
+  const int per_row = word_pieces + 2 * scale_pieces;
+  for (int p = int(threadIdx.x); p < kUnitRows * per_row; p += kFewThreads) {
+    const int r = p / per_row, q = p - r * per_row;
+    const int64_t row = min(row0 + r, w.rows - 1);
+    if (q < word_pieces) {
+      cp_async16(stage + r * geo.word_stride + 16 * q,
+                 static_cast<const unsigned char*>(w.data) + row * geo.row_bytes + 16 * q, 16);
+    } else {
+      const int k = q - word_pieces, which = k / scale_pieces, piece = k - which * scale_pieces;
+      const void* src = which == 0 ? w.scales : static_cast<const void*>(w.biases);
+      cp_async16(stage + kUnitRows * geo.word_stride + (which * kUnitRows + r) * geo.scale_stride + 16 * piece,
+                 static_cast<const unsigned char*>(src) + row * geo.scale_bytes + 16 * piece, 16);
+    }
+  }
+}
+
+template <int KIND, bool SF16, bool WIDE>
+__global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a, RowsGeometry geo) {
+  using L = Layout<KIND, WIDE>;
+  constexpr int kBlockBytes = L::kCols * bits_of(KIND) / 8;  // a row's bytes of one k-block
+  extern __shared__ __align__(16) unsigned char rows_smem[];
+  float4* partial = reinterpret_cast<float4*>(rows_smem + kRowStages * geo.stage_bytes);  // [2][tiles][warps][32]
+  const int warp = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+  const unsigned units = a.first_tile[a.n];  // numbered by units of kRowTiles tiles
+#pragma unroll 1
+  for (int s = 0; s < kRowStages - 1; ++s) {  // the first units, a group each (empty past the last)
+    const unsigned u = blockIdx.x + unsigned(s) * gridDim.x;
+    if (u < units) copy_unit(a, geo, u, rows_smem + s * geo.stage_bytes);
+    cp_async_commit();
+  }
+  wait_prior_grid();  // x was split by the kernel before
+  allow_next_grid();
+  const int T = a.T;
+  const int64_t cols = a.w[0].cols;  // the matrices share x
+  const int kbs = int(cols / L::kCols);
+  FewB b;
+  b.hi = g < T ? a.in.hi + g * cols + j * L::kCodes : nullptr;
+  b.lo = g < T ? a.in.lo + g * cols + j * L::kCodes : nullptr;
+  b.sum0 = a.in.sum + int64_t(min(2 * j, T - 1)) * a.in.sum_stride;
+  b.sum1 = a.in.sum + int64_t(min(2 * j + 1, T - 1)) * a.in.sum_stride;
+  // Warp i writes tile i of unit u at the next unit's barrier (the warps' sums in `partial` by then).
+  auto write_tile = [&](unsigned u, int buf) {
+    int m = 0;
+    while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
+    const WeightRef& w = a.w[m];
+    const int64_t row0 = int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp;
+    const float4* mine = partial + (buf * kRowTiles + warp) * kFewWarps * 32;
+    float4 v4 = mine[lane];  // the warps' sums in warp order
+#pragma unroll
+    for (int k = 1; k < kFewWarps; ++k) {
+      const float4 p = mine[k * 32 + lane];
+      v4.x += p.x; v4.y += p.y; v4.z += p.z; v4.w += p.w;
+    }
+    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
+    const float* bias = a.bias[m];
+    float* out = a.out[m];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int tok = 2 * j + (i & 1);
+      const int64_t row = row0 + g + (i < 2 ? 0 : 8);
+      if (tok < T && row < w.rows) out[int64_t(tok) * a.ldo[m] + row] = v[i] * a.in.inv[tok] + (bias ? bias[row] : 0.0f);
+    }
+  };
+  int stage = 0, n = 0;
+#pragma unroll 1
+  for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) {
+    cp_async_wait<kRowStages - 2>();
+    __syncthreads();  // unit u is in; every warp is done with the stage refilled below and with partial[n & 1]
+    if (warp < kRowTiles && n > 0) write_tile(u - gridDim.x, (n - 1) & 1);
+    const unsigned ahead = u + unsigned(kRowStages - 1) * gridDim.x;
+    const int refill = stage == 0 ? kRowStages - 1 : stage - 1;
+    if (ahead < units) copy_unit(a, geo, ahead, rows_smem + refill * geo.stage_bytes);
+    cp_async_commit();
+    int m = 0;
+    while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
+    const WeightRef& w = a.w[m];
+    const unsigned char* words = rows_smem + stage * geo.stage_bytes;
+    const uint16_t* scales = reinterpret_cast<const uint16_t*>(words + kUnitRows * geo.word_stride);
+    const uint16_t* biases = scales + kUnitRows * geo.scale_stride / 2;
+    const int srow = geo.scale_stride / 2;
+    float acc[kRowTiles][4] = {};
+#pragma unroll 1
+    for (int kb = warp; kb < kbs; kb += kFewWarps) {
+      XBlock<KIND, WIDE> xb;
+      xb.load(b, kb);
+      const int group = (kb * L::kCols) >> w.group_shift;
+#pragma unroll
+      for (int t2 = 0; t2 < kRowTiles; ++t2) {
+        RawBlock<L::kWords> raw[2];
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const int row = kFewRows * t2 + g + 8 * r;
+          const unsigned char* p = words + row * geo.word_stride + kb * kBlockBytes + j * L::kWords * 4;
+          if constexpr (L::kWords == 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            raw[r].words[0] = v.x;
+            raw[r].words[1] = v.y;
+          } else {
+            raw[r].words[0] = *reinterpret_cast<const uint32_t*>(p);
+          }
+          raw[r].scale = scales[row * srow + group];
+          raw[r].bias = biases[row * srow + group];
+        }
+        uint32_t ha[L::kPairs], hb[L::kPairs];
+        code_pairs<KIND, L::kWords>(raw[0].words, ha);
+        code_pairs<KIND, L::kWords>(raw[1].words, hb);
+        const float scale[2] = {scale_value<SF16>(raw[0].scale), scale_value<SF16>(raw[1].scale)};
+        const float bias[2] = {scale_value<SF16>(raw[0].bias), scale_value<SF16>(raw[1].bias)};
+        add_block<KIND, WIDE>(ha, hb, xb, scale, bias, acc[t2]);
+      }
+    }
+#pragma unroll
+    for (int t2 = 0; t2 < kRowTiles; ++t2)
+      partial[(((n & 1) * kRowTiles + t2) * kFewWarps + warp) * 32 + lane] =
+          make_float4(acc[t2][0], acc[t2][1], acc[t2][2], acc[t2][3]);
+    stage = stage + 1 == kRowStages ? 0 : stage + 1;
+  }
+  cp_async_wait_all();
+  __syncthreads();
+  if (warp < kRowTiles && n > 0) write_tile(blockIdx.x + unsigned(n - 1) * gridDim.x, (n - 1) & 1);
+}
+
+// MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every matrix it takes (tests), else for
+// matrices of more than four waves of tile blocks. Read at each call (the GPU tests set it).
+int few_rows_mode() {
+  const char* v = std::getenv("MOESTREAM_CUDA_FEW_ROWS");
+  const std::string_view s = v ? v : "";
+  return s == "0" ? 0 : s == "2" ? 2 : 1;
+}
+
 }  // namespace
 
 bool few_mma_enabled() {
@@ -174,9 +349,48 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
     a.in = split_buffers(get, kAreaExactHi, T, cols);
     split_tokens(x, ldx, T, tag.kind == kQ4, a.in, s);
   }
+  // The rows kernel: whole rows in 16-byte pieces, one geometry for every matrix, a stage that fits.
+  const RowsGeometry geo = rows_geometry(a.w[0], bits_of(tag.kind));
+  bool rows_fit = geo.row_bytes % 16 == 0 && geo.scale_bytes % 16 == 0 && rows_smem_bytes(geo) <= 110 * 1024;
+  for (int i = 0; i < a.n; ++i)
+    rows_fit = rows_fit && a.w[i].groups_per_row == a.w[0].groups_per_row &&
+               (reinterpret_cast<uintptr_t>(a.w[i].data) | reinterpret_cast<uintptr_t>(a.w[i].scales) |
+                reinterpret_cast<uintptr_t>(a.w[i].biases)) % 16 == 0;
+  const int mode = few_rows_mode();
+  static const int sms = [] {
+    int device = 0, n = 0;
+    MS_CUDA_CHECK(cudaGetDevice(&device));
+    MS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
+    return n;
+  }();
+  const unsigned tiles = a.first_tile[a.n];
+  const bool rows = rows_fit && (mode == 2 || (mode == 1 && tiles > unsigned(4 * 2 * sms)));
   auto run = [&]<int KIND, bool WIDE>() {
-    if (tag.scale_f16) launch(gemv_few_mma_kernel<KIND, true, WIDE>, a.first_tile[a.n], kFewThreads, 0, s, a);
-    else launch(gemv_few_mma_kernel<KIND, false, WIDE>, a.first_tile[a.n], kFewThreads, 0, s, a);
+    auto go = [&]<bool SF16>() {
+      if (!rows) {
+        launch(gemv_few_mma_kernel<KIND, SF16, WIDE>, tiles, kFewThreads, 0, s, a);
+        return;
+      }
+      auto kernel = gemv_few_rows_kernel<KIND, SF16, WIDE>;
+      const size_t bytes = rows_smem_bytes(geo);
+      static size_t allowed = 0;  // the dynamic bytes allowed so far
+      if (bytes > allowed) {
+        MS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+        allowed = bytes;
+      }
+      static size_t sized = 0;  // the bytes per_sm was found for
+      static int per_sm = 0;
+      if (bytes != sized) {
+        MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kFewThreads, bytes));
+        sized = bytes;
+      }
+      FewArgs u = a;  // numbered by units of kRowTiles tiles
+      for (int i = 0; i < u.n; ++i) u.first_tile[i + 1] = u.first_tile[i] + blocks_for(u.w[i].rows, kUnitRows);
+      const unsigned units = u.first_tile[u.n];
+      launch(kernel, std::min(units, unsigned(std::max(1, per_sm) * sms)), kFewThreads, bytes, s, u, geo);
+    };
+    if (tag.scale_f16) go.template operator()<true>();
+    else go.template operator()<false>();
   };
   if (tag.kind == kQ8) run.template operator()<kQ8, false>();
   else if (wide) run.template operator()<kQ4, true>();
