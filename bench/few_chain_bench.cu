@@ -9,6 +9,10 @@
 //   2  + x's B fragments and pack sums loaded from global memory (XBlock::load; 64 KB, in L1)
 //   3  + the words loaded from global memory 4 k-blocks ahead (128 KB, in L1 and L2)
 //   4  mode 3 with two k-blocks in flight a warp (two accumulators)
+//   5  mode 3 with x's fragments from shared memory (the block's 8 token rows, padded: 4 requests
+//      a 16-byte load instead of 8)
+//   6  mode 3 with each x load serving two row tiles (two k-blocks' products on one B; counted
+//      as two k-blocks)
 // The kernels' scale and bias loads and their weights' trip from DRAM are not here.
 //
 //   few_chain_bench
@@ -32,8 +36,19 @@ __global__ void chain_kernel(const uint32_t* words, const __half* xhi, const __h
                              unsigned long long* cycles, float* out) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
   const int warp = int(blockIdx.x * (blockDim.x / 32) + threadIdx.x / 32);
-  const FewB b{xhi + g * kCols + j * L::kCodes, xlo + g * kCols + j * L::kCodes, sums + (2 * j) * (kCols / 32),
-               sums + (2 * j + 1) * (kCols / 32)};
+  FewB b{xhi + g * kCols + j * L::kCodes, xlo + g * kCols + j * L::kCodes, sums + (2 * j) * (kCols / 32),
+         sums + (2 * j + 1) * (kCols / 32)};
+  if constexpr (MODE == 5) {  // x's 8 rows into shared memory, rows kCols + 8 halves apart
+    extern __shared__ __align__(16) __half xs[];
+    for (int i = int(threadIdx.x); i < kXRows * kCols / 8; i += int(blockDim.x)) {
+      const int r = i / (kCols / 8), c = (i % (kCols / 8)) * 8;
+      *reinterpret_cast<uint4*>(xs + r * (kCols + 8) + c) = *reinterpret_cast<const uint4*>(xhi + r * kCols + c);
+      *reinterpret_cast<uint4*>(xs + (kXRows + r) * (kCols + 8) + c) = *reinterpret_cast<const uint4*>(xlo + r * kCols + c);
+    }
+    __syncthreads();
+    b.hi = xs + g * (kCols + 8) + j * L::kCodes;
+    b.lo = xs + (kXRows + g) * (kCols + 8) + j * L::kCodes;
+  }
   float acc[4] = {0, 0, 0, 0}, acc2[4] = {0, 0, 0, 0};
   uint32_t w0[2] = {0x12345678u ^ lane, 0x9abcdef0u ^ lane}, w1[2] = {0x0f1e2d3cu ^ lane, 0x4b5a6978u ^ lane};
   XBlock<kQ4, true> xb;
@@ -43,7 +58,7 @@ __global__ void chain_kernel(const uint32_t* words, const __half* xhi, const __h
   const unsigned long long t0 = clock64();
   for (int r = 0; r < reps; ++r) {
 #pragma unroll 4
-    for (int kb = 0; kb < 32; kb += MODE == 4 ? 2 : 1) {
+    for (int kb = 0; kb < 32; kb += MODE == 4 || MODE == 6 ? 2 : 1) {
       if constexpr (MODE >= 3) {
         const uint2 a = *reinterpret_cast<const uint2*>(mine + ((kb + 4) % 32) * 16);
         const uint2 c = *reinterpret_cast<const uint2*>(mine + ((kb + 4) % 32) * 16 + 8);
@@ -61,6 +76,12 @@ __global__ void chain_kernel(const uint32_t* words, const __half* xhi, const __h
         for (int i = 0; i < L::kPairs; ++i) ha[i] = hb[i] = 0x3c003c00u + i;
       }
       add_block<kQ4, true>(ha, hb, xb, scale, bias, acc);
+      if constexpr (MODE == 6) {
+        uint32_t hc[L::kPairs], hd[L::kPairs];
+        code_pairs<kQ4, 2>(w1, hc);
+        code_pairs<kQ4, 2>(w0, hd);
+        add_block<kQ4, true>(hc, hd, xb, scale, bias, acc2);
+      }
       if constexpr (MODE == 4) {
         XBlock<kQ4, true> xb2;
         xb2.load(b, kb + 1);
@@ -93,9 +114,13 @@ bool run(int warps, int blocks_per_sm, int sms, const uint32_t* words, const __h
       !check(cudaMalloc(&out, size_t(n_warps) * 32 * sizeof(float)), "cudaMalloc") ||
       !check(cudaEventCreate(&e0), "cudaEventCreate") || !check(cudaEventCreate(&e1), "cudaEventCreate"))
     return false;
-  chain_kernel<MODE><<<blocks, warps * 32>>>(words, xhi, xlo, sums, 2, cycles, out);  // warm-up
+  const size_t smem = MODE == 5 ? size_t(2 * kXRows) * (kCols + 8) * 2 : 0;
+  if (MODE == 5 && !check(cudaFuncSetAttribute(chain_kernel<MODE>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)),
+                          "cudaFuncSetAttribute"))
+    return false;
+  chain_kernel<MODE><<<blocks, warps * 32, smem>>>(words, xhi, xlo, sums, 2, cycles, out);  // warm-up
   cudaEventRecord(e0);
-  chain_kernel<MODE><<<blocks, warps * 32>>>(words, xhi, xlo, sums, kReps, cycles, out);
+  chain_kernel<MODE><<<blocks, warps * 32, smem>>>(words, xhi, xlo, sums, kReps, cycles, out);
   cudaEventRecord(e1);
   if (!check(cudaEventSynchronize(e1), "chain_kernel")) return false;
   float ms = 0;
@@ -134,10 +159,11 @@ int main() {
   cudaMemset(xhi, 0x1c, x_bytes);  // small finite halves
   cudaMemset(xlo, 0x0c, x_bytes);
   cudaMemset(sums, 0, size_t(kXRows) * (kCols / 32) * 4);
-  for (auto [w, b] : {std::pair{1, 1}, {4, 1}, {8, 1}, {8, 2}, {8, 3}, {8, 4}, {16, 2}}) {
+  for (auto [w, b] : {std::pair{1, 1}, {4, 1}, {8, 1}, {8, 2}, {8, 3}, {16, 1}, {16, 2}}) {
     const bool ok = run<0>(w, b, sms, words, xhi, xlo, sums) && run<1>(w, b, sms, words, xhi, xlo, sums) &&
                     run<2>(w, b, sms, words, xhi, xlo, sums) && run<3>(w, b, sms, words, xhi, xlo, sums) &&
-                    run<4>(w, b, sms, words, xhi, xlo, sums);
+                    run<4>(w, b, sms, words, xhi, xlo, sums) && run<5>(w, b, sms, words, xhi, xlo, sums) &&
+                    run<6>(w, b, sms, words, xhi, xlo, sums);
     if (!ok) return 1;
   }
   return 0;
