@@ -105,30 +105,29 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
   return make_float4(acc[0], acc[1], acc[2], acc[3]);
 }
 
-template <int KIND, bool SF16, bool WIDE>
-__global__ void __launch_bounds__(kFewThreads, 2) gemv_few_mma_kernel(FewArgs a) {
+// This lane's B operands (FewB): token g's split x of `cols` columns (none past a.T), the pack sums
+// of tokens 2j and 2j + 1.
+template <int KIND, bool WIDE>
+__device__ __forceinline__ FewB few_b(const FewArgs& a, int64_t cols) {
   using L = Layout<KIND, WIDE>;
-  __shared__ float4 partial[kFewWarps][32];
-  int m = 0;
-  while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
-  const WeightRef& w = a.w[m];
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  const int64_t row0 = int64_t(blockIdx.x - a.first_tile[m]) * kFewRows;
-  const int T = a.T;
-  const int64_t cols = w.cols;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4, T = a.T;
   FewB b;
   b.hi = g < T ? a.in.hi + g * cols + j * L::kCodes : nullptr;
   b.lo = g < T ? a.in.lo + g * cols + j * L::kCodes : nullptr;
   b.sum0 = a.in.sum + int64_t(min(2 * j, T - 1)) * a.in.sum_stride;
   b.sum1 = a.in.sum + int64_t(min(2 * j + 1, T - 1)) * a.in.sum_stride;
-  const int warp = int(threadIdx.x) / 32;
-  partial[warp][lane] = few_tile<KIND, SF16, WIDE>(w, row0, b);
-  __syncthreads();
-  if (warp != 0) return;
-  float4 t = partial[0][lane];  // the warps' sums in warp order
+  return b;
+}
+
+// Rows row0 + g and + 8 of matrix m's output for this lane's tokens 2j, 2j + 1: the kFewWarps
+// warps' sums of the tile (sums[k * 32 + lane] is warp k's) added in warp order, the split's
+// scaling undone, the bias added.
+__device__ __forceinline__ void write_few_rows(const FewArgs& a, int m, int64_t row0, const float4* sums) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+  float4 t = sums[lane];
 #pragma unroll
   for (int k = 1; k < kFewWarps; ++k) {
-    const float4 p = partial[k][lane];
+    const float4 p = sums[k * 32 + lane];
     t.x += p.x; t.y += p.y; t.z += p.z; t.w += p.w;
   }
   const float v[4] = {t.x, t.y, t.z, t.w};
@@ -138,8 +137,23 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_mma_kernel(FewArgs a)
   for (int i = 0; i < 4; ++i) {
     const int tok = 2 * j + (i & 1);
     const int64_t row = row0 + g + (i < 2 ? 0 : 8);
-    if (tok < T && row < w.rows) out[int64_t(tok) * a.ldo[m] + row] = v[i] * a.in.inv[tok] + (bias ? bias[row] : 0.0f);
+    if (tok < a.T && row < a.w[m].rows)
+      out[int64_t(tok) * a.ldo[m] + row] = v[i] * a.in.inv[tok] + (bias ? bias[row] : 0.0f);
   }
+}
+
+template <int KIND, bool SF16, bool WIDE>
+__global__ void __launch_bounds__(kFewThreads, 2) gemv_few_mma_kernel(FewArgs a) {
+  __shared__ float4 partial[kFewWarps][32];
+  int m = 0;
+  while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
+  const WeightRef& w = a.w[m];
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t row0 = int64_t(blockIdx.x - a.first_tile[m]) * kFewRows;
+  const int warp = int(threadIdx.x) / 32;
+  partial[warp][lane] = few_tile<KIND, SF16, WIDE>(w, row0, few_b<KIND, WIDE>(a, w.cols));
+  __syncthreads();
+  if (warp == 0) write_few_rows(a, m, row0, &partial[0][0]);
 }
 
 // The rows kernel's units in shared memory: kRowStages of them, each kUnitRows rows of words (each
@@ -208,36 +222,15 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
   }
   wait_prior_grid();  // x was split by the kernel before
   allow_next_grid();
-  const int T = a.T;
   const int64_t cols = a.w[0].cols;  // the matrices share x
   const int kbs = int(cols / L::kCols);
-  FewB b;
-  b.hi = g < T ? a.in.hi + g * cols + j * L::kCodes : nullptr;
-  b.lo = g < T ? a.in.lo + g * cols + j * L::kCodes : nullptr;
-  b.sum0 = a.in.sum + int64_t(min(2 * j, T - 1)) * a.in.sum_stride;
-  b.sum1 = a.in.sum + int64_t(min(2 * j + 1, T - 1)) * a.in.sum_stride;
+  const FewB b = few_b<KIND, WIDE>(a, cols);
   // Warp i writes tile i of unit u at the next unit's barrier (the warps' sums in `partial` by then).
   auto write_tile = [&](unsigned u, int buf) {
     int m = 0;
     while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
-    const WeightRef& w = a.w[m];
-    const int64_t row0 = int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp;
-    const float4* mine = partial + (buf * kRowTiles + warp) * kFewWarps * 32;
-    float4 v4 = mine[lane];  // the warps' sums in warp order
-#pragma unroll
-    for (int k = 1; k < kFewWarps; ++k) {
-      const float4 p = mine[k * 32 + lane];
-      v4.x += p.x; v4.y += p.y; v4.z += p.z; v4.w += p.w;
-    }
-    const float v[4] = {v4.x, v4.y, v4.z, v4.w};
-    const float* bias = a.bias[m];
-    float* out = a.out[m];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int tok = 2 * j + (i & 1);
-      const int64_t row = row0 + g + (i < 2 ? 0 : 8);
-      if (tok < T && row < w.rows) out[int64_t(tok) * a.ldo[m] + row] = v[i] * a.in.inv[tok] + (bias ? bias[row] : 0.0f);
-    }
+    write_few_rows(a, m, int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp,
+                   partial + (buf * kRowTiles + warp) * kFewWarps * 32);
   };
   int stage = 0, n = 0;
 #pragma unroll 1
