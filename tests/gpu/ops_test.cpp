@@ -434,10 +434,12 @@ TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
 // scales), 2 to 8 tokens, a partial last unit, q, k and v in one launch (MOESTREAM_CUDA_FEW_ROWS=2
 // takes the rows kernel for any size), and a head of 20,011 rows (the rows kernel by its size).
 TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
-  auto rows_with = [&](const char* mode, auto&& f) {
+  auto rows_with = [&](const char* mode, auto&& f) {  // the tile kernel of 8 warps, as the rows kernel's
     setenv("MOESTREAM_CUDA_FEW_ROWS", mode, 1);
+    setenv("MOESTREAM_CUDA_FEW_WARPS", "8", 1);
     auto r = f();
     unsetenv("MOESTREAM_CUDA_FEW_ROWS");
+    unsetenv("MOESTREAM_CUDA_FEW_WARPS");
     return r;
   };
   for (const std::string fmt : {"q4g32", "q4g64", "q4g128", "q4g64-f16", "q8g64", "q8g128"})
@@ -471,6 +473,48 @@ TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
     };
     const std::vector<float> tile = rows_with("0", run), chosen = rows_with("1", run);
     EXPECT_EQ(chosen, tile);
+  }
+}
+
+// A matrix of one wave of 16-row tiles and at least 64 k-blocks (o_proj at 2-8 tokens) takes the
+// tile kernel with 16 warps a block instead of 8: each token's rows equal its lone token's within
+// float32 rounding and the 8 warps' rows within the rounding of adding 16 warps' sums instead of 8
+// (MOESTREAM_CUDA_FEW_WARPS=8); q4 in k-blocks of 64 (4,096 columns) and 32 columns (groups of 32),
+// q8, a partial last tile, a bias.
+TEST_F(Pair, FewTokenGemvOfSixteenWarpsEqualsLoneTokens) {
+  struct Shape {
+    std::string fmt;
+    int64_t cols;
+  };
+  for (const Shape& sh : {Shape{"q4g64", 4096}, Shape{"q4g32", 2048}, Shape{"q8g64", 2048}}) {
+    constexpr int64_t kRows = 1000;  // 63 tiles, the last partial
+    const Matrix w = load(*gpu, make_matrix(kRows, sh.cols, sh.fmt, 131), sh.fmt);
+    const std::vector<float> bv = random(kRows, 132);
+    const Vector bias = gpu->load_vector(TensorView{"b", DType::F32, {kRows}, bv.data(), bv.size() * 4});
+    const std::vector<float> xv = random(size_t(8 * sh.cols), 133);
+    for (int64_t T : {2, 8}) {
+      SCOPED_TRACE(sh.fmt + " T=" + std::to_string(T));
+      Buf x = buf(T, sh.cols, std::vector<float>(xv.begin(), xv.begin() + T * sh.cols));
+      ASSERT_TRUE(few_mma(w, T, x.g));
+      auto run = [&] {
+        Buf o = poisoned(T, kRows);
+        gpu->linear(x.g, w, &bias, o.g);
+        return host(*gpu, o.g);
+      };
+      const std::vector<float> sixteen = run();
+      setenv("MOESTREAM_CUDA_FEW_WARPS", "8", 1);
+      const std::vector<float> eight = run();
+      unsetenv("MOESTREAM_CUDA_FEW_WARPS");
+      EXPECT_LT(test::relative_error(sixteen, eight), 1e-6);
+      EXPECT_NE(sixteen, eight) << "the same sums: the 16-warp kernel was not taken";
+      for (int64_t t = 0; t < T; ++t) {
+        Buf x1 = buf(1, sh.cols, std::vector<float>(xv.begin() + t * sh.cols, xv.begin() + (t + 1) * sh.cols));
+        Buf o1 = poisoned(1, kRows);
+        gpu->linear(x1.g, w, &bias, o1.g);
+        expect_lone_rows(std::vector<float>(sixteen.begin() + t * kRows, sixteen.begin() + (t + 1) * kRows),
+                         host(*gpu, o1.g), true, "token " + std::to_string(t));
+      }
+    }
   }
 }
 

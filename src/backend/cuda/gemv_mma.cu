@@ -55,10 +55,10 @@ struct FewArgs {
 };
 
 // This lane's sums of 16 rows of w (rows row0 + g, + 8; tokens 2j, 2j + 1, as the m16n8
-// accumulator holds them) over the k-blocks of its warp: warp, warp + 8, ...; the codes of the
-// next kPrefetch k-blocks in flight. The kernel's wait for the one before comes after the first
-// weight loads (nothing before it reads what that kernel writes).
-template <int KIND, bool SF16, bool WIDE>
+// accumulator holds them) over the k-blocks of its warp: warp, warp + WARPS, ...; the codes of
+// the next kPrefetch k-blocks in flight. The kernel's wait for the one before comes after the
+// first weight loads (nothing before it reads what that kernel writes).
+template <int KIND, bool SF16, bool WIDE, int WARPS>
 __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, const FewB& b) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
@@ -75,7 +75,7 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
   RawBlock<L::kWords> raw[kPrefetch][2];
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i) {
-    const int kb = warp + i * kFewWarps;
+    const int kb = warp + i * WARPS;
     if (kb < kbs)
 #pragma unroll
       for (int r = 0; r < 2; ++r) load_block<L::kWords>(rp[r], kb, kb * L::kCols, w, raw[i][r]);
@@ -83,10 +83,10 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
   wait_prior_grid();  // x was split by the kernel before
   allow_next_grid();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int base = warp; base < kbs; base += kPrefetch * kFewWarps) {
+  for (int base = warp; base < kbs; base += kPrefetch * WARPS) {
 #pragma unroll
     for (int i = 0; i < kPrefetch; ++i) {
-      const int kb = base + i * kFewWarps;
+      const int kb = base + i * WARPS;
       if (kb >= kbs) break;
       XBlock<KIND, WIDE> xb;
       xb.load(b, kb);
@@ -95,7 +95,7 @@ __device__ __forceinline__ float4 few_tile(const WeightRef& w, int64_t row0, con
       code_pairs<KIND, L::kWords>(raw[i][1].words, hb);
       const float scale[2] = {scale_value<SF16>(raw[i][0].scale), scale_value<SF16>(raw[i][1].scale)};
       const float bias[2] = {scale_value<SF16>(raw[i][0].bias), scale_value<SF16>(raw[i][1].bias)};
-      const int next = kb + kPrefetch * kFewWarps;
+      const int next = kb + kPrefetch * WARPS;
       if (next < kbs)
 #pragma unroll
         for (int r = 0; r < 2; ++r) load_block<L::kWords>(rp[r], next, next * L::kCols, w, raw[i][r]);
@@ -119,14 +119,15 @@ __device__ __forceinline__ FewB few_b(const FewArgs& a, int64_t cols) {
   return b;
 }
 
-// Rows row0 + g and + 8 of matrix m's output for this lane's tokens 2j, 2j + 1: the kFewWarps
-// warps' sums of the tile (sums[k * 32 + lane] is warp k's) added in warp order, the split's
-// scaling undone, the bias added.
+// Rows row0 + g and + 8 of matrix m's output for this lane's tokens 2j, 2j + 1: the WARPS warps'
+// sums of the tile (sums[k * 32 + lane] is warp k's) added in warp order, the split's scaling
+// undone, the bias added.
+template <int WARPS>
 __device__ __forceinline__ void write_few_rows(const FewArgs& a, int m, int64_t row0, const float4* sums) {
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
   float4 t = sums[lane];
 #pragma unroll
-  for (int k = 1; k < kFewWarps; ++k) {
+  for (int k = 1; k < WARPS; ++k) {
     const float4 p = sums[k * 32 + lane];
     t.x += p.x; t.y += p.y; t.z += p.z; t.w += p.w;
   }
@@ -142,18 +143,19 @@ __device__ __forceinline__ void write_few_rows(const FewArgs& a, int m, int64_t 
   }
 }
 
-template <int KIND, bool SF16, bool WIDE>
-__global__ void __launch_bounds__(kFewThreads, 2) gemv_few_mma_kernel(FewArgs a) {
-  __shared__ float4 partial[kFewWarps][32];
+// WARPS = 8 (2 blocks an SM), or 16 (1) for a matrix of one wave and many k-blocks (few_warps).
+template <int KIND, bool SF16, bool WIDE, int WARPS>
+__global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_few_mma_kernel(FewArgs a) {
+  __shared__ float4 partial[WARPS][32];
   int m = 0;
   while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
   const WeightRef& w = a.w[m];
   const int lane = int(threadIdx.x) % 32;
   const int64_t row0 = int64_t(blockIdx.x - a.first_tile[m]) * kFewRows;
   const int warp = int(threadIdx.x) / 32;
-  partial[warp][lane] = few_tile<KIND, SF16, WIDE>(w, row0, few_b<KIND, WIDE>(a, w.cols));
+  partial[warp][lane] = few_tile<KIND, SF16, WIDE, WARPS>(w, row0, few_b<KIND, WIDE>(a, w.cols));
   __syncthreads();
-  if (warp == 0) write_few_rows(a, m, row0, &partial[0][0]);
+  if (warp == 0) write_few_rows<WARPS>(a, m, row0, &partial[0][0]);
 }
 
 // The rows kernel's units in shared memory: kRowStages of them, each kUnitRows rows of words (each
@@ -229,7 +231,7 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
   auto write_tile = [&](unsigned u, int buf) {
     int m = 0;
     while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
-    write_few_rows(a, m, int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp,
+    write_few_rows<kFewWarps>(a, m, int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp,
                    partial + (buf * kRowTiles + warp) * kFewWarps * 32);
   };
   int stage = 0, n = 0;
@@ -289,6 +291,17 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
   cp_async_wait_all();
   __syncthreads();
   if (warp < kRowTiles && n > 0) write_tile(blockIdx.x + unsigned(n - 1) * gridDim.x, (n - 1) & 1);
+}
+
+// The tile kernel's warps a block: 16 for a matrix of at most one block an SM and at least 64
+// k-blocks (o_proj at 2-8 tokens: each warp's chain of k-blocks halved, 16 warps an SM instead of
+// 8), else 8. The sums are added in another order, so the rows differ from 8 warps' by float32
+// rounding. MOESTREAM_CUDA_FEW_WARPS=8: always 8, for comparison. Read at each call (the GPU tests
+// set it).
+int few_warps(unsigned tiles, int kbs, int sms) {
+  const char* v = std::getenv("MOESTREAM_CUDA_FEW_WARPS");
+  if (v && std::string_view(v) == "8") return 8;
+  return tiles <= unsigned(sms) && kbs >= 64 ? 16 : 8;
 }
 
 // MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every matrix it takes (tests), else for
@@ -361,7 +374,10 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
   auto run = [&]<int KIND, bool WIDE>() {
     auto go = [&]<bool SF16>() {
       if (!rows) {
-        launch(gemv_few_mma_kernel<KIND, SF16, WIDE>, tiles, kFewThreads, 0, s, a);
+        if (few_warps(tiles, int(cols / Layout<KIND, WIDE>::kCols), sms) == 16)
+          launch(gemv_few_mma_kernel<KIND, SF16, WIDE, 16>, tiles, 16 * 32, 0, s, a);
+        else
+          launch(gemv_few_mma_kernel<KIND, SF16, WIDE, kFewWarps>, tiles, kFewThreads, 0, s, a);
         return;
       }
       auto kernel = gemv_few_rows_kernel<KIND, SF16, WIDE>;
