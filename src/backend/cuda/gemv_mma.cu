@@ -5,12 +5,11 @@
 // and token and was bound by issuing them (docs/PERFORMANCE.md, session 23); here one m16n8k16
 // product covers 16 rows x 16 columns x 8 tokens.
 //
-// No shared memory for the operands: each lane decodes its own codes straight into its A
-// fragments (few_mma.cuh).
-//
-// A block owns 16 rows of a matrix; its 8 warps take the k-blocks in turn, each keeping the words
-// of its next kPrefetch k-blocks in flight, and the warps' sums are added in a fixed order at the
-// end (the result does not depend on timing).
+// The tile kernel (gemv_few_mma_kernel) has no shared memory for the operands: each lane decodes
+// its own codes straight into its A fragments (few_mma.cuh). A block owns 16 rows of a matrix;
+// its 8 warps (16 for a launch of one wave and many k-blocks: few_warps) take the k-blocks in
+// turn, each keeping the words of its next kPrefetch k-blocks in flight, and the warps' sums are
+// added in a fixed order at the end (the result does not depend on timing).
 //
 // A matrix of many waves of such blocks (an LM head) goes through gemv_few_rows_kernel instead: a
 // grid that stays, whose blocks copy units of two tiles (32 rows of words, scales and biases) into
@@ -234,12 +233,12 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
     write_few_rows<kFewWarps>(a, m, int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp,
                    partial + (buf * kRowTiles + warp) * kFewWarps * 32);
   };
-  int stage = 0, n = 0;
+  int stage = 0, done = 0;  // units this block has taken
 #pragma unroll 1
-  for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++n) {
+  for (unsigned u = blockIdx.x; u < units; u += gridDim.x, ++done) {
     cp_async_wait<kRowStages - 2>();
-    __syncthreads();  // unit u is in; every warp is done with the stage refilled below and with partial[n & 1]
-    if (warp < kRowTiles && n > 0) write_tile(u - gridDim.x, (n - 1) & 1);
+    __syncthreads();  // unit u is in; every warp is done with the stage refilled below and with partial[done & 1]
+    if (warp < kRowTiles && done > 0) write_tile(u - gridDim.x, (done - 1) & 1);
     const unsigned ahead = u + unsigned(kRowStages - 1) * gridDim.x;
     const int refill = stage == 0 ? kRowStages - 1 : stage - 1;
     if (ahead < units) copy_unit(a, geo, ahead, rows_smem + refill * geo.stage_bytes);
@@ -284,28 +283,29 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
     }
 #pragma unroll
     for (int t2 = 0; t2 < kRowTiles; ++t2)
-      partial[(((n & 1) * kRowTiles + t2) * kFewWarps + warp) * 32 + lane] =
+      partial[(((done & 1) * kRowTiles + t2) * kFewWarps + warp) * 32 + lane] =
           make_float4(acc[t2][0], acc[t2][1], acc[t2][2], acc[t2][3]);
     stage = stage + 1 == kRowStages ? 0 : stage + 1;
   }
   cp_async_wait_all();
   __syncthreads();
-  if (warp < kRowTiles && n > 0) write_tile(blockIdx.x + unsigned(n - 1) * gridDim.x, (n - 1) & 1);
+  if (warp < kRowTiles && done > 0) write_tile(blockIdx.x + unsigned(done - 1) * gridDim.x, (done - 1) & 1);
 }
 
-// The tile kernel's warps a block: 16 for a matrix of at most one block an SM and at least 64
-// k-blocks (o_proj at 2-8 tokens: each warp's chain of k-blocks halved, 16 warps an SM instead of
-// 8), else 8. The sums are added in another order, so the rows differ from 8 warps' by float32
-// rounding. MOESTREAM_CUDA_FEW_WARPS=8: always 8, for comparison. Read at each call (the GPU tests
-// set it).
+// The tile kernel's warps a block: 16 for a launch of at most one block an SM (its matrices' tiles
+// together) and at least 64 k-blocks (o_proj at 2-8 tokens: each warp's chain of k-blocks halved,
+// 16 warps an SM instead of 8), else 8. The sums are added in another order, so the rows differ
+// from 8 warps' by float32 rounding. MOESTREAM_CUDA_FEW_WARPS=8: always 8, for comparison (any
+// other value: the rule). Read at each call (the GPU tests set it).
 int few_warps(unsigned tiles, int kbs, int sms) {
   const char* v = std::getenv("MOESTREAM_CUDA_FEW_WARPS");
   if (v && std::string_view(v) == "8") return 8;
   return tiles <= unsigned(sms) && kbs >= 64 ? 16 : 8;
 }
 
-// MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every matrix it takes (tests), else for
-// matrices of more than four waves of tile blocks. Read at each call (the GPU tests set it).
+// MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every launch it takes (tests), else for
+// launches of more than four waves of tile blocks (their matrices' tiles together). Read at each
+// call (the GPU tests set it).
 int few_rows_mode() {
   const char* v = std::getenv("MOESTREAM_CUDA_FEW_ROWS");
   const std::string_view s = v ? v : "";
@@ -357,18 +357,15 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
   }
   // The rows kernel: whole rows in 16-byte pieces, one geometry for every matrix, a stage that fits.
   const RowsGeometry geo = rows_geometry(a.w[0], bits_of(tag.kind));
-  bool rows_fit = geo.row_bytes % 16 == 0 && geo.scale_bytes % 16 == 0 && rows_smem_bytes(geo) <= 110 * 1024;
+  // at most 110 KiB (two blocks an SM on sm_90), and what a block may have (99 KiB on sm_86/89)
+  bool rows_fit = geo.row_bytes % 16 == 0 && geo.scale_bytes % 16 == 0 &&
+                  rows_smem_bytes(geo) <= std::min<size_t>(110 * 1024, max_gemv_smem());
   for (int i = 0; i < a.n; ++i)
     rows_fit = rows_fit && a.w[i].groups_per_row == a.w[0].groups_per_row &&
                (reinterpret_cast<uintptr_t>(a.w[i].data) | reinterpret_cast<uintptr_t>(a.w[i].scales) |
                 reinterpret_cast<uintptr_t>(a.w[i].biases)) % 16 == 0;
   const int mode = few_rows_mode();
-  static const int sms = [] {
-    int device = 0, n = 0;
-    MS_CUDA_CHECK(cudaGetDevice(&device));
-    MS_CUDA_CHECK(cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device));
-    return n;
-  }();
+  const int sms = sm_count();
   const unsigned tiles = a.first_tile[a.n];
   const bool rows = rows_fit && (mode == 2 || (mode == 1 && tiles > unsigned(4 * 2 * sms)));
   auto run = [&]<int KIND, bool WIDE>() {
@@ -393,10 +390,11 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
         MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kFewThreads, bytes));
         sized = bytes;
       }
-      FewArgs u = a;  // numbered by units of kRowTiles tiles
-      for (int i = 0; i < u.n; ++i) u.first_tile[i + 1] = u.first_tile[i] + blocks_for(u.w[i].rows, kUnitRows);
-      const unsigned units = u.first_tile[u.n];
-      launch(kernel, std::min(units, unsigned(std::max(1, per_sm) * sms)), kFewThreads, bytes, s, u, geo);
+      FewArgs by_units = a;  // first_tile counts units of kRowTiles tiles
+      for (int i = 0; i < by_units.n; ++i)
+        by_units.first_tile[i + 1] = by_units.first_tile[i] + blocks_for(by_units.w[i].rows, kUnitRows);
+      const unsigned units = by_units.first_tile[by_units.n];
+      launch(kernel, std::min(units, unsigned(std::max(1, per_sm) * sms)), kFewThreads, bytes, s, by_units, geo);
     };
     if (tag.scale_f16) go.template operator()<true>();
     else go.template operator()<false>();
