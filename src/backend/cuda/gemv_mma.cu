@@ -53,6 +53,13 @@ struct FewArgs {
   int T;
 };
 
+// The matrix of a launch's tile (or, in the rows kernel, unit) number t: a.first_tile numbers them.
+__device__ __forceinline__ int matrix_of(const FewArgs& a, unsigned t) {
+  int m = 0;
+  while (m + 1 < a.n && t >= a.first_tile[m + 1]) ++m;
+  return m;
+}
+
 // This lane's sums of 16 rows of w (rows row0 + g, + 8; tokens 2j, 2j + 1, as the m16n8
 // accumulator holds them) over the k-blocks of its warp: warp, warp + WARPS, ...; the codes of
 // the next kPrefetch k-blocks in flight. The kernel's wait for the one before comes after the
@@ -146,8 +153,7 @@ __device__ __forceinline__ void write_few_rows(const FewArgs& a, int m, int64_t 
 template <int KIND, bool SF16, bool WIDE, int WARPS>
 __global__ void __launch_bounds__(WARPS * 32, 16 / WARPS) gemv_few_mma_kernel(FewArgs a) {
   __shared__ float4 partial[WARPS][32];
-  int m = 0;
-  while (m + 1 < a.n && blockIdx.x >= a.first_tile[m + 1]) ++m;
+  const int m = matrix_of(a, blockIdx.x);
   const WeightRef& w = a.w[m];
   const int lane = int(threadIdx.x) % 32;
   const int64_t row0 = int64_t(blockIdx.x - a.first_tile[m]) * kFewRows;
@@ -186,8 +192,7 @@ size_t rows_smem_bytes(const RowsGeometry& g) {
 // stage, in 16-byte pieces spread over the block's threads. a.first_tile counts units here.
 __device__ __forceinline__ void copy_unit(const FewArgs& a, const RowsGeometry& geo, unsigned u,
                                                unsigned char* stage) {
-  int m = 0;
-  while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
+  const int m = matrix_of(a, u);
   const WeightRef& w = a.w[m];
   const int64_t row0 = int64_t(u - a.first_tile[m]) * kUnitRows;
   const int word_pieces = geo.row_bytes / 16, scale_pieces = geo.scale_bytes / 16;
@@ -228,8 +233,7 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
   const FewB b = few_b<KIND, WIDE>(a, cols);
   // Warp i writes tile i of unit u at the next unit's barrier (the warps' sums in `partial` by then).
   auto write_tile = [&](unsigned u, int buf) {
-    int m = 0;
-    while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
+    const int m = matrix_of(a, u);
     write_few_rows<kFewWarps>(a, m, int64_t(u - a.first_tile[m]) * kUnitRows + kFewRows * warp,
                    partial + (buf * kRowTiles + warp) * kFewWarps * 32);
   };
@@ -243,9 +247,7 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
     const int refill = stage == 0 ? kRowStages - 1 : stage - 1;
     if (ahead < units) copy_unit(a, geo, ahead, rows_smem + refill * geo.stage_bytes);
     cp_async_commit();
-    int m = 0;
-    while (m + 1 < a.n && u >= a.first_tile[m + 1]) ++m;
-    const WeightRef& w = a.w[m];
+    const WeightRef& w = a.w[matrix_of(a, u)];
     const unsigned char* words = rows_smem + stage * geo.stage_bytes;
     const uint16_t* scales = reinterpret_cast<const uint16_t*>(words + kUnitRows * geo.word_stride);
     const uint16_t* biases = scales + kUnitRows * geo.scale_stride / 2;
@@ -298,9 +300,9 @@ __global__ void __launch_bounds__(kFewThreads, 2) gemv_few_rows_kernel(FewArgs a
 // from 8 warps' by float32 rounding. MOESTREAM_CUDA_FEW_WARPS=8: always 8, for comparison (any
 // other value: the rule). Read at each call (the GPU tests set it).
 int few_warps(unsigned tiles, int kbs, int sms) {
+  if (tiles > unsigned(sms) || kbs < 64) return 8;
   const char* v = std::getenv("MOESTREAM_CUDA_FEW_WARPS");
-  if (v && std::string_view(v) == "8") return 8;
-  return tiles <= unsigned(sms) && kbs >= 64 ? 16 : 8;
+  return v && std::string_view(v) == "8" ? 8 : 16;
 }
 
 // MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every launch it takes (tests), else for
@@ -379,14 +381,13 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
       }
       auto kernel = gemv_few_rows_kernel<KIND, SF16, WIDE>;
       const size_t bytes = rows_smem_bytes(geo);
-      static size_t allowed = 0;  // the dynamic bytes allowed so far
-      if (bytes > allowed) {
-        MS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-        allowed = bytes;
-      }
-      static size_t sized = 0;  // the bytes per_sm was found for
+      static size_t allowed = 0, sized = 0;  // the dynamic bytes allowed so far; those per_sm is for
       static int per_sm = 0;
       if (bytes != sized) {
+        if (bytes > allowed) {
+          MS_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+          allowed = bytes;
+        }
         MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kFewThreads, bytes));
         sized = bytes;
       }
