@@ -432,7 +432,8 @@ TEST_F(Pair, FewTokenGemvOverManyRowBlocksEqualsLoneTokens) {
 // once for both, the tile kernel's k-blocks and order of sums. Its rows equal, bit for bit, the
 // tile kernel's (MOESTREAM_CUDA_FEW_ROWS=0): every layout (k-blocks of 32 and 64 columns, q8, F16
 // scales), 2 to 8 tokens, a partial last unit, q, k and v in one launch (MOESTREAM_CUDA_FEW_ROWS=2
-// takes the rows kernel for any size), and a head of 20,011 rows (the rows kernel by its size).
+// takes the rows kernel for any size), and a head of 60,013 rows (the rows kernel by its size, each
+// block refilling its stages over several units).
 TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
   auto rows_with = [&](const char* mode, auto&& f) {  // the tile kernel of 8 warps, as the rows kernel's
     setenv("MOESTREAM_CUDA_FEW_ROWS", mode, 1);
@@ -445,12 +446,14 @@ TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
   for (const std::string fmt : {"q4g32", "q4g64", "q4g128", "q4g64-f16", "q8g64", "q8g128"})
     for (int64_t T : {2, 5, 8}) {
       SCOPED_TRACE(fmt + " T=" + std::to_string(T));
-      constexpr int64_t cols = 2048;
+      constexpr int64_t cols = 1024;  // q8's stage of 2,048 columns would not fit
       HostMatrix hm = make_matrix(100, cols, fmt, 51);
       Matrix wg = load(*gpu, hm, fmt);
       const Qkv m(*cpu, *gpu, fmt, {160, 48, 40}, cols, 52);
       Buf x = buf(T, cols, 53);
       ASSERT_TRUE(few_mma(wg, T, x.g));
+      const Matrix* one[1] = {&wg};
+      ASSERT_TRUE(cuda::few_rows_fit(one)) << "the rows kernel would not be taken";
       auto run = [&] {
         Buf o = poisoned(T, 100), oq = poisoned(T, 160), ok = poisoned(T, 48), ov = poisoned(T, 40);
         gpu->linear(x.g, wg, nullptr, o.g);
@@ -462,10 +465,12 @@ TEST_F(Pair, FewTokenRowsKernelEqualsTheTileKernel) {
     }
   for (const std::string fmt : {"q4g64", "q8g64"}) {
     SCOPED_TRACE(fmt + " head");
-    constexpr int64_t kRows = 20011, kCols = 512, T = 8;
+    constexpr int64_t kRows = 60013, kCols = 512, T = 8;  // several units a block on any GPU
     HostMatrix hm = make_matrix(kRows, kCols, fmt, 54);
     Matrix wg = load(*gpu, hm, fmt);
     Buf x = buf(T, kCols, 55);
+    const Matrix* one[1] = {&wg};
+    ASSERT_TRUE(cuda::few_rows_fit(one));
     auto run = [&] {
       Buf o = poisoned(T, kRows);
       gpu->linear(x.g, wg, nullptr, o.g);

@@ -11,8 +11,8 @@
 // turn, each keeping the words of its next kPrefetch k-blocks in flight, and the warps' sums are
 // added in a fixed order at the end (the result does not depend on timing).
 //
-// A matrix of many waves of such blocks (an LM head) goes through gemv_few_rows_kernel instead: a
-// grid that stays, whose blocks copy units of two tiles (32 rows of words, scales and biases) into
+// A launch of more such blocks than the device has SMs (q/k/v and the LM head at 2-8 tokens:
+// few_rows_take) goes through gemv_few_rows_kernel instead: a grid that stays, whose blocks copy units of two tiles (32 rows of words, scales and biases) into
 // shared memory a unit ahead, in 16-byte pieces of whole rows, and take them in turn with the tile
 // kernel's warps, k-blocks and order of sums (so the same rows bit for bit), each warp loading a
 // k-block's x once for both tiles. The tile kernel's blocks issue their loads at their start and
@@ -305,13 +305,17 @@ int few_warps(unsigned tiles, int kbs, int sms) {
   return v && std::string_view(v) == "8" ? 8 : 16;
 }
 
-// MOESTREAM_CUDA_FEW_ROWS: 0 never the rows kernel, 2 for every launch it takes (tests), else for
-// launches of more than four waves of tile blocks (their matrices' tiles together). Read at each
-// call (the GPU tests set it).
-int few_rows_mode() {
+// Whether a launch of `tiles` tiles (its matrices' together) takes the rows kernel: where it has
+// more tiles than the device has SMs, so that the tile kernel would run more than one block of 8
+// warps an SM (q/k/v and the LM head at 2-8 tokens; o_proj's 128 tiles take the tile kernel's 16
+// warps). MOESTREAM_CUDA_FEW_ROWS: 0 never, 2 for every launch it fits (tests), "head" only for
+// launches of more than four waves of tile blocks (the rule before session 34, for comparison).
+// Read at each call (the GPU tests set it).
+bool few_rows_take(unsigned tiles, int sms) {
   const char* v = std::getenv("MOESTREAM_CUDA_FEW_ROWS");
   const std::string_view s = v ? v : "";
-  return s == "0" ? 0 : s == "2" ? 2 : 1;
+  if (s == "0" || s == "2") return s == "2";
+  return tiles > unsigned(s == "head" ? 4 * 2 * sms : sms);
 }
 
 }  // namespace
@@ -330,6 +334,22 @@ bool few_mma_for(const Matrix& m, int64_t T, const float* x, int64_t ldx) {
   if (tag.kind != kQ4 && tag.kind != kQ8) return false;
   // whole k-blocks of 32 columns in whole groups; x rows split in float4s
   return m.cols % 32 == 0 && weight_ref(m).group_shift >= 5 && ldx % 4 == 0 && reinterpret_cast<uintptr_t>(x) % 16 == 0;
+}
+
+bool few_rows_fit(std::span<const Matrix* const> mats) {
+  if (mats.empty()) return false;
+  const WeightRef w0 = weight_ref(*mats[0]);
+  const RowsGeometry geo = rows_geometry(w0, bits_of(format_of(*mats[0]).kind));
+  // at most 110 KiB (two blocks an SM on sm_90), and what a block may have (99 KiB on sm_86/89)
+  bool fit = geo.row_bytes % 16 == 0 && geo.scale_bytes % 16 == 0 &&
+             rows_smem_bytes(geo) <= std::min<size_t>(110 * 1024, max_gemv_smem());
+  for (const Matrix* m : mats) {
+    const WeightRef w = weight_ref(*m);
+    fit = fit && w.groups_per_row == w0.groups_per_row &&
+          (reinterpret_cast<uintptr_t>(w.data) | reinterpret_cast<uintptr_t>(w.scales) |
+           reinterpret_cast<uintptr_t>(w.biases)) % 16 == 0;
+  }
+  return fit;
 }
 
 void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t ldx, int64_t T,
@@ -357,19 +377,11 @@ void linear_few_mma(std::span<const Matrix* const> mats, const float* x, int64_t
     a.in = split_buffers(get, kAreaExactHi, T, cols);
     split_tokens(x, ldx, T, tag.kind == kQ4, a.in, s);
   }
-  // The rows kernel: whole rows in 16-byte pieces, one geometry for every matrix, a stage that fits.
   const RowsGeometry geo = rows_geometry(a.w[0], bits_of(tag.kind));
-  // at most 110 KiB (two blocks an SM on sm_90), and what a block may have (99 KiB on sm_86/89)
-  bool rows_fit = geo.row_bytes % 16 == 0 && geo.scale_bytes % 16 == 0 &&
-                  rows_smem_bytes(geo) <= std::min<size_t>(110 * 1024, max_gemv_smem());
-  for (int i = 0; i < a.n; ++i)
-    rows_fit = rows_fit && a.w[i].groups_per_row == a.w[0].groups_per_row &&
-               (reinterpret_cast<uintptr_t>(a.w[i].data) | reinterpret_cast<uintptr_t>(a.w[i].scales) |
-                reinterpret_cast<uintptr_t>(a.w[i].biases)) % 16 == 0;
-  const int mode = few_rows_mode();
+  const bool rows_fit = few_rows_fit(mats);
   const int sms = sm_count();
   const unsigned tiles = a.first_tile[a.n];
-  const bool rows = rows_fit && (mode == 2 || (mode == 1 && tiles > unsigned(4 * 2 * sms)));
+  const bool rows = rows_fit && few_rows_take(tiles, sms);
   auto run = [&]<int KIND, bool WIDE>() {
     auto go = [&]<bool SF16>() {
       if (!rows) {

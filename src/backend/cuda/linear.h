@@ -101,6 +101,10 @@ bool few_mma_for(const Matrix& m, int64_t T, const float* x, int64_t ldx);
 void linear_few_mma(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
                     std::span<const float* const> bias, std::span<float* const> out, std::span<const int64_t> ldo,
                     GemmScratch& scratch, cudaStream_t stream);
+// Whether these matrices (together in one launch) fit the rows kernel that linear_few_mma takes for
+// launches of many waves of tiles: whole rows in 16-byte pieces, one row geometry, the stage within
+// a block's shared memory (the tests check that the path they compare was taken).
+bool few_rows_fit(std::span<const Matrix* const> w);
 
 // How linear() multiplies above the GEMV bound.
 //  Fp16: with MOESTREAM_CUDA_TENSOR_CORES=1 (tensor_cores_for), tiles of W dequantized to FP16,
