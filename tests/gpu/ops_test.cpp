@@ -1052,6 +1052,52 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
   }
 }
 
+// The lane kernels split each row's columns across a block's warps (2 to 4 parts of whole 128-byte
+// lines: gate/up over 1,024 columns 4 parts, down over 384 or 768 columns 2 or 3; q8 twice the
+// lines) and add the parts in warp order. Every expert staged (the default where the arrays are
+// aligned) equals, bit for bit, the kernels that check each expert, whose resident experts take
+// their own loads over the same k-blocks (MOESTREAM_CUDA_EXPERT_SPLIT=mixed); the blocks of whole
+// rows (MOESTREAM_CUDA_EXPERT_SPLIT=0) and each token's lone step agree within float32 rounding.
+TEST_F(Pair, SplitExpertKernelsEqualTheirDirectLoadsAndLoneTokens) {
+  if (!cuda::few_mma_enabled()) GTEST_SKIP() << "the few-token tensor-core paths are off";
+  constexpr int E = 24;
+  constexpr int64_t dim = 1024;
+  for (const std::string fmt : {"q4g64", "q4g32", "q4g64-f16", "q8g64"})
+    for (int64_t inter : {384, 768}) {
+      SCOPED_TRACE(fmt + " inter " + std::to_string(inter));
+      HostExperts experts(E, dim, inter, fmt, 141);
+      CudaOptions o;
+      o.gpu_expert_mb = 96;
+      o.total_experts = E;
+      std::unique_ptr<Backend> g = make_cuda_backend(o);
+      const Matrix rg = load(*g, make_matrix(E, dim, "bf16", 142), "bf16");
+      MoeParams p;
+      p.n_experts = E;
+      p.top_k = 6;
+      p.norm_topk_prob = true;
+      constexpr int64_t T = 8;
+      const std::vector<float> xv = random(size_t(T * dim), 143);
+      Buffer x = g->alloc(T, dim), out = g->alloc(T, dim), lone = g->alloc(1, dim);
+      ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
+      auto run = [&](const char* mode) {
+        if (mode) setenv("MOESTREAM_CUDA_EXPERT_SPLIT", mode, 1);
+        g->moe(x, rg, experts, p, out);
+        unsetenv("MOESTREAM_CUDA_EXPERT_SPLIT");
+        return host(*g, out);
+      };
+      run(nullptr);  // the experts into VRAM
+      const std::vector<float> staged = run(nullptr), mixed = run("mixed"), whole = run("0");
+      EXPECT_EQ(staged, mixed) << "the staging against the direct loads";
+      EXPECT_LT(test::relative_error(staged, whole), 1e-5);
+      EXPECT_NE(staged, whole) << "the same sums: the split kernels were not taken";
+      for (int64_t t = 0; t < T; ++t) {
+        g->moe(x.rows_view(t, 1), rg, experts, p, lone);
+        const std::vector<float> got(staged.begin() + t * dim, staged.begin() + (t + 1) * dim);
+        EXPECT_LT(test::relative_error(got, host(*g, lone)), 1e-5) << "token " << t;
+      }
+    }
+}
+
 // A batched step's RMSNorm splits its rows for the tensor-core products after it (NormSplit): q, k
 // and v and the experts take those instead of splitting x themselves, with the same values, so
 // every output equals, bit for bit, a backend that never does (MOESTREAM_CUDA_NORM_SPLIT=0). q4 asks

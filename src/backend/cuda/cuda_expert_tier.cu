@@ -276,7 +276,7 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
   const uint64_t bytes = uint64_t(hi - lo);
   if (bytes > slot_bytes_)
     fail("cuda: expert ", expert, " of layer ", layer, " takes ", bytes, " bytes, more than a slot (", slot_bytes_, ")");
-  note_formats(layer, expert, w);
+  note_formats(layer, expert, w, lo);
   char* dst = slot_arena_ + uint64_t(slot) * slot_bytes_;
   evict(slot);
   MS_CUDA_CHECK(cudaMemcpyAsync(dst, lo, bytes, cudaMemcpyHostToDevice, copy_));
@@ -288,8 +288,10 @@ void ExpertTier::load_expert(int layer, int expert, const MlpWeights& w, int slo
   stats_.bytes_h2d += bytes;
 }
 
-// The expert's (gate/up, down) formats among its layer's, and the layer's expert width.
-void ExpertTier::note_formats(int layer, int expert, const MlpWeights& w) {
+// The expert's (gate/up, down) formats among its layer's, the layer's expert width, and whether
+// the staging of the lane kernels takes its arrays where they are and in a slot (copied from lo
+// to a multiple of 256 bytes: their offsets from lo kept).
+void ExpertTier::note_formats(int layer, int expert, const MlpWeights& w, const char* lo) {
   const FormatTag gu = format_of(w.gate), dn = format_of(w.down);
   if (!(format_of(w.up) == gu)) fail("cuda: expert ", expert, " of layer ", layer, ": gate and up differ in format");
   auto& formats = formats_[size_t(layer)];
@@ -300,6 +302,14 @@ void ExpertTier::note_formats(int layer, int expert, const MlpWeights& w) {
   int& shift = group_shift_[size_t(layer)];
   for (const Matrix* m : {&w.gate, &w.up, &w.down})
     if (is_quant(format_of(*m).kind)) shift = std::min(shift, weight_ref(*m).group_shift);
+  if (int64_t(misaligned_.size()) <= layer) misaligned_.resize(size_t(layer) + 1, 0);
+  auto off16 = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) != 0; };
+  bool off = off16(lo);
+  for (const Matrix* m : {&w.gate, &w.up, &w.down}) {
+    const WeightRef r = weight_ref(*m);
+    off = off || off16(r.data) || off16(r.scales) || off16(r.biases);
+  }
+  if (off) misaligned_[size_t(layer)] = 1;
 }
 
 // The slot's expert leaves VRAM: its table entry points at its host copy where one is known.
@@ -426,6 +436,7 @@ void ExpertTier::bind_layer(Call& c) {
   b.inter = inter_[size_t(c.layer)];
   const int shift = size_t(c.layer) < group_shift_.size() ? group_shift_[size_t(c.layer)] : kNoGroups;
   b.group_shift = shift == kNoGroups ? -1 : shift;
+  b.staged_aligned = size_t(c.layer) < misaligned_.size() && !misaligned_[size_t(c.layer)];
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
   b.gemm = &gemm_;
@@ -810,7 +821,7 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
     host_fit_ = 0;
     return;
   }
-  note_formats(layer, expert, w);
+  note_formats(layer, expert, w, lo);
   h = HostExpert{lo, uint64_t(hi - lo), entry_of(w)};
   h.dev.in_host = 1;
   if (++host_known_[size_t(layer)] == n_experts_) ++mapped_layers_;

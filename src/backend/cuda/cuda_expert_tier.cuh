@@ -193,7 +193,7 @@ class ExpertTier {
   void ensure_table(int layer);
   void upload_table_rows(int first, int count);
   void load_expert(int layer, int expert, const MlpWeights& w, int slot);
-  void note_formats(int layer, int expert, const MlpWeights& w);
+  void note_formats(int layer, int expert, const MlpWeights& w, const char* lo);
   void evict(int slot);
   void touch(int slot);
   void settle_copies();
@@ -251,6 +251,7 @@ class ExpertTier {
   // one is not a power of two; kNoGroups while none is quantized).
   static constexpr int kNoGroups = 1 << 30;
   std::vector<int> group_shift_;
+  std::vector<char> misaligned_;  // per layer: an expert whose arrays, or copy, the staging cannot take
   int n_experts_ = 0, layers_cap_ = 0;
   DevExpert* table_dev_ = nullptr;        // [layers_cap_][n_experts_]
   DevExpert* table_host_ = nullptr;       // pinned mirror

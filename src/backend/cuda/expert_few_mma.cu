@@ -5,22 +5,29 @@
 // The exact kernels' items of 8 (expert_exact_mma.cu) decode every code into shared memory and read
 // it back through ldmatrix: for one or two real rows an item that is 8 bytes of shared traffic for
 // each byte of weights, which bound them (ncu: L1 73% busy, DRAM 17%; docs/PERFORMANCE.md, session
-// 25). Here no operand passes through shared memory: a warp owns whole 16-row tiles and walks all
-// their k-blocks with the words of the next kPrefetch k-blocks in flight, its tiles sharing one B
-// fragment of the item's x (gate/up: the same rows of gate and up; down: two row tiles), and
-// lanes without a row of the item load no x. No barriers, no shared memory.
+// 25). Here the codes go straight from the words into the fragments, a warp's 16-row tiles share
+// one B fragment of the item's x (gate/up: the same rows of gate and up; down: two row tiles), and
+// lanes without a row of the item load no x.
 //
-// Experts read in place from the host tier (DevExpert::in_host) take another path when the call
-// may have them (ExpertBatch::in_place): over PCIe, what bounds the rate is the size of each read.
-// The lanes' own loads above (8 bytes of each of 16 rows a k-block, and each row's 2-byte scale
-// and bias) go out as 32-byte reads and reach ~24 GB/s of an H200's 55; whole 128-byte lines reach
-// ~46 (docs/PERFORMANCE.md, session 26). So a warp copies its tiles' scales and biases once, and
-// their words 128 bytes of a row at a time (8 lanes a row, 16 bytes each), into its own part of
-// shared memory with cp.async, kStages chunks ahead, and the lanes read their words from there.
+// The words reach the lanes one of two ways. Directly (lane_tiles): each lane loads its own, the
+// next kPrefetch k-blocks in flight. Through the warp's staging (lane_tiles_staged): the warp
+// copies its tiles' words 128 bytes of a row at a time (8 lanes a row, 16 bytes each) into its own
+// part of shared memory with cp.async, kStages lines ahead, with the tiles' scales and biases once,
+// and the lanes read their words from there. Experts read in place from the host tier
+// (DevExpert::in_host) need the staging: over PCIe, what bounds the rate is the size of each read,
+// and the lanes' own loads (8 bytes of each of 16 rows a k-block, each row's 2-byte scale and bias)
+// go out as 32-byte reads and reach ~24 GB/s of an H200's 55, whole 128-byte lines ~46
+// (docs/PERFORMANCE.md, session 26). Both ways sum the same products in the same order.
+//
+// The split kernels (the default) give a block's warps the same tiles and split the rows' columns
+// between them (split_tiles), and stage every expert of a layer whose arrays are all aligned for it,
+// in VRAM or not. The whole-row kernels (a warp's own tiles over all their columns, staged only
+// when read in place) are left where a split block's shared memory would not fit.
 #include <cuda_fp16.h>
 
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
 #include "backend/cuda/expert_items.cuh"
 #include "backend/cuda/few_mma.cuh"
@@ -45,13 +52,14 @@ __device__ __forceinline__ void prefetch_x(const FewB& b, int kb) {
   }
 }
 
-// This lane's sums of NA 16-row tiles (tile t: rows row0[t] + g and + 8 of w[t]) over cols
-// columns, all against the same B (tokens 2j and 2j + 1 as the m16n8 accumulator holds them). The
-// words of k-block kb + kPrefetch are loaded, and its x sent to L1, as k-block kb is multiplied.
+// This lane's sums of NA 16-row tiles (tile t: rows row0[t] + g and + 8 of w[t]) over k-blocks
+// [kb0, kb1), all against the same B (tokens 2j and 2j + 1 as the m16n8 accumulator holds them).
+// The words of k-block kb + kPrefetch are loaded, and its x sent to L1, as k-block kb is
+// multiplied.
 template <int KIND, bool SF16, bool WIDE, int NA>
 __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
-                                           const int64_t (&row0)[NA], const FewB& b, int64_t cols,
-                                           float (&acc)[NA][4]) {
+                                           const int64_t (&row0)[NA], const FewB& b, int kb0,
+                                           int kb1, float (&acc)[NA][4]) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
@@ -66,7 +74,7 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
       rp[t][r].scales = static_cast<const uint16_t*>(w[t]->scales) + row * w[t]->groups_per_row;
       rp[t][r].biases = w[t]->biases + row * w[t]->groups_per_row;
     }
-  const int kbs = int(cols / L::kCols);
+  const int kbs = kb1 - kb0;  // k-block kb0 + i below is the range's i
   RawBlock<L::kWords> raw[kPrefetch][NA][2];
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i)
@@ -75,17 +83,17 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
       for (int t = 0; t < NA; ++t)
 #pragma unroll
         for (int r = 0; r < 2; ++r)
-          load_block<L::kWords>(rp[t][r], i, i * L::kCols, *w[t], raw[i][t][r]);
+          load_block<L::kWords>(rp[t][r], kb0 + i, (kb0 + i) * L::kCols, *w[t], raw[i][t][r]);
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i)
-    if (i < kbs) prefetch_x<KIND, WIDE>(b, i);
+    if (i < kbs) prefetch_x<KIND, WIDE>(b, kb0 + i);
   for (int base = 0; base < kbs; base += kPrefetch) {
 #pragma unroll
     for (int i = 0; i < kPrefetch; ++i) {
       const int kb = base + i;
       if (kb >= kbs) break;
       XBlock<KIND, WIDE> x;
-      x.load(b, kb);
+      x.load(b, kb0 + kb);
       const int next = kb + kPrefetch;
 #pragma unroll
       for (int t = 0; t < NA; ++t) {
@@ -101,10 +109,11 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
         if (next < kbs)
 #pragma unroll
           for (int r = 0; r < 2; ++r)
-            load_block<L::kWords>(rp[t][r], next, next * L::kCols, *w[t], raw[i][t][r]);
+            load_block<L::kWords>(rp[t][r], kb0 + next, (kb0 + next) * L::kCols, *w[t],
+                                  raw[i][t][r]);
         add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
       }
-      if (next < kbs) prefetch_x<KIND, WIDE>(b, next);
+      if (next < kbs) prefetch_x<KIND, WIDE>(b, kb0 + next);
     }
   }
 }
@@ -242,6 +251,168 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
   cp_async_wait<0>();
 }
 
+// --- a row's columns split across a block's warps ---
+// In the split kernels a block's warps share its rows (gate/up: 16 of gate and of up; down: 32)
+// and split their columns: warp p of S takes lines [p * lines / S, (p + 1) * lines / S) of each
+// row (128 bytes a line, as the staging copies them, so experts read in place still move whole
+// lines), and warp 0 adds the others' sums to its own in warp order. A block's chain of k-blocks
+// is S times shorter, and a step's experts are S times as many warps: enough to fill the SMs,
+// which the blocks of whole rows left a third empty (one wave of ~2.4 blocks an SM, each warp
+// waiting on its loads most of the time; docs/PERFORMANCE.md, session 30).
+
+// The warps (parts) for rows of `lines` lines: at most 4, whole lines each.
+inline int k_parts(int lines) {
+  if (lines % 4 == 0) return 4;
+  if (lines % 3 == 0) return 3;
+  return lines < 4 ? lines : 4;
+}
+// A split block's shared memory: its warps' rings, its two tiles' scales and biases, and the sums
+// of warps 1 .. S - 1.
+inline int split_smem_bytes(int parts, int scale_stage) {
+  return parts * kStages * 2 * kTileChunk + 4 * scale_stage + (parts - 1) * 2 * 4 * 32 * 4;
+}
+
+// lane_tiles_staged over lines [c0, c1) of each row, the ring this warp's own, the scales and
+// biases `sc` the block's (its threads copy them together, and wait for each other once).
+template <int KIND, bool SF16, bool WIDE, int NA>
+__device__ __forceinline__ void part_tiles_staged(const WeightRef* const (&w)[NA],
+                                                  const int64_t (&row0)[NA], const FewB& b,
+                                                  int64_t cols, int c0, int c1, char* ring,
+                                                  char* sc, int scale_stage,
+                                                  float (&acc)[NA][4]) {
+  using L = Layout<KIND, WIDE>;
+  constexpr int B = bits_of(KIND);
+  constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
+  constexpr int kPerChunk = kChunk / kBlockBytes;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+  const int64_t row_bytes = cols * B / 8;
+#pragma unroll
+  for (int t = 0; t < NA; ++t) {
+    const int64_t gpr = w[t]->groups_per_row;
+    const int64_t n = (min(row0[t] + 16, w[t]->rows) - row0[t]) * gpr * 2;
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const char* src =
+          static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) +
+          row0[t] * gpr * 2;
+      for (int64_t off = 16 * int64_t(threadIdx.x); off < n; off += 16 * int64_t(blockDim.x))
+        cp_async16(sc + (2 * t + m) * scale_stage + off, src + off,
+                   int(n - off < 16 ? n - off : 16));
+    }
+  }
+  // line c of every tile's 16 rows (row r clamped to the matrix) into stage (c - c0) % kStages
+  auto issue = [&](int c) {
+    if (c < c1) {
+      const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
+      const int64_t left = row_bytes - off;
+      const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
+#pragma unroll
+      for (int t = 0; t < NA; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int r = lane / 8 + 4 * i;
+          const int64_t row = min(row0[t] + r, w[t]->rows - 1);
+          char* dst =
+              ring + (((c - c0) % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
+          cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
+        }
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int c = 0; c < kStages; ++c) issue(c0 + c);
+  int srow[NA][2];
+#pragma unroll
+  for (int t = 0; t < NA; ++t)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
+  const int kbs = int(cols / L::kCols);
+  for (int c = c0; c < c1; ++c) {
+    cp_async_wait<kStages - 1>();
+    if (c == c0)
+      __syncthreads();  // every thread's pieces of the scales (in the first line's group)
+    else
+      __syncwarp();
+    const char* stage = ring + ((c - c0) % kStages) * NA * kTileChunk;
+#pragma unroll
+    for (int i = 0; i < kPerChunk; ++i) {
+      const int kb = c * kPerChunk + i;
+      if (kb >= kbs) break;
+      XBlock<KIND, WIDE> x;
+      x.load(b, kb);
+#pragma unroll
+      for (int t = 0; t < NA; ++t) {
+        uint32_t raw[2][L::kWords];
+        float scale[2], bias[2];
+        const int group = (kb * L::kCols) >> w[t]->group_shift;
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          const char* p =
+              stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
+          if constexpr (L::kWords == 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(p);
+            raw[r][0] = v.x;
+            raw[r][1] = v.y;
+          } else {
+            raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
+          }
+          const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
+          scale[r] =
+              scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
+          bias[r] = scale_value<SF16>(
+              *reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
+        }
+        uint32_t ha[L::kPairs], hb[L::kPairs];
+        code_pairs<KIND, L::kWords>(raw[0], ha);
+        code_pairs<KIND, L::kWords>(raw[1], hb);
+        add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
+      }
+    }
+    __syncwarp();
+    issue(c + kStages);
+  }
+  cp_async_wait<0>();
+}
+
+// This warp's part of the sums of the two tiles of expert d's matrices w (through the staging, or
+// where PURE is false and d is neither in the host tier nor aligned, through lane_tiles over the
+// same k-blocks: the same sums), then warp 0's acc the whole sums.
+template <int KIND, bool SF16, bool WIDE, bool PURE>
+__device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef* const (&w)[2],
+                                            const int64_t (&rows)[2], const FewB& b, int64_t cols,
+                                            int scale_stage, float (&acc)[2][4]) {
+  using L = Layout<KIND, WIDE>;
+  constexpr int kPerChunk = kChunk / (16 * L::kWords);
+  extern __shared__ __align__(16) char split_smem[];
+  const int parts = int(blockDim.x) / 32, p = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
+  const int lines = int((cols * bits_of(KIND) / 8 + kChunk - 1) / kChunk);
+  const int c0 = p * lines / parts, c1 = (p + 1) * lines / parts;
+  char* const sc = split_smem + parts * kStages * 2 * kTileChunk;
+  float* const sums = reinterpret_cast<float*>(sc + 4 * scale_stage);
+  if (PURE || staged(d)) {
+    part_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, cols, c0, c1,
+                                           split_smem + p * kStages * 2 * kTileChunk, sc,
+                                           scale_stage, acc);
+  } else {
+    const int kbs = int(cols / L::kCols);
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, min(c0 * kPerChunk, kbs), min(c1 * kPerChunk, kbs),
+                                    acc);
+  }
+  if (p > 0)
+#pragma unroll
+    for (int t = 0; t < 2; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) sums[((p - 1) * 8 + t * 4 + i) * 32 + lane] = acc[t][i];
+  __syncthreads();
+  if (p == 0)
+    for (int q = 1; q < parts; ++q)
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc[t][i] += sums[((q - 1) * 8 + t * 4 + i) * 32 + lane];
+}
+
 // The B operand of an item of nt rows: lane (g, j) multiplies by the split row in_row(g) (none
 // past nt) and holds the accumulators of item rows 2j and 2j + 1 (clamped to the item).
 template <int KIND, bool WIDE, class InRow>
@@ -279,7 +450,7 @@ __device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef
     char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
     lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, cols, scale_stage, mine, acc);
   } else {
-    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, cols, acc);
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, 0, int(cols / Layout<KIND, WIDE>::kCols), acc);
   }
 }
 
@@ -320,6 +491,53 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
   expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.inter, scale_stage, acc);
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+    for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
+      a.e.y[int64_t(r0 + tok) * a.e.dim + r] =
+          acc[t][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[r] : 0.0f);
+    });
+}
+
+// gate_up_lanes_kernel with a block's columns split across its warps (split_tiles): a block of
+// S warps takes 16 rows of gate and of up of one item. PURE: every expert of the layer staged.
+template <int KIND, bool SF16, bool WIDE, bool PURE>
+__global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
+    gate_up_split_kernel(ExactArgs a, int scale_stage) {
+  int e, r0, nt;
+  if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
+  const int64_t row = int64_t(blockIdx.x) * 16;
+  const DevExpert& d = a.e.table[e];
+  auto token = [&](int r) { return int64_t(a.e.g.row_token[r0 + r] / a.e.k); };
+  const FewB b = item_b<KIND, WIDE>(a.in, nt, token);
+  const WeightRef* const w[2] = {&d.gate, &d.up};
+  const int64_t rows[2] = {row, row};
+  float acc[2][4] = {};
+  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.dim, scale_stage, acc);
+  if (threadIdx.x >= 32) return;
+  for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
+    const float inv = a.in.inv[token(tok)];
+    const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
+    const float uv = acc[1][i] * inv + (d.up_bias ? d.up_bias[r] : 0.0f);
+    a.e.hidden[int64_t(r0 + tok) * a.e.inter + r] =
+        gated_activation(gv, uv, a.e.clamped, a.e.limit, a.e.alpha);
+  });
+}
+
+// down_lanes_kernel the same way: a block of S warps takes 32 rows of down of one item.
+template <int KIND, bool SF16, bool WIDE, bool PURE>
+__global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
+    down_split_kernel(ExactArgs a, int scale_stage) {
+  int e, r0, nt;
+  if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
+  const int64_t row = int64_t(blockIdx.x) * 32;
+  const DevExpert& d = a.e.table[e];
+  const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return int64_t(r0 + r); });
+  const WeightRef* const w[2] = {&d.down, &d.down};
+  const int64_t rows[2] = {row, row + 16};
+  float acc[2][4] = {};
+  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, acc);
+  if (threadIdx.x >= 32) return;
 #pragma unroll
   for (int t = 0; t < 2; ++t)
     for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
@@ -382,11 +600,56 @@ void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, 
   }
 }
 
+// MOESTREAM_CUDA_EXPERT_SPLIT: 0 the blocks of whole rows (for comparison), "mixed" the split
+// kernels that check each expert (the tests: their direct loads against the staging), else the
+// split kernels. Read at each call (the GPU tests set it).
+int split_mode() {
+  const char* v = std::getenv("MOESTREAM_CUDA_EXPERT_SPLIT");
+  const std::string_view s = v ? v : "";
+  return s == "0" ? 0 : s == "mixed" ? 2 : 1;
+}
+
+template <auto Kernel>
+void allow_split_smem(int bytes) {
+  static int allowed = 48 * 1024;  // one per kernel; what every kernel may take without asking
+  if (bytes > allowed) {
+    MS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    allowed = bytes;
+  }
+}
+
+// Launches a split kernel over row blocks x items, Pure where every expert of the layer is
+// aligned for the staging (ExpertBatch::staged_aligned), else Mixed; false (nothing launched)
+// when split_mode() is 0 or its shared memory would not fit kMaxStagedBlockBytes.
+template <auto Pure, auto Mixed>
+bool launch_split(const ExactArgs& a, unsigned row_blocks, unsigned items, int64_t cols, int bits,
+                  int group_shift, bool aligned, cudaStream_t s) {
+  const int lines = int((cols * bits / 8 + kChunk - 1) / kChunk);
+  const int parts = k_parts(lines);
+  const int scale_stage = scale_stage_bytes(cols, group_shift);
+  const int smem = split_smem_bytes(parts, scale_stage);
+  const int mode = split_mode();
+  if (mode == 0 || smem > kMaxStagedBlockBytes) return false;
+  const dim3 grid(row_blocks, items);
+  if (aligned && mode == 1) {
+    allow_split_smem<Pure>(smem);
+    launch(Pure, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage);
+  } else {
+    allow_split_smem<Mixed>(smem);
+    launch(Mixed, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage);
+  }
+  return true;
+}
+
 }  // namespace
 
 void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
-                       bool in_place, cudaStream_t s) {
+                       bool in_place, bool aligned, cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.dim, [&]<int KIND, bool SF16, bool WIDE>() {
+    if (launch_split<gate_up_split_kernel<KIND, SF16, WIDE, true>,
+                     gate_up_split_kernel<KIND, SF16, WIDE, false>>(
+            a, blocks_for(a.e.inter, 16), items, a.e.dim, bits_of(KIND), group_shift, aligned, s))
+      return;
     launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>,
                  gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
         a, dim3(blocks_for(a.e.inter, 16 * kLaneWarps), items), a.e.dim, group_shift, in_place, s);
@@ -394,8 +657,12 @@ void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigne
 }
 
 void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
-                    cudaStream_t s) {
+                    bool aligned, cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
+    if (launch_split<down_split_kernel<KIND, SF16, WIDE, true>,
+                     down_split_kernel<KIND, SF16, WIDE, false>>(
+            a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned, s))
+      return;
     launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>,
                  down_lanes_kernel<KIND, SF16, WIDE, true>>(
         a, dim3(blocks_for(a.e.dim, 32 * kLaneWarps), items), a.e.inter, group_shift, in_place, s);

@@ -26,12 +26,13 @@ struct ExactArgs {
 bool few_lanes_take(FormatTag t, int group_shift, int64_t cols);
 // hidden = act(gate x, up x) and y = down hidden over work items of up to kFewLaneRows rows, grid
 // rows 0 .. items - 1 (items past *n_work return at once). in_place: the table may point into the
-// host tier (ExpertBatch::in_place).
+// host tier (ExpertBatch::in_place); aligned: every expert's arrays are aligned for the staging
+// (ExpertBatch::staged_aligned).
 constexpr int kFewLaneRows = 8;
 void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
-                       bool in_place, cudaStream_t s);
+                       bool in_place, bool aligned, cudaStream_t s);
 void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
-                    cudaStream_t s);
+                    bool aligned, cudaStream_t s);
 
 #ifdef __CUDACC__
 // The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
