@@ -118,7 +118,7 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
   }
 }
 
-// --- experts read in place ---
+// --- the staging ---
 constexpr int kChunk = 128;  // bytes of a row a chunk (one line)
 constexpr int kPitch =
     kChunk + 32;  // a staged row: the 8-byte reads of 4 rows (a half warp) on distinct banks
@@ -132,7 +132,7 @@ inline int scale_stage_bytes(int64_t cols, int group_shift) {
   return int((16 * groups * 2 + 15) / 16 * 16);
 }
 // A block stages at most this much (3 blocks an SM, as the direct path runs); beyond it experts
-// read in place take the direct path.
+// read in place take the direct path, and the split kernels are not taken.
 constexpr int kMaxStagedBlockBytes = 72 * 1024;
 __host__ __device__ inline int staged_warp_bytes(int na, int scale_stage) {
   return na * (kStages * kTileChunk + 2 * scale_stage);
@@ -148,23 +148,23 @@ __device__ __forceinline__ bool staged(const DevExpert& d) {
   return ok;
 }
 
-// lane_tiles for matrices read in place: the same products, summed in the same order (bit for bit
-// the direct path's), from words and scales staged in this warp's `smem` (staged_warp_bytes).
-template <int KIND, bool SF16, bool WIDE, int NA>
+// lane_tiles through the staging: the same products, summed in the same order (bit for bit the
+// direct loads'), over lines [c0, c1) of each row, from words staged in this warp's `ring`
+// ([kStages][NA][16][kPitch]) and the tiles' scales and biases staged in `sc` ([NA][scales,
+// biases][scale_stage]). BLOCK: the block's warps share sc, copy it together and wait for each
+// other once (every warp of the block must call this); else the warp copies it alone.
+template <int KIND, bool SF16, bool WIDE, int NA, bool BLOCK>
 __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
                                                   const int64_t (&row0)[NA], const FewB& b,
-                                                  int64_t cols, int scale_stage, char* smem,
+                                                  int64_t cols, int c0, int c1, char* ring,
+                                                  char* sc, int scale_stage,
                                                   float (&acc)[NA][4]) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
   constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
   constexpr int kPerChunk = kChunk / kBlockBytes;
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  char* const ring = smem;                            // [kStages][NA][16][kPitch]
-  char* const sc = smem + kStages * NA * kTileChunk;  // [NA][scales, biases][scale_stage]
   const int64_t row_bytes = cols * B / 8;
-  const int chunks = int((row_bytes + kChunk - 1) / kChunk);
-  // each tile's scales and biases: its rows' are one run of bytes
 #pragma unroll
   for (int t = 0; t < NA; ++t) {
     const int64_t gpr = w[t]->groups_per_row;
@@ -174,14 +174,15 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
       const char* src =
           static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) +
           row0[t] * gpr * 2;
-      for (int64_t off = 16 * lane; off < n; off += 16 * 32)
+      const int64_t first = BLOCK ? int64_t(threadIdx.x) : lane, step = BLOCK ? int64_t(blockDim.x) : 32;
+      for (int64_t off = 16 * first; off < n; off += 16 * step)
         cp_async16(sc + (2 * t + m) * scale_stage + off, src + off,
                    int(n - off < 16 ? n - off : 16));
     }
   }
-  // chunk c of every tile's 16 rows (row r clamped to the matrix) into stage c % kStages
+  // line c of every tile's 16 rows (row r clamped to the matrix) into stage (c - c0) % kStages
   auto issue = [&](int c) {
-    if (c < chunks) {
+    if (c < c1) {
       const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
       const int64_t left = row_bytes - off;
       const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
@@ -191,15 +192,15 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
         for (int i = 0; i < 4; ++i) {
           const int r = lane / 8 + 4 * i;
           const int64_t row = min(row0[t] + r, w[t]->rows - 1);
-          char* dst = ring + ((c % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
+          char* dst =
+              ring + (((c - c0) % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
           cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
         }
     }
     cp_async_commit();
   };
 #pragma unroll
-  for (int c = 0; c < kStages; ++c) issue(c);
-  // this lane's rows g and g + 8 of each tile, as staged rows of its scales
+  for (int c = 0; c < kStages; ++c) issue(c0 + c);
   int srow[NA][2];
 #pragma unroll
   for (int t = 0; t < NA; ++t)
@@ -207,10 +208,13 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
     for (int r = 0; r < 2; ++r)
       srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
   const int kbs = int(cols / L::kCols);
-  for (int c = 0; c < chunks; ++c) {
+  for (int c = c0; c < c1; ++c) {
     cp_async_wait<kStages - 1>();
-    __syncwarp();
-    const char* stage = ring + (c % kStages) * NA * kTileChunk;
+    if (BLOCK && c == c0)
+      __syncthreads();  // every thread's pieces of the scales (in the first line's group)
+    else
+      __syncwarp();
+    const char* stage = ring + ((c - c0) % kStages) * NA * kTileChunk;
 #pragma unroll
     for (int i = 0; i < kPerChunk; ++i) {
       const int kb = c * kPerChunk + i;
@@ -256,9 +260,10 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
 // and split their columns: warp p of S takes lines [p * lines / S, (p + 1) * lines / S) of each
 // row (128 bytes a line, as the staging copies them, so experts read in place still move whole
 // lines), and warp 0 adds the others' sums to its own in warp order. A block's chain of k-blocks
-// is S times shorter, and a step's experts are S times as many warps: enough to fill the SMs,
-// which the blocks of whole rows left a third empty (one wave of ~2.4 blocks an SM, each warp
-// waiting on its loads most of the time; docs/PERFORMANCE.md, session 30).
+// is S times shorter and a step's experts are S times as many warps, where the blocks of whole
+// rows ran one wave of ~2.4 blocks an SM, each warp waiting on its loads most of the time
+// (docs/PERFORMANCE.md, session 30). Measured (session 34): more warps active (ncu: 21% of the
+// slots against 14%), each kernel alone about as fast, a batched step 2-4% faster.
 
 // The warps (parts) for rows of `lines` lines: at most 4, whole lines each.
 inline int k_parts(int lines) {
@@ -270,109 +275,6 @@ inline int k_parts(int lines) {
 // of warps 1 .. S - 1.
 inline int split_smem_bytes(int parts, int scale_stage) {
   return parts * kStages * 2 * kTileChunk + 4 * scale_stage + (parts - 1) * 2 * 4 * 32 * 4;
-}
-
-// lane_tiles_staged over lines [c0, c1) of each row, the ring this warp's own, the scales and
-// biases `sc` the block's (its threads copy them together, and wait for each other once).
-template <int KIND, bool SF16, bool WIDE, int NA>
-__device__ __forceinline__ void part_tiles_staged(const WeightRef* const (&w)[NA],
-                                                  const int64_t (&row0)[NA], const FewB& b,
-                                                  int64_t cols, int c0, int c1, char* ring,
-                                                  char* sc, int scale_stage,
-                                                  float (&acc)[NA][4]) {
-  using L = Layout<KIND, WIDE>;
-  constexpr int B = bits_of(KIND);
-  constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
-  constexpr int kPerChunk = kChunk / kBlockBytes;
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  const int64_t row_bytes = cols * B / 8;
-#pragma unroll
-  for (int t = 0; t < NA; ++t) {
-    const int64_t gpr = w[t]->groups_per_row;
-    const int64_t n = (min(row0[t] + 16, w[t]->rows) - row0[t]) * gpr * 2;
-#pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const char* src =
-          static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) +
-          row0[t] * gpr * 2;
-      for (int64_t off = 16 * int64_t(threadIdx.x); off < n; off += 16 * int64_t(blockDim.x))
-        cp_async16(sc + (2 * t + m) * scale_stage + off, src + off,
-                   int(n - off < 16 ? n - off : 16));
-    }
-  }
-  // line c of every tile's 16 rows (row r clamped to the matrix) into stage (c - c0) % kStages
-  auto issue = [&](int c) {
-    if (c < c1) {
-      const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
-      const int64_t left = row_bytes - off;
-      const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
-#pragma unroll
-      for (int t = 0; t < NA; ++t)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = lane / 8 + 4 * i;
-          const int64_t row = min(row0[t] + r, w[t]->rows - 1);
-          char* dst =
-              ring + (((c - c0) % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
-          cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
-        }
-    }
-    cp_async_commit();
-  };
-#pragma unroll
-  for (int c = 0; c < kStages; ++c) issue(c0 + c);
-  int srow[NA][2];
-#pragma unroll
-  for (int t = 0; t < NA; ++t)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
-  const int kbs = int(cols / L::kCols);
-  for (int c = c0; c < c1; ++c) {
-    cp_async_wait<kStages - 1>();
-    if (c == c0)
-      __syncthreads();  // every thread's pieces of the scales (in the first line's group)
-    else
-      __syncwarp();
-    const char* stage = ring + ((c - c0) % kStages) * NA * kTileChunk;
-#pragma unroll
-    for (int i = 0; i < kPerChunk; ++i) {
-      const int kb = c * kPerChunk + i;
-      if (kb >= kbs) break;
-      XBlock<KIND, WIDE> x;
-      x.load(b, kb);
-#pragma unroll
-      for (int t = 0; t < NA; ++t) {
-        uint32_t raw[2][L::kWords];
-        float scale[2], bias[2];
-        const int group = (kb * L::kCols) >> w[t]->group_shift;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const char* p =
-              stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
-          if constexpr (L::kWords == 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(p);
-            raw[r][0] = v.x;
-            raw[r][1] = v.y;
-          } else {
-            raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
-          }
-          const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
-          scale[r] =
-              scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
-          bias[r] = scale_value<SF16>(
-              *reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
-        }
-        uint32_t ha[L::kPairs], hb[L::kPairs];
-        code_pairs<KIND, L::kWords>(raw[0], ha);
-        code_pairs<KIND, L::kWords>(raw[1], hb);
-        add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
-      }
-    }
-    __syncwarp();
-    issue(c + kStages);
-  }
-  cp_async_wait<0>();
 }
 
 // This warp's part of the sums of the two tiles of expert d's matrices w (through the staging, or
@@ -391,7 +293,7 @@ __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef*
   char* const sc = split_smem + parts * kStages * 2 * kTileChunk;
   float* const sums = reinterpret_cast<float*>(sc + 4 * scale_stage);
   if (PURE || staged(d)) {
-    part_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, cols, c0, c1,
+    lane_tiles_staged<KIND, SF16, WIDE, 2, true>(w, rows, b, cols, c0, c1,
                                            split_smem + p * kStages * 2 * kTileChunk, sc,
                                            scale_stage, acc);
   } else {
@@ -448,10 +350,42 @@ __device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef
   if (STAGED && staged(d)) {
     extern __shared__ __align__(16) char stage_smem[];
     char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
-    lane_tiles_staged<KIND, SF16, WIDE, 2>(w, rows, b, cols, scale_stage, mine, acc);
+    const int lines = int((cols * bits_of(KIND) / 8 + kChunk - 1) / kChunk);
+    lane_tiles_staged<KIND, SF16, WIDE, 2, false>(w, rows, b, cols, 0, lines, mine,
+                                                  mine + kStages * 2 * kTileChunk, scale_stage, acc);
   } else {
     lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, 0, int(cols / Layout<KIND, WIDE>::kCols), acc);
   }
+}
+
+// The token whose x gate/up's item row r0 + r multiplies.
+__device__ __forceinline__ int64_t gate_up_token(const ExactArgs& a, int r0, int r) {
+  return int64_t(a.e.g.row_token[r0 + r] / a.e.k);
+}
+
+// The item's hidden rows act(gate, up) of this lane's outputs of 16 rows from `row` (acc[0] the
+// gate's sums, acc[1] the up's).
+__device__ __forceinline__ void write_hidden(const ExactArgs& a, const DevExpert& d, int64_t row,
+                                             int r0, int nt, const float (&acc)[2][4]) {
+  for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
+    const float inv = a.in.inv[gate_up_token(a, r0, tok)];
+    const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
+    const float uv = acc[1][i] * inv + (d.up_bias ? d.up_bias[r] : 0.0f);
+    a.e.hidden[int64_t(r0 + tok) * a.e.inter + r] =
+        gated_activation(gv, uv, a.e.clamped, a.e.limit, a.e.alpha);
+  });
+}
+
+// The item's down rows of this lane's outputs of the tiles from rows[0] and rows[1].
+__device__ __forceinline__ void write_down(const ExactArgs& a, const DevExpert& d,
+                                           const int64_t (&rows)[2], int r0, int nt,
+                                           const float (&acc)[2][4]) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+    for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
+      a.e.y[int64_t(r0 + tok) * a.e.dim + r] =
+          acc[t][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[r] : 0.0f);
+    });
 }
 
 // A block of 4 warps takes 64 rows of gate and up (a warp 16 of each) of one item.
@@ -463,19 +397,12 @@ __global__ void __launch_bounds__(kLaneThreads, 3)
   const int64_t row = int64_t(blockIdx.x) * (16 * kLaneWarps) + 16 * (int(threadIdx.x) / 32);
   if (row >= a.e.inter) return;
   const DevExpert& d = a.e.table[e];
-  auto token = [&](int r) { return int64_t(a.e.g.row_token[r0 + r] / a.e.k); };
-  const FewB b = item_b<KIND, WIDE>(a.in, nt, token);
+  const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return gate_up_token(a, r0, r); });
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t rows[2] = {row, row};
   float acc[2][4] = {};
   expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.dim, scale_stage, acc);
-  for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
-    const float inv = a.in.inv[token(tok)];
-    const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
-    const float uv = acc[1][i] * inv + (d.up_bias ? d.up_bias[r] : 0.0f);
-    a.e.hidden[int64_t(r0 + tok) * a.e.inter + r] =
-        gated_activation(gv, uv, a.e.clamped, a.e.limit, a.e.alpha);
-  });
+  write_hidden(a, d, row, r0, nt, acc);
 }
 
 // A block of 4 warps takes 128 rows of down (a warp two tiles of 16) of one item.
@@ -491,12 +418,7 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
   expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.inter, scale_stage, acc);
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-    for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
-      a.e.y[int64_t(r0 + tok) * a.e.dim + r] =
-          acc[t][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[r] : 0.0f);
-    });
+  write_down(a, d, rows, r0, nt, acc);
 }
 
 // gate_up_lanes_kernel with a block's columns split across its warps (split_tiles): a block of
@@ -508,20 +430,13 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * 16;
   const DevExpert& d = a.e.table[e];
-  auto token = [&](int r) { return int64_t(a.e.g.row_token[r0 + r] / a.e.k); };
-  const FewB b = item_b<KIND, WIDE>(a.in, nt, token);
+  const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return gate_up_token(a, r0, r); });
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t rows[2] = {row, row};
   float acc[2][4] = {};
   split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.dim, scale_stage, acc);
   if (threadIdx.x >= 32) return;
-  for_each_lane_output(row, nt, a.e.inter, [&](int i, int tok, int64_t r) {
-    const float inv = a.in.inv[token(tok)];
-    const float gv = acc[0][i] * inv + (d.gate_bias ? d.gate_bias[r] : 0.0f);
-    const float uv = acc[1][i] * inv + (d.up_bias ? d.up_bias[r] : 0.0f);
-    a.e.hidden[int64_t(r0 + tok) * a.e.inter + r] =
-        gated_activation(gv, uv, a.e.clamped, a.e.limit, a.e.alpha);
-  });
+  write_hidden(a, d, row, r0, nt, acc);
 }
 
 // down_lanes_kernel the same way: a block of S warps takes 32 rows of down of one item.
@@ -538,12 +453,7 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
   float acc[2][4] = {};
   split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, acc);
   if (threadIdx.x >= 32) return;
-#pragma unroll
-  for (int t = 0; t < 2; ++t)
-    for_each_lane_output(rows[t], nt, a.e.dim, [&](int i, int tok, int64_t r) {
-      a.e.y[int64_t(r0 + tok) * a.e.dim + r] =
-          acc[t][i] * a.in.inv[r0 + tok] + (d.down_bias ? d.down_bias[r] : 0.0f);
-    });
+  write_down(a, d, rows, r0, nt, acc);
 }
 
 bool lanes_enabled() {
