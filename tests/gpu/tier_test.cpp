@@ -158,7 +158,8 @@ TEST(CudaTier, FrequencyPolicyKeepsHitsWhereLruCycles) {
 // round trip's (MOESTREAM_CUDA_IN_PLACE=0), which reads nothing in place. With q4 and q8 experts
 // the batched steps' lane-decoded kernels copy the lines of experts read in place through shared
 // memory (expert_few_mma.cu), which sums as the direct loads do: bit for bit with the staging off
-// (MOESTREAM_CUDA_EXPERT_STAGING=0) too.
+// (MOESTREAM_CUDA_EXPERT_STAGING=0) too, also where a block's warps split a row's lines (hidden
+// 1,024).
 TEST(CudaTier, ReadInPlaceMatchesResident) {
   std::string why;
   if (!cuda_device_available(&why)) GTEST_SKIP() << why;
@@ -169,8 +170,15 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
   const auto packed = test::run_cli("pack " + test::fixture("models/qwen3moe_gqa_tied") + " " + q8 +
                                     " --quant q8 --group-size 32");
   ASSERT_EQ(packed.exit_code, 0) << packed.err;
+  // 2 layers of 8 q4 experts over hidden 1,024 (expert width 384): the batched steps' split kernels
+  // with 4 warps a block for gate/up and 2 for down, reading their lines in place
+  const std::string wide = test::temp_dir("gpu-tier-in-place-wide") + "/pack";
+  const auto made = test::run_cli("synth -o " + wide +
+                                  " --preset tiny --layers 2 --hidden 1024 --moe-intermediate 384 --experts 8"
+                                  " --top-k 2 --heads 8 --kv-heads 2 --head-dim 128 --vocab 512 --quant q4");
+  ASSERT_EQ(made.exit_code, 0) << made.err;
   for (const std::string& dir : {ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), cache), q8,
-                                 ensure_pack(test::fixture("models/qwen3moe_mlx_g32"), cache)}) {
+                                 ensure_pack(test::fixture("models/qwen3moe_mlx_g32"), cache), wide}) {
     SCOPED_TRACE(dir);
     const double slot_mb = double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
     struct Result {

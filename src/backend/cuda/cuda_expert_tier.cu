@@ -436,7 +436,8 @@ void ExpertTier::bind_layer(Call& c) {
   b.inter = inter_[size_t(c.layer)];
   const int shift = size_t(c.layer) < group_shift_.size() ? group_shift_[size_t(c.layer)] : kNoGroups;
   b.group_shift = shift == kNoGroups ? -1 : shift;
-  b.staged_aligned = size_t(c.layer) < misaligned_.size() && !misaligned_[size_t(c.layer)];
+  // with MOESTREAM_CUDA_EXPERT_STAGING=0 no expert is staged (the kernels that check each expert)
+  b.staged_aligned = staging_on_ && size_t(c.layer) < misaligned_.size() && !misaligned_[size_t(c.layer)];
   b.hidden = scratch_.get(kHidden, size_t(c.pairs * b.inter));
   b.y = scratch_.get(kY, size_t(c.pairs * c.dim));
   b.gemm = &gemm_;

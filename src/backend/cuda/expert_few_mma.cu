@@ -277,13 +277,13 @@ inline int split_smem_bytes(int parts, int scale_stage) {
   return parts * kStages * 2 * kTileChunk + 4 * scale_stage + (parts - 1) * 2 * 4 * 32 * 4;
 }
 
-// This warp's part of the sums of the two tiles of expert d's matrices w (through the staging, or
-// where PURE is false and d is neither in the host tier nor aligned, through lane_tiles over the
-// same k-blocks: the same sums), then warp 0's acc the whole sums.
+// This warp's part of the sums of the two tiles of expert d's matrices w, then warp 0's acc the
+// whole sums: through the staging, or where PURE is false and d is not staged (not in the host
+// tier, not aligned, or stage_host 0) through lane_tiles over the same k-blocks, the same sums.
 template <int KIND, bool SF16, bool WIDE, bool PURE>
 __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef* const (&w)[2],
                                             const int64_t (&rows)[2], const FewB& b, int64_t cols,
-                                            int scale_stage, float (&acc)[2][4]) {
+                                            int scale_stage, int stage_host, float (&acc)[2][4]) {
   using L = Layout<KIND, WIDE>;
   constexpr int kPerChunk = kChunk / (16 * L::kWords);
   extern __shared__ __align__(16) char split_smem[];
@@ -292,7 +292,7 @@ __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef*
   const int c0 = p * lines / parts, c1 = (p + 1) * lines / parts;
   char* const sc = split_smem + parts * kStages * 2 * kTileChunk;
   float* const sums = reinterpret_cast<float*>(sc + 4 * scale_stage);
-  if (PURE || staged(d)) {
+  if (PURE || (stage_host && staged(d))) {
     lane_tiles_staged<KIND, SF16, WIDE, 2, true>(w, rows, b, cols, c0, c1,
                                            split_smem + p * kStages * 2 * kTileChunk, sc,
                                            scale_stage, acc);
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
 // S warps takes 16 rows of gate and of up of one item. PURE: every expert of the layer staged.
 template <int KIND, bool SF16, bool WIDE, bool PURE>
 __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
-    gate_up_split_kernel(ExactArgs a, int scale_stage) {
+    gate_up_split_kernel(ExactArgs a, int scale_stage, int stage_host) {
   int e, r0, nt;
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * 16;
@@ -434,7 +434,7 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
   const WeightRef* const w[2] = {&d.gate, &d.up};
   const int64_t rows[2] = {row, row};
   float acc[2][4] = {};
-  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.dim, scale_stage, acc);
+  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.dim, scale_stage, stage_host, acc);
   if (threadIdx.x >= 32) return;
   write_hidden(a, d, row, r0, nt, acc);
 }
@@ -442,7 +442,7 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
 // down_lanes_kernel the same way: a block of S warps takes 32 rows of down of one item.
 template <int KIND, bool SF16, bool WIDE, bool PURE>
 __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
-    down_split_kernel(ExactArgs a, int scale_stage) {
+    down_split_kernel(ExactArgs a, int scale_stage, int stage_host) {
   int e, r0, nt;
   if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
   const int64_t row = int64_t(blockIdx.x) * 32;
@@ -451,7 +451,7 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
   const WeightRef* const w[2] = {&d.down, &d.down};
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
-  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, acc);
+  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, stage_host, acc);
   if (threadIdx.x >= 32) return;
   write_down(a, d, rows, r0, nt, acc);
 }
@@ -529,11 +529,12 @@ void allow_split_smem(int bytes) {
 }
 
 // Launches a split kernel over row blocks x items, Pure where every expert of the layer is
-// aligned for the staging (ExpertBatch::staged_aligned), else Mixed; false (nothing launched)
-// when split_mode() is 0 or its shared memory would not fit kMaxStagedBlockBytes.
+// aligned for the staging (ExpertBatch::staged_aligned), else Mixed, which stages the experts read
+// in place when in_place (ExpertBatch::in_place); false (nothing launched) when split_mode() is 0
+// or its shared memory would not fit kMaxStagedBlockBytes.
 template <auto Pure, auto Mixed>
 bool launch_split(const ExactArgs& a, unsigned row_blocks, unsigned items, int64_t cols, int bits,
-                  int group_shift, bool aligned, cudaStream_t s) {
+                  int group_shift, bool aligned, bool in_place, cudaStream_t s) {
   const int lines = int((cols * bits / 8 + kChunk - 1) / kChunk);
   const int parts = k_parts(lines);
   const int scale_stage = scale_stage_bytes(cols, group_shift);
@@ -543,10 +544,10 @@ bool launch_split(const ExactArgs& a, unsigned row_blocks, unsigned items, int64
   const dim3 grid(row_blocks, items);
   if (aligned && mode == 1) {
     allow_split_smem<Pure>(smem);
-    launch(Pure, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage);
+    launch(Pure, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage, 1);
   } else {
     allow_split_smem<Mixed>(smem);
-    launch(Mixed, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage);
+    launch(Mixed, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage, int(in_place));
   }
   return true;
 }
@@ -558,7 +559,7 @@ void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigne
   dispatch_lanes(t, group_shift, a.e.dim, [&]<int KIND, bool SF16, bool WIDE>() {
     if (launch_split<gate_up_split_kernel<KIND, SF16, WIDE, true>,
                      gate_up_split_kernel<KIND, SF16, WIDE, false>>(
-            a, blocks_for(a.e.inter, 16), items, a.e.dim, bits_of(KIND), group_shift, aligned, s))
+            a, blocks_for(a.e.inter, 16), items, a.e.dim, bits_of(KIND), group_shift, aligned, in_place, s))
       return;
     launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>,
                  gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
@@ -571,7 +572,7 @@ void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned i
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
     if (launch_split<down_split_kernel<KIND, SF16, WIDE, true>,
                      down_split_kernel<KIND, SF16, WIDE, false>>(
-            a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned, s))
+            a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned, in_place, s))
       return;
     launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>,
                  down_lanes_kernel<KIND, SF16, WIDE, true>>(

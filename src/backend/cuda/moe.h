@@ -94,7 +94,8 @@ struct ExpertBatch {
   // batched kernels then stage their lines (false with MOESTREAM_CUDA_EXPERT_STAGING=0).
   bool in_place = false;
   // Every expert of the layer, wherever it lives, has its words, scales and biases 16-byte aligned
-  // (the lane-decoded kernels may then stage every expert without checking).
+  // (the lane-decoded kernels may then stage every expert without checking; false with
+  // MOESTREAM_CUDA_EXPERT_STAGING=0).
   bool staged_aligned = false;
   // The call takes the tensor-core path (run_experts_gemm, with this handle and scratch). Decided
   // once per MoE call, never per batch, so that how a call's experts split into batches (what
