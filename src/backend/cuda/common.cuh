@@ -119,6 +119,17 @@ void launch(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaS
   MS_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
 }
 
+// Lets Kernel take `bytes` of dynamic shared memory (beyond the 48 KiB every kernel may take),
+// raising its limit once per larger size it is asked for.
+template <auto Kernel>
+void allow_smem(size_t bytes) {
+  static size_t allowed = 48 * 1024;  // one per kernel
+  if (bytes > allowed) {
+    MS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+    allowed = bytes;
+  }
+}
+
 }  // namespace moestream::cuda
 
 namespace moestream::cuda {

@@ -656,15 +656,6 @@ void split_tokens(const float* x, int64_t ldx, int64_t T, bool interleaved, cons
 
 namespace {
 
-template <auto Kernel>
-void allow_smem(size_t bytes) {
-  static bool configured = false;  // one per kernel
-  if (!configured) {
-    MS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
-    configured = true;
-  }
-}
-
 bool interleaved_of(FormatTag t) { return t.kind == kQ4; }
 
 }  // namespace
@@ -705,7 +696,8 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   // a batched decode step's q4 and q8 experts: the lane-decoded kernels
   const bool lanes = TOK == kFewTok && few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
                      few_lanes_take(b.down, b.group_shift, b.inter);
-  if (lanes) gate_up_few_lanes(a, b.gate_up, b.group_shift, unsigned(max_work), b.in_place, b.staged_aligned, s);
+  if (lanes)
+    gate_up_few_lanes(a, b.gate_up, b.group_shift, unsigned(max_work), b.in_place, b.staged_aligned, s);
   else dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<2, TOK>);
@@ -718,7 +710,8 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
   a.in = split_buffers(get, kHHi, b.pairs, b.inter);
   split_rows(SplitArgs{b.hidden, b.inter, b.pairs, b.groups.offset, count, b.a_begin, b.a_end, a.in},
              interleaved_of(b.down), s);
-  if (lanes) down_few_lanes(a, b.down, b.group_shift, unsigned(max_work), b.in_place, b.staged_aligned, s);
+  if (lanes)
+    down_few_lanes(a, b.down, b.group_shift, unsigned(max_work), b.in_place, b.staged_aligned, s);
   else dispatch_format(b.down, [&]<int KIND, bool SF16>() {
     if constexpr (is_quant(KIND)) {
       const size_t smem = 2 * sizeof(Stage<1, TOK>);

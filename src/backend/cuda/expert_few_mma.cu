@@ -20,8 +20,8 @@
 // (docs/PERFORMANCE.md, session 26). Both ways sum the same products in the same order.
 //
 // The split kernels (the default) give a block's warps the same tiles and split the rows' columns
-// between them (split_tiles), and stage every expert of a layer whose arrays are all aligned for it,
-// in VRAM or not. The whole-row kernels (a warp's own tiles over all their columns, staged only
+// between them (split_tiles), and stage every expert of a layer whose arrays are all aligned for
+// it, in VRAM or not. The whole-row kernels (a warp's own tiles over all their columns, staged only
 // when read in place) are left where a split block's shared memory would not fit.
 #include <cuda_fp16.h>
 
@@ -131,6 +131,10 @@ inline int scale_stage_bytes(int64_t cols, int group_shift) {
   const int64_t groups = (cols + (int64_t(1) << group_shift) - 1) >> group_shift;
   return int((16 * groups * 2 + 15) / 16 * 16);
 }
+// The 128-byte lines of a row of `cols` columns of `bits`-bit codes (the last may be partial).
+__host__ __device__ inline int row_lines(int64_t cols, int bits) {
+  return int((cols * bits / 8 + kChunk - 1) / kChunk);
+}
 // A block stages at most this much (3 blocks an SM, as the direct path runs); beyond it experts
 // read in place take the direct path, and the split kernels are not taken.
 constexpr int kMaxStagedBlockBytes = 72 * 1024;
@@ -174,7 +178,8 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
       const char* src =
           static_cast<const char*>(m ? static_cast<const void*>(w[t]->biases) : w[t]->scales) +
           row0[t] * gpr * 2;
-      const int64_t first = BLOCK ? int64_t(threadIdx.x) : lane, step = BLOCK ? int64_t(blockDim.x) : 32;
+      const int64_t first = BLOCK ? int64_t(threadIdx.x) : lane;
+      const int64_t step = BLOCK ? int64_t(blockDim.x) : 32;
       for (int64_t off = 16 * first; off < n; off += 16 * step)
         cp_async16(sc + (2 * t + m) * scale_stage + off, src + off,
                    int(n - off < 16 ? n - off : 16));
@@ -288,7 +293,7 @@ __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef*
   constexpr int kPerChunk = kChunk / (16 * L::kWords);
   extern __shared__ __align__(16) char split_smem[];
   const int parts = int(blockDim.x) / 32, p = int(threadIdx.x) / 32, lane = int(threadIdx.x) % 32;
-  const int lines = int((cols * bits_of(KIND) / 8 + kChunk - 1) / kChunk);
+  const int lines = row_lines(cols, bits_of(KIND));
   const int c0 = p * lines / parts, c1 = (p + 1) * lines / parts;
   char* const sc = split_smem + parts * kStages * 2 * kTileChunk;
   float* const sums = reinterpret_cast<float*>(sc + 4 * scale_stage);
@@ -350,9 +355,9 @@ __device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef
   if (STAGED && staged(d)) {
     extern __shared__ __align__(16) char stage_smem[];
     char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
-    const int lines = int((cols * bits_of(KIND) / 8 + kChunk - 1) / kChunk);
-    lane_tiles_staged<KIND, SF16, WIDE, 2, false>(w, rows, b, cols, 0, lines, mine,
-                                                  mine + kStages * 2 * kTileChunk, scale_stage, acc);
+    lane_tiles_staged<KIND, SF16, WIDE, 2, false>(w, rows, b, cols, 0, row_lines(cols, bits_of(KIND)),
+                                                  mine, mine + kStages * 2 * kTileChunk,
+                                                  scale_stage, acc);
   } else {
     lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, 0, int(cols / Layout<KIND, WIDE>::kCols), acc);
   }
@@ -498,12 +503,7 @@ void launch_lanes(const ExactArgs& a, dim3 grid, int64_t cols, int group_shift, 
   const int scale_stage = scale_stage_bytes(cols, group_shift);
   const int smem = kLaneWarps * staged_warp_bytes(2, scale_stage);
   if (in_place && smem <= kMaxStagedBlockBytes) {
-    static bool configured = false;  // one per kernel
-    if (!configured) {
-      MS_CUDA_CHECK(cudaFuncSetAttribute(Staged, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kMaxStagedBlockBytes));
-      configured = true;
-    }
+    allow_smem<Staged>(size_t(smem));
     launch(Staged, grid, kLaneThreads, size_t(smem), s, a, scale_stage);
   } else {
     launch(Plain, grid, kLaneThreads, 0, s, a, 0);
@@ -519,15 +519,6 @@ int split_mode() {
   return s == "0" ? 0 : s == "mixed" ? 2 : 1;
 }
 
-template <auto Kernel>
-void allow_split_smem(int bytes) {
-  static int allowed = 48 * 1024;  // one per kernel; what every kernel may take without asking
-  if (bytes > allowed) {
-    MS_CUDA_CHECK(cudaFuncSetAttribute(Kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
-    allowed = bytes;
-  }
-}
-
 // Launches a split kernel over row blocks x items, Pure where every expert of the layer is
 // aligned for the staging (ExpertBatch::staged_aligned), else Mixed, which stages the experts read
 // in place when in_place (ExpertBatch::in_place); false (nothing launched) when split_mode() is 0
@@ -535,18 +526,17 @@ void allow_split_smem(int bytes) {
 template <auto Pure, auto Mixed>
 bool launch_split(const ExactArgs& a, unsigned row_blocks, unsigned items, int64_t cols, int bits,
                   int group_shift, bool aligned, bool in_place, cudaStream_t s) {
-  const int lines = int((cols * bits / 8 + kChunk - 1) / kChunk);
-  const int parts = k_parts(lines);
+  const int parts = k_parts(row_lines(cols, bits));
   const int scale_stage = scale_stage_bytes(cols, group_shift);
   const int smem = split_smem_bytes(parts, scale_stage);
   const int mode = split_mode();
   if (mode == 0 || smem > kMaxStagedBlockBytes) return false;
   const dim3 grid(row_blocks, items);
   if (aligned && mode == 1) {
-    allow_split_smem<Pure>(smem);
+    allow_smem<Pure>(size_t(smem));
     launch(Pure, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage, 1);
   } else {
-    allow_split_smem<Mixed>(smem);
+    allow_smem<Mixed>(size_t(smem));
     launch(Mixed, grid, unsigned(32 * parts), size_t(smem), s, a, scale_stage, int(in_place));
   }
   return true;
@@ -559,7 +549,8 @@ void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigne
   dispatch_lanes(t, group_shift, a.e.dim, [&]<int KIND, bool SF16, bool WIDE>() {
     if (launch_split<gate_up_split_kernel<KIND, SF16, WIDE, true>,
                      gate_up_split_kernel<KIND, SF16, WIDE, false>>(
-            a, blocks_for(a.e.inter, 16), items, a.e.dim, bits_of(KIND), group_shift, aligned, in_place, s))
+            a, blocks_for(a.e.inter, 16), items, a.e.dim, bits_of(KIND), group_shift, aligned,
+            in_place, s))
       return;
     launch_lanes<gate_up_lanes_kernel<KIND, SF16, WIDE, false>,
                  gate_up_lanes_kernel<KIND, SF16, WIDE, true>>(
@@ -572,7 +563,8 @@ void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned i
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
     if (launch_split<down_split_kernel<KIND, SF16, WIDE, true>,
                      down_split_kernel<KIND, SF16, WIDE, false>>(
-            a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned, in_place, s))
+            a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned,
+            in_place, s))
       return;
     launch_lanes<down_lanes_kernel<KIND, SF16, WIDE, false>,
                  down_lanes_kernel<KIND, SF16, WIDE, true>>(

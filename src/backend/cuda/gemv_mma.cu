@@ -12,13 +12,14 @@
 // added in a fixed order at the end (the result does not depend on timing).
 //
 // A launch of more such blocks than the device has SMs (q/k/v and the LM head at 2-8 tokens:
-// few_rows_take) goes through gemv_few_rows_kernel instead: a grid that stays, whose blocks copy units of two tiles (32 rows of words, scales and biases) into
-// shared memory a unit ahead, in 16-byte pieces of whole rows, and take them in turn with the tile
-// kernel's warps, k-blocks and order of sums (so the same rows bit for bit), each warp loading a
-// k-block's x once for both tiles. The tile kernel's blocks issue their loads at their start and
-// then wait a whole memory latency with nothing else in flight (ncu on the head at 8 tokens: 38%
-// of its stalls on the first word's decode, DRAM 26% busy), and its lanes' 8- and 2-byte loads,
-// with x loaded again for every tile, keep L1 74% busy (docs/PERFORMANCE.md, sessions 32-33).
+// few_rows_take) goes through gemv_few_rows_kernel instead: a grid that stays, whose blocks copy
+// units of two tiles (32 rows of words, scales and biases) into shared memory a unit ahead, in
+// 16-byte pieces of whole rows, and take them in turn with the tile kernel's warps, k-blocks and
+// order of sums (so the same rows bit for bit), each warp loading a k-block's x once for both
+// tiles. The tile kernel's blocks issue their loads at their start and then wait a whole memory
+// latency with nothing else in flight (ncu on the head at 8 tokens: 38% of its stalls on the
+// first word's decode, DRAM 26% busy), and its lanes' 8- and 2-byte loads, with x loaded again for
+// every tile, keep L1 74% busy (docs/PERFORMANCE.md, sessions 32-34).
 #include <cuda_fp16.h>
 
 #include <algorithm>
