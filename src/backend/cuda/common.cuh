@@ -81,11 +81,13 @@ inline unsigned blocks_for(int64_t n, int per_block) { return unsigned((n + per_
 // Programmatic dependent launch (compute capability 9.0 on): a kernel started by launch() may
 // begin while the kernel before it in the stream is still running, so that its start-up and its
 // first weight loads overlap that kernel's end. Such a kernel calls wait_prior_grid() before it
-// reads anything earlier work in the stream wrote, or writes anything it reads; before that it
-// reads only weights, which nothing on the device writes during a step. allow_next_grid() lets
-// the next kernel start once every block of this one has called it (or ended); a kernel calls it
-// after its wait, so that at most two kernels overlap. Both are no-ops in a kernel started
-// plainly (<<< >>>) and on older GPUs, where launch() starts kernels plainly.
+// reads anything the kernel before it wrote, or writes anything it reads; before that it reads
+// only weights, which nothing on the device writes during a step, or what work older than the
+// kernel before wrote (down's kernels read the routing so: down_early in moe.h). allow_next_grid()
+// lets the next kernel start once every block of this one has called it (or ended); a kernel
+// calls it after its wait, so that at most two kernels overlap, and every older kernel (and copy)
+// has finished when the next one starts. Both are no-ops in a kernel started plainly (<<< >>>)
+// and on older GPUs, where launch() starts kernels plainly.
 __device__ __forceinline__ void wait_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");

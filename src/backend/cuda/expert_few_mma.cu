@@ -55,11 +55,12 @@ __device__ __forceinline__ void prefetch_x(const FewB& b, int kb) {
 // This lane's sums of NA 16-row tiles (tile t: rows row0[t] + g and + 8 of w[t]) over k-blocks
 // [kb0, kb1), all against the same B (tokens 2j and 2j + 1 as the m16n8 accumulator holds them).
 // The words of k-block kb + kPrefetch are loaded, and its x sent to L1, as k-block kb is
-// multiplied.
+// multiplied. wait: the first k-blocks' words are loaded before the wait for the kernel before
+// (block_work's early).
 template <int KIND, bool SF16, bool WIDE, int NA>
 __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
                                            const int64_t (&row0)[NA], const FewB& b, int kb0,
-                                           int kb1, float (&acc)[NA][4]) {
+                                           int kb1, float (&acc)[NA][4], bool wait = false) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
   const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
@@ -84,6 +85,10 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
 #pragma unroll
         for (int r = 0; r < 2; ++r)
           load_block<L::kWords>(rp[t][r], kb0 + i, (kb0 + i) * L::kCols, *w[t], raw[i][t][r]);
+  if (wait) {  // x is the kernel before's
+    wait_prior_grid();
+    allow_next_grid();
+  }
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i)
     if (i < kbs) prefetch_x<KIND, WIDE>(b, kb0 + i);
@@ -156,13 +161,14 @@ __device__ __forceinline__ bool staged(const DevExpert& d) {
 // direct loads'), over lines [c0, c1) of each row, from words staged in this warp's `ring`
 // ([kStages][NA][16][kPitch]) and the tiles' scales and biases staged in `sc` ([NA][scales,
 // biases][scale_stage]). BLOCK: the block's warps share sc, copy it together and wait for each
-// other once (every warp of the block must call this); else the warp copies it alone.
+// other once (every warp of the block must call this); else the warp copies it alone. wait: as
+// lane_tiles's, after the first lines are issued.
 template <int KIND, bool SF16, bool WIDE, int NA, bool BLOCK>
 __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
                                                   const int64_t (&row0)[NA], const FewB& b,
                                                   int64_t cols, int c0, int c1, char* ring,
                                                   char* sc, int scale_stage,
-                                                  float (&acc)[NA][4]) {
+                                                  float (&acc)[NA][4], bool wait = false) {
   using L = Layout<KIND, WIDE>;
   constexpr int B = bits_of(KIND);
   constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
@@ -206,6 +212,10 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
   };
 #pragma unroll
   for (int c = 0; c < kStages; ++c) issue(c0 + c);
+  if (wait) {  // x is the kernel before's
+    wait_prior_grid();
+    allow_next_grid();
+  }
   int srow[NA][2];
 #pragma unroll
   for (int t = 0; t < NA; ++t)
@@ -288,7 +298,8 @@ inline int split_smem_bytes(int parts, int scale_stage) {
 template <int KIND, bool SF16, bool WIDE, bool PURE>
 __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef* const (&w)[2],
                                             const int64_t (&rows)[2], const FewB& b, int64_t cols,
-                                            int scale_stage, int stage_host, float (&acc)[2][4]) {
+                                            int scale_stage, int stage_host, float (&acc)[2][4],
+                                            bool wait = false) {
   using L = Layout<KIND, WIDE>;
   constexpr int kPerChunk = kChunk / (16 * L::kWords);
   extern __shared__ __align__(16) char split_smem[];
@@ -300,11 +311,11 @@ __device__ __forceinline__ void split_tiles(const DevExpert& d, const WeightRef*
   if (PURE || (stage_host && staged(d))) {
     lane_tiles_staged<KIND, SF16, WIDE, 2, true>(w, rows, b, cols, c0, c1,
                                            split_smem + p * kStages * 2 * kTileChunk, sc,
-                                           scale_stage, acc);
+                                           scale_stage, acc, wait);
   } else {
     const int kbs = int(cols / L::kCols);
     lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, min(c0 * kPerChunk, kbs), min(c1 * kPerChunk, kbs),
-                                    acc);
+                                    acc, wait);
   }
   if (p > 0)
 #pragma unroll
@@ -351,15 +362,16 @@ __device__ __forceinline__ void for_each_lane_output(int64_t row0, int nt, int64
 template <int KIND, bool SF16, bool WIDE, bool STAGED>
 __device__ __forceinline__ void expert_tiles(const DevExpert& d, const WeightRef* const (&w)[2],
                                              const int64_t (&rows)[2], const FewB& b, int64_t cols,
-                                             int scale_stage, float (&acc)[2][4]) {
+                                             int scale_stage, float (&acc)[2][4],
+                                             bool wait = false) {
   if (STAGED && staged(d)) {
     extern __shared__ __align__(16) char stage_smem[];
     char* mine = stage_smem + (int(threadIdx.x) / 32) * staged_warp_bytes(2, scale_stage);
     lane_tiles_staged<KIND, SF16, WIDE, 2, false>(w, rows, b, cols, 0, row_lines(cols, bits_of(KIND)),
                                                   mine, mine + kStages * 2 * kTileChunk,
-                                                  scale_stage, acc);
+                                                  scale_stage, acc, wait);
   } else {
-    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, 0, int(cols / Layout<KIND, WIDE>::kCols), acc);
+    lane_tiles<KIND, SF16, WIDE, 2>(w, rows, b, 0, int(cols / Layout<KIND, WIDE>::kCols), acc, wait);
   }
 }
 
@@ -414,7 +426,8 @@ __global__ void __launch_bounds__(kLaneThreads, 3)
 template <int KIND, bool SF16, bool WIDE, bool STAGED>
 __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a, int scale_stage) {
   int e, r0, nt;
-  if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
+  const bool early = a.e.down_early;
+  if (!block_work<kFewLaneRows>(a, e, r0, nt, early)) return;
   const int64_t row = int64_t(blockIdx.x) * (32 * kLaneWarps) + 32 * (int(threadIdx.x) / 32);
   if (row >= a.e.dim) return;
   const DevExpert& d = a.e.table[e];
@@ -422,7 +435,7 @@ __global__ void __launch_bounds__(kLaneThreads, 3) down_lanes_kernel(ExactArgs a
   const WeightRef* const w[2] = {&d.down, &d.down};
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
-  expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.inter, scale_stage, acc);
+  expert_tiles<KIND, SF16, WIDE, STAGED>(d, w, rows, b, a.e.inter, scale_stage, acc, early);
   write_down(a, d, rows, r0, nt, acc);
 }
 
@@ -449,14 +462,16 @@ template <int KIND, bool SF16, bool WIDE, bool PURE>
 __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
     down_split_kernel(ExactArgs a, int scale_stage, int stage_host) {
   int e, r0, nt;
-  if (!block_work<kFewLaneRows>(a, e, r0, nt)) return;
+  const bool early = a.e.down_early;
+  if (!block_work<kFewLaneRows>(a, e, r0, nt, early)) return;
   const int64_t row = int64_t(blockIdx.x) * 32;
   const DevExpert& d = a.e.table[e];
   const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return int64_t(r0 + r); });
   const WeightRef* const w[2] = {&d.down, &d.down};
   const int64_t rows[2] = {row, row + 16};
   float acc[2][4] = {};
-  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, stage_host, acc);
+  split_tiles<KIND, SF16, WIDE, PURE>(d, w, rows, b, a.e.inter, scale_stage, stage_host, acc,
+                                      early);
   if (threadIdx.x >= 32) return;
   write_down(a, d, rows, r0, nt, acc);
 }

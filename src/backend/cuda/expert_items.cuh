@@ -36,10 +36,15 @@ void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned i
 
 #ifdef __CUDACC__
 // The work item of this block: its expert and rows [r0, r0 + nt); false when there is none.
+// early (down's kernels, ExpertArgs::down_early): the caller waits for the kernel before, after its
+// first weight loads (the plan is older than that kernel).
 template <int TOK>
-__device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt) {
-  wait_prior_grid();  // the plan and x are the kernels' before (when launched to overlap them)
-  allow_next_grid();
+__device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt,
+                                          bool early = false) {
+  if (!early) {
+    wait_prior_grid();  // the plan and x are the kernels' before (when launched to overlap them)
+    allow_next_grid();
+  }
   if (int(blockIdx.y) >= *a.n_work) return false;
   const int2 w = a.work[blockIdx.y];
   expert = a.e.g.active[w.x];

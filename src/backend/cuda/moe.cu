@@ -449,10 +449,14 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
 }
 
 // ONE_PASS (inter <= 1024): no buffer for a second pass, 4 blocks per SM.
+// With a.down_early, the block finds its expert and issues its first weight loads before it waits
+// for gate/up (down_early in moe.h), so they overlap gate/up's end.
 template <int KIND, bool SF16, bool ONE_PASS, int CHUNK>
 __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
-  wait_prior_grid();
-  allow_next_grid();
+  if (!a.down_early) {
+    wait_prior_grid();
+    allow_next_grid();
+  }
   constexpr int R = chunk_rows<KIND, 1, CHUNK>(), NT = chunk_tokens<KIND, CHUNK>();
   extern __shared__ float smem[];
   int e, r0, r1;
@@ -465,6 +469,10 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
     const int nt = min(NT, r1 - pr);
     RawPack<KIND> cur[1][R];
     load_first<KIND, 1, R>(w, row0, cur);
+    if (pr == r0 && a.down_early) {
+      wait_prior_grid();
+      allow_next_grid();
+    }
     if (pr > r0) __syncthreads();
     stage_rows([&](int t) { return a.hidden + int64_t(pr + t) * a.inter; }, nt, a.inter, smem);
     float acc[NT][1][R];
@@ -478,10 +486,14 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
   }
 }
 
+// early: the first selections' weights and rows (the router's, older than the kernel before) are
+// read before the wait for that kernel (down_early in moe.h).
 __global__ void combine_kernel(const float* y, const float* w, const int* row_of, int64_t T, int k, int64_t dim,
-                               float* out) {
-  wait_prior_grid();
-  allow_next_grid();
+                               float* out, bool early) {
+  if (!early) {
+    wait_prior_grid();
+    allow_next_grid();
+  }
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * dim) return;
   const int64_t t = i / dim, c = i % dim;
@@ -497,6 +509,10 @@ __global__ void combine_kernel(const float* y, const float* w, const int* row_of
         wv[j] = w[t * k + j0 + j];
         row[j] = row_of[t * k + j0 + j];
       }
+    if (early && j0 == 0) {
+      wait_prior_grid();
+      allow_next_grid();
+    }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j0 + j < k) yv[j] = y[row[j] * dim + c];
@@ -624,7 +640,13 @@ ExpertArgs expert_args(const ExpertBatch& b) {
   a.clamped = b.params->activation == ExpertActivation::ClampedSwiGlu;
   a.limit = b.params->swiglu_limit;
   a.alpha = b.params->swiglu_alpha;
+  a.down_early = down_early();
   return a;
+}
+
+bool down_early() {
+  const char* v = std::getenv("MOESTREAM_CUDA_DOWN_EARLY");
+  return !(v && std::string_view(v) == "0");
 }
 
 void run_experts(const ExpertBatch& b, cudaStream_t s) {
@@ -728,7 +750,7 @@ void run_experts(const ExpertBatch& b, cudaStream_t s) {
 void combine(const float* y, const float* sel_w, const int* row_of, int64_t T, int k, int64_t dim, float* out,
              cudaStream_t s) {
   if (T * dim == 0) return;
-  launch(combine_kernel, blocks_for(T * dim, 256), 256, 0, s, y, sel_w, row_of, T, k, dim, out);
+  launch(combine_kernel, blocks_for(T * dim, 256), 256, 0, s, y, sel_w, row_of, T, k, dim, out, down_early());
 }
 
 }  // namespace moestream::cuda
