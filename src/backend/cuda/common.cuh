@@ -98,6 +98,12 @@ __device__ __forceinline__ void allow_next_grid() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The wait, then the next kernel allowed: where a kernel reads early (down_early in moe.h), after
+// its early reads.
+__device__ __forceinline__ void follow_prior_grid() {
+  wait_prior_grid();
+  allow_next_grid();
+}
 
 // Whether launch() overlaps kernels: the current device is of compute capability 9.0 or later,
 // and MOESTREAM_CUDA_PDL is not 0 (for comparisons). Read once.

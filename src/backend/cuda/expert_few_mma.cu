@@ -85,10 +85,7 @@ __device__ __forceinline__ void lane_tiles(const WeightRef* const (&w)[NA],
 #pragma unroll
         for (int r = 0; r < 2; ++r)
           load_block<L::kWords>(rp[t][r], kb0 + i, (kb0 + i) * L::kCols, *w[t], raw[i][t][r]);
-  if (wait) {  // x is the kernel before's
-    wait_prior_grid();
-    allow_next_grid();
-  }
+  if (wait) follow_prior_grid();  // x is the kernel before's
 #pragma unroll
   for (int i = 0; i < kPrefetch; ++i)
     if (i < kbs) prefetch_x<KIND, WIDE>(b, kb0 + i);
@@ -212,10 +209,7 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
   };
 #pragma unroll
   for (int c = 0; c < kStages; ++c) issue(c0 + c);
-  if (wait) {  // x is the kernel before's
-    wait_prior_grid();
-    allow_next_grid();
-  }
+  if (wait) follow_prior_grid();  // x is the kernel before's
   int srow[NA][2];
 #pragma unroll
   for (int t = 0; t < NA; ++t)

@@ -41,10 +41,8 @@ void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned i
 template <int TOK>
 __device__ __forceinline__ bool block_work(const ExactArgs& a, int& expert, int& r0, int& nt,
                                           bool early = false) {
-  if (!early) {
-    wait_prior_grid();  // the plan and x are the kernels' before (when launched to overlap them)
-    allow_next_grid();
-  }
+  // the plan and x are the kernels' before (when launched to overlap them)
+  if (!early) follow_prior_grid();
   if (int(blockIdx.y) >= *a.n_work) return false;
   const int2 w = a.work[blockIdx.y];
   expert = a.e.g.active[w.x];

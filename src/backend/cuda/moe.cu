@@ -453,10 +453,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
 // for gate/up (down_early in moe.h), so they overlap gate/up's end.
 template <int KIND, bool SF16, bool ONE_PASS, int CHUNK>
 __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_kernel(ExpertArgs a) {
-  if (!a.down_early) {
-    wait_prior_grid();
-    allow_next_grid();
-  }
+  if (!a.down_early) follow_prior_grid();
   constexpr int R = chunk_rows<KIND, 1, CHUNK>(), NT = chunk_tokens<KIND, CHUNK>();
   extern __shared__ float smem[];
   int e, r0, r1;
@@ -469,10 +466,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
     const int nt = min(NT, r1 - pr);
     RawPack<KIND> cur[1][R];
     load_first<KIND, 1, R>(w, row0, cur);
-    if (pr == r0 && a.down_early) {
-      wait_prior_grid();
-      allow_next_grid();
-    }
+    if (pr == r0 && a.down_early) follow_prior_grid();
     if (pr > r0) __syncthreads();
     stage_rows([&](int t) { return a.hidden + int64_t(pr + t) * a.inter; }, nt, a.inter, smem);
     float acc[NT][1][R];
@@ -490,10 +484,7 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
 // read before the wait for that kernel (down_early in moe.h).
 __global__ void combine_kernel(const float* y, const float* w, const int* row_of, int64_t T, int k, int64_t dim,
                                float* out, bool early) {
-  if (!early) {
-    wait_prior_grid();
-    allow_next_grid();
-  }
+  if (!early) follow_prior_grid();
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= T * dim) return;
   const int64_t t = i / dim, c = i % dim;
@@ -509,10 +500,7 @@ __global__ void combine_kernel(const float* y, const float* w, const int* row_of
         wv[j] = w[t * k + j0 + j];
         row[j] = row_of[t * k + j0 + j];
       }
-    if (early && j0 == 0) {
-      wait_prior_grid();
-      allow_next_grid();
-    }
+    if (early && j0 == 0) follow_prior_grid();
 #pragma unroll
     for (int j = 0; j < 8; ++j)
       if (j0 + j < k) yv[j] = y[row[j] * dim + c];
@@ -645,8 +633,11 @@ ExpertArgs expert_args(const ExpertBatch& b) {
 }
 
 bool down_early() {
-  const char* v = std::getenv("MOESTREAM_CUDA_DOWN_EARLY");
-  return !(v && std::string_view(v) == "0");
+  static const bool on = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_DOWN_EARLY");
+    return !(v && std::string_view(v) == "0");
+  }();
+  return on;
 }
 
 void run_experts(const ExpertBatch& b, cudaStream_t s) {

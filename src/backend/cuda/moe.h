@@ -120,13 +120,12 @@ struct ExpertArgs {
   int64_t dim, inter;
   bool clamped;
   float limit, alpha;
-  // down_one_kernel issues its first weight loads before it waits for gate/up (down_early()).
-  bool down_early;
+  bool down_early;  // down_early(), for down's kernels and the combine
 };
 ExpertArgs expert_args(const ExpertBatch& b);
 // Whether down's kernels read their work and issue their first weight loads, and the combine reads
 // the selections' weights and rows, before they wait for the kernel before them
-// (MOESTREAM_CUDA_DOWN_EARLY=0: after, for comparison; read at each call). What they read early is
+// (MOESTREAM_CUDA_DOWN_EARLY=0: after, for comparison; read once). What they read early is
 // older than that kernel (gate/up, the split of the hidden rows, down), which waited for it before
 // they could start, so the loads see it whole.
 bool down_early();
