@@ -83,14 +83,50 @@ constexpr bool one_double_buffered() {
   return M * R * (RawPack<KIND>::kWords + 2) <= kOneRawRegs;
 }
 
-// Pack p of `row` of m, with the load widths of load_codes / load_fp8 / load_plain (cols % 32 == 0).
+// A lane's second pack loaded with its first, before x is staged (load_first), from the row address
+// computed once: for the quantized kinds (whose address arithmetic that saves), when both buffers
+// fit in kOneEarlyRegs; more spilled beside the staging under __launch_bounds__(256, 3) (ptxas,
+// session 37). The others load it in dot_rows's loop, one pack ahead.
+constexpr int kOneEarlyRegs = 40;
+template <int KIND, int M, int R>
+constexpr bool one_early_second() {
+  return is_quant(KIND) && one_double_buffered<KIND, M, R>() &&
+         2 * M * R * (RawPack<KIND>::kWords + 2) <= kOneEarlyRegs;
+}
+
+// Where one row's packs are: its first word and its first group's scale and bias, so that a row's
+// address arithmetic (the row times its words and its groups, in 64 bits) is done once for the
+// packs loaded together (load_first's two).
 template <int KIND>
-__device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_t p, RawPack<KIND>& r) {
+struct RowAddr {
+  const uint32_t* words;  // pack p's words at words + p * RawPack<KIND>::kWords
+  const void* scales;     // quantized: the row's first group's scale (uint8, float or uint16 by KIND)
+  const uint16_t* biases;  // affine: the row's first group's bias
+};
+
+template <int KIND>
+__device__ __forceinline__ RowAddr<KIND> row_addr(const WeightRef& m, int64_t row) {
   constexpr int W = RawPack<KIND>::kWords;
-  const uint32_t* words;
-  if constexpr (KIND == kFp8) words = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.data) + row * m.cols + p * 32);
-  else if constexpr (is_quant(KIND)) words = static_cast<const uint32_t*>(m.data) + row * (m.cols * W / 32) + p * W;
-  else words = reinterpret_cast<const uint32_t*>(static_cast<const char*>(m.data) + (row * m.cols + p * 32) * (W / 8));
+  RowAddr<KIND> a{};
+  if constexpr (KIND == kFp8) a.words = reinterpret_cast<const uint32_t*>(static_cast<const uint8_t*>(m.data) + row * m.cols);
+  else if constexpr (is_quant(KIND)) a.words = static_cast<const uint32_t*>(m.data) + row * (m.cols * W / 32);
+  else a.words = reinterpret_cast<const uint32_t*>(static_cast<const char*>(m.data) + row * m.cols * (W / 8));
+  if constexpr (is_quant(KIND)) {
+    const int64_t g = row * m.groups_per_row;  // group_index's row part
+    if constexpr (KIND == kMxfp4) a.scales = static_cast<const uint8_t*>(m.scales) + g;
+    else if constexpr (KIND == kFp8) a.scales = static_cast<const float*>(m.scales) + g;
+    else a.scales = static_cast<const uint16_t*>(m.scales) + g;
+    if constexpr (is_affine(KIND)) a.biases = m.biases + g;
+  }
+  return a;
+}
+
+// Pack p of the row at a (of m), with the load widths of load_codes / load_fp8 / load_plain
+// (cols % 32 == 0); its scale and bias those group_index gives for column p * 32.
+template <int KIND>
+__device__ __forceinline__ void load_raw(const WeightRef& m, const RowAddr<KIND>& a, int p, RawPack<KIND>& r) {
+  constexpr int W = RawPack<KIND>::kWords;
+  const uint32_t* words = a.words + p * W;
   if constexpr (W % 4 == 0) {
 #pragma unroll
     for (int j = 0; j < W / 4; ++j) reinterpret_cast<uint4*>(r.w)[j] = __ldg(reinterpret_cast<const uint4*>(words) + j);
@@ -102,12 +138,19 @@ __device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int64_
     for (int j = 0; j < W; ++j) r.w[j] = __ldg(words + j);
   }
   if constexpr (is_quant(KIND)) {
-    const int64_t g = group_index(m, row, p * 32);
-    if constexpr (KIND == kMxfp4) r.scale = __ldg(static_cast<const uint8_t*>(m.scales) + g);
-    else if constexpr (KIND == kFp8) r.scale = __float_as_uint(__ldg(static_cast<const float*>(m.scales) + g));
-    else r.scale = __ldg(static_cast<const uint16_t*>(m.scales) + g);
-    if constexpr (is_affine(KIND)) r.bias = __ldg(m.biases + g);
+    const int col = p * 32;
+    const int g = m.group_shift >= 0 ? col >> m.group_shift : col / m.group_size;
+    if constexpr (KIND == kMxfp4) r.scale = __ldg(static_cast<const uint8_t*>(a.scales) + g);
+    else if constexpr (KIND == kFp8) r.scale = __float_as_uint(__ldg(static_cast<const float*>(a.scales) + g));
+    else r.scale = __ldg(static_cast<const uint16_t*>(a.scales) + g);
+    if constexpr (is_affine(KIND)) r.bias = __ldg(a.biases + g);
   }
+}
+
+// Pack p of `row` of m.
+template <int KIND>
+__device__ __forceinline__ void load_raw(const WeightRef& m, int64_t row, int p, RawPack<KIND>& r) {
+  load_raw<KIND>(m, row_addr<KIND>(m, row), p, r);
 }
 
 // acc[t][m][r] gains pack . x_t for M x R loaded packs and the activation rows x_t = xv + t *
@@ -194,14 +237,16 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
 }
 
 // acc[t][m][r] = row row0 + r of w[m] . x_t for nt <= NT staged x rows (x_t at xs + t * stride,
-// padded as stage_x lays it out); `cur` holds the packs at p = lane, loaded by load_first before
-// staging. Each row's weights are read once for all nt rows of x. ONE_PASS: a row has at most 32
-// packs (no second pass, no buffer for it). All lanes get the sums.
+// padded as stage_x lays it out); `cur` and `next` are load_first's, loaded before staging: the
+// packs at p = lane and, double-buffered, p = lane + 32. Each row's weights are read once for all
+// nt rows of x; a pack's loads are issued one pack ahead of its products. ONE_PASS: a row has at
+// most 32 packs (no second pass, no buffer for it). All lanes get the sums.
 template <int KIND, bool SF16, int M, int R, bool ONE_PASS, int NT>
 __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
-                                         const float* xs, int64_t stride, int nt, float (&acc)[NT][M][R]) {
+                                         RawPack<KIND> (&next)[M][R], const float* xs, int64_t stride, int nt,
+                                         float (&acc)[NT][M][R]) {
   const int lane = threadIdx.x & 31;
-  const int64_t packs = w[0]->cols >> 5;
+  const int packs = int(w[0]->cols >> 5);
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -211,22 +256,28 @@ __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t
   if constexpr (ONE_PASS) {
     if (lane < packs) dot_packs<KIND, SF16, M, R, NT>(cur, xs + lane * 36, stride, nt, acc);
   } else {
-  for (int64_t p = lane; p < packs; p += 32) {
+  for (int p = lane; p < packs; p += 32) {
     if constexpr (one_double_buffered<KIND, M, R>()) {
-      const bool more = p + 32 < packs;
-      RawPack<KIND> next[M][R];
-      if (more) {
+      // cur holds pack p; next pack p + 32, when there is one, loaded here or (early) already
+      constexpr bool early = one_early_second<KIND, M, R>();
+      if (!early && p + 32 < packs) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
           for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 32, next[m][r]);
       }
       dot_packs<KIND, SF16, M, R, NT>(cur, xs + p * 36, stride, nt, acc);
-      if (more) {
+      if (p + 32 < packs) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
           for (int r = 0; r < R; ++r) cur[m][r] = next[m][r];
+        if (early && p + 64 < packs) {
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 64, next[m][r]);
+        }
       }
     } else {
       if (p > lane) {
@@ -251,19 +302,29 @@ __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t
 // The same for one x row.
 template <int KIND, bool SF16, int M, int R, bool ONE_PASS>
 __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
-                                         const float* xs, float (&acc)[M][R]) {
-  dot_rows<KIND, SF16, M, R, ONE_PASS, 1>(w, row0, cur, xs, 0, 1, reinterpret_cast<float (&)[1][M][R]>(acc));
+                                         RawPack<KIND> (&next)[M][R], const float* xs, float (&acc)[M][R]) {
+  dot_rows<KIND, SF16, M, R, ONE_PASS, 1>(w, row0, cur, next, xs, 0, 1, reinterpret_cast<float (&)[1][M][R]>(acc));
 }
 
+// cur[m][r]: the pack at p = lane of row row0 + r of w[m] (past the last row, the last row again:
+// computed, never stored); where one_early_second, next[m][r] the pack at p = lane + 32 too, from
+// the same row address (2-13% fewer instructions in the one-token kernels, docs/PERFORMANCE.md
+// session 37).
 template <int KIND, int M, int R>
-__device__ __forceinline__ void load_first(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R]) {
+__device__ __forceinline__ void load_first(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
+                                           RawPack<KIND> (&next)[M][R]) {
   const int lane = threadIdx.x & 31;
-  if (lane < (w[0]->cols >> 5)) {
+  const int packs = int(w[0]->cols >> 5);
+  if (lane >= packs) return;
+  const bool second = one_early_second<KIND, M, R>() && lane + 32 < packs;
 #pragma unroll
-    for (int m = 0; m < M; ++m)
+  for (int m = 0; m < M; ++m)
 #pragma unroll
-      for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), lane, cur[m][r]);
-  }
+    for (int r = 0; r < R; ++r) {
+      const RowAddr<KIND> a = row_addr<KIND>(*w[m], min(row0 + r, w[m]->rows - 1));
+      load_raw<KIND>(*w[m], a, lane, cur[m][r]);
+      if (second) load_raw<KIND>(*w[m], a, lane + 32, next[m][r]);
+    }
 }
 
 // Row t < nt of xs (at xs + t * padded_cols(cols)) = the x row at x_of(t) [cols] (cols % 32 == 0,

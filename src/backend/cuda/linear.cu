@@ -200,13 +200,13 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gemv_one_kernel(SharedInput
   const WeightRef* const w[1] = {&m.w[i]};
   const int64_t row0 = int64_t(blockIdx.x - m.first_block[i]) * (kOneWarps * R) + (threadIdx.x / 32) * R;
   const int lane = threadIdx.x & 31;
-  RawPack<KIND> cur[1][R];
-  load_first<KIND, 1, R>(w, row0, cur);
+  RawPack<KIND> cur[1][R], next[1][R];
+  load_first<KIND, 1, R>(w, row0, cur, next);
   wait_prior_grid();  // the weights' first loads overlap the kernel before
   allow_next_grid();
   stage_row(x, m.w[i].cols, smem);
   float acc[1][R];
-  dot_rows<KIND, SF16, 1, R, false>(w, row0, cur, smem, acc);
+  dot_rows<KIND, SF16, 1, R, false>(w, row0, cur, next, smem, acc);
   const float* bias = m.bias[i];
 #pragma unroll
   for (int r = 0; r < R; ++r)

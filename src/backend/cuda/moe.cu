@@ -202,13 +202,13 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3)
   const int64_t t = blockIdx.y;
   const int64_t row0 = int64_t(blockIdx.x) * (kOneWarps * R) + (threadIdx.x / 32) * R;
   const int lane = threadIdx.x & 31;
-  RawPack<KIND> cur[1][R];
-  load_first<KIND, 1, R>(ws, row0, cur);
+  RawPack<KIND> cur[1][R], next[1][R];
+  load_first<KIND, 1, R>(ws, row0, cur, next);
   wait_prior_grid();  // the weights' first loads overlap the kernel before
   allow_next_grid();
   stage_row(x + t * w.cols, w.cols, smem);
   float acc[1][R];
-  dot_rows<KIND, SF16, 1, R, false>(ws, row0, cur, smem, acc);
+  dot_rows<KIND, SF16, 1, R, false>(ws, row0, cur, next, smem, acc);
   float* logits = const_cast<float*>(a.logits) + t * a.n;
 #pragma unroll
   for (int r = 0; r < R; ++r)
@@ -430,12 +430,12 @@ __global__ void __launch_bounds__(kOneWarps * 32, 3) gate_up_one_kernel(ExpertAr
     const float* x[NT];  // read before the weights
 #pragma unroll
     for (int t = 0; t < NT; ++t) x[t] = a.x + int64_t(a.g.row_token[pr + min(t, nt - 1)] / a.k) * a.dim;
-    RawPack<KIND> cur[2][R];
-    load_first<KIND, 2, R>(w, row0, cur);
+    RawPack<KIND> cur[2][R], next[2][R];
+    load_first<KIND, 2, R>(w, row0, cur, next);
     if (pr > r0) __syncthreads();  // the previous rows' reads of smem are done
     stage_rows([&](int t) { return x[t]; }, nt, a.dim, smem);
     float acc[NT][2][R];
-    dot_rows<KIND, SF16, 2, R, false, NT>(w, row0, cur, smem, padded_cols(a.dim), nt, acc);
+    dot_rows<KIND, SF16, 2, R, false, NT>(w, row0, cur, next, smem, padded_cols(a.dim), nt, acc);
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -464,13 +464,13 @@ __global__ void __launch_bounds__(kOneWarps * 32, ONE_PASS ? 4 : 3) down_one_ker
   const int lane = threadIdx.x & 31;
   for (int pr = r0; pr < r1; pr += NT) {
     const int nt = min(NT, r1 - pr);
-    RawPack<KIND> cur[1][R];
-    load_first<KIND, 1, R>(w, row0, cur);
+    RawPack<KIND> cur[1][R], next[1][R];
+    load_first<KIND, 1, R>(w, row0, cur, next);
     if (pr == r0 && a.down_early) follow_prior_grid();
     if (pr > r0) __syncthreads();
     stage_rows([&](int t) { return a.hidden + int64_t(pr + t) * a.inter; }, nt, a.inter, smem);
     float acc[NT][1][R];
-    dot_rows<KIND, SF16, 1, R, ONE_PASS, NT>(w, row0, cur, smem, padded_cols(a.inter), nt, acc);
+    dot_rows<KIND, SF16, 1, R, ONE_PASS, NT>(w, row0, cur, next, smem, padded_cols(a.inter), nt, acc);
 #pragma unroll
     for (int t = 0; t < NT; ++t)
 #pragma unroll
