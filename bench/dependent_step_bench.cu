@@ -18,6 +18,8 @@
 
 #include <cstdio>
 
+#include "backend/cuda/common.cuh"
+
 namespace {
 
 constexpr int kCols = 2048, kThreads = 256, kSteps = 1000, kRuns = 5;
@@ -51,15 +53,12 @@ __device__ __forceinline__ unsigned load_acquire(const unsigned* p) {
 
 template <bool PDL>
 __global__ void step_kernel(const float* in, float* out) {
-  if (PDL) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-  }
+  if (PDL) moestream::cuda::follow_prior_grid();  // as the decode kernels join
   step_body(in, out, blockIdx.x, gridDim.x);
 }
 
 __global__ void counted_step_kernel(const float* in, float* out, const unsigned* prev_done, unsigned* done) {
-  asm volatile("griddepcontrol.launch_dependents;");
+  moestream::cuda::allow_next_grid();
   if (prev_done) {
     if (threadIdx.x == 0)
       for (long n = 0; load_acquire(prev_done) < gridDim.x && n < kSpinLimit; ++n) {

@@ -138,8 +138,7 @@ __device__ __forceinline__ void load_raw(const WeightRef& m, const RowAddr<KIND>
     for (int j = 0; j < W; ++j) r.w[j] = __ldg(words + j);
   }
   if constexpr (is_quant(KIND)) {
-    const int col = p * 32;
-    const int g = m.group_shift >= 0 ? col >> m.group_shift : col / m.group_size;
+    const int g = group_in_row(m, p * 32);
     if constexpr (KIND == kMxfp4) r.scale = __ldg(static_cast<const uint8_t*>(a.scales) + g);
     else if constexpr (KIND == kFp8) r.scale = __float_as_uint(__ldg(static_cast<const float*>(a.scales) + g));
     else r.scale = __ldg(static_cast<const uint16_t*>(a.scales) + g);
@@ -237,16 +236,22 @@ __device__ __forceinline__ void dot_packs(const RawPack<KIND> (&raw)[M][R], cons
 }
 
 // acc[t][m][r] = row row0 + r of w[m] . x_t for nt <= NT staged x rows (x_t at xs + t * stride,
-// padded as stage_x lays it out); `cur` and `next` are load_first's, loaded before staging: the
-// packs at p = lane and, double-buffered, p = lane + 32. Each row's weights are read once for all
-// nt rows of x; a pack's loads are issued one pack ahead of its products. ONE_PASS: a row has at
-// most 32 packs (no second pass, no buffer for it). All lanes get the sums.
+// padded as stage_x lays it out); `cur` holds load_first's packs at p = lane and, where
+// one_early_second, `next` those at p = lane + 32. Each row's weights are read once for all nt rows
+// of x; double-buffered, a pack's loads are issued one pack ahead of its products. ONE_PASS: a row
+// has at most 32 packs (no second pass, no buffer for it). All lanes get the sums.
 template <int KIND, bool SF16, int M, int R, bool ONE_PASS, int NT>
 __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t row0, RawPack<KIND> (&cur)[M][R],
                                          RawPack<KIND> (&next)[M][R], const float* xs, int64_t stride, int nt,
                                          float (&acc)[NT][M][R]) {
   const int lane = threadIdx.x & 31;
   const int packs = int(w[0]->cols >> 5);
+  auto load_packs = [&](int p, RawPack<KIND>(&raw)[M][R]) {  // pack p of each row
+#pragma unroll
+    for (int m = 0; m < M; ++m)
+#pragma unroll
+      for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p, raw[m][r]);
+  };
 #pragma unroll
   for (int t = 0; t < NT; ++t)
 #pragma unroll
@@ -260,32 +265,17 @@ __device__ __forceinline__ void dot_rows(const WeightRef* const (&w)[M], int64_t
     if constexpr (one_double_buffered<KIND, M, R>()) {
       // cur holds pack p; next pack p + 32, when there is one, loaded here or (early) already
       constexpr bool early = one_early_second<KIND, M, R>();
-      if (!early && p + 32 < packs) {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 32, next[m][r]);
-      }
+      if (!early && p + 32 < packs) load_packs(p + 32, next);
       dot_packs<KIND, SF16, M, R, NT>(cur, xs + p * 36, stride, nt, acc);
       if (p + 32 < packs) {
 #pragma unroll
         for (int m = 0; m < M; ++m)
 #pragma unroll
           for (int r = 0; r < R; ++r) cur[m][r] = next[m][r];
-        if (early && p + 64 < packs) {
-#pragma unroll
-          for (int m = 0; m < M; ++m)
-#pragma unroll
-            for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p + 64, next[m][r]);
-        }
+        if (early && p + 64 < packs) load_packs(p + 64, next);
       }
     } else {
-      if (p > lane) {
-#pragma unroll
-        for (int m = 0; m < M; ++m)
-#pragma unroll
-          for (int r = 0; r < R; ++r) load_raw<KIND>(*w[m], min(row0 + r, w[m]->rows - 1), p, cur[m][r]);
-      }
+      if (p > lane) load_packs(p, cur);
       dot_packs<KIND, SF16, M, R, NT>(cur, xs + p * 36, stride, nt, acc);
     }
   }
