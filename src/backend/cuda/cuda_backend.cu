@@ -3,6 +3,8 @@
 // Routed experts and the MoE layer are the expert tier's (cuda_expert_tier.cuh); the GPU-limits
 // probe is in cuda_limits.cu.
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -83,6 +85,10 @@ class CudaBackend final : public Backend {
       prof_.report();
     } catch (...) {  // a failed CUDA call at exit loses the profile, not the run
     }
+    if (host_wait_.on && host_wait_.steps > 1)
+      std::fprintf(stderr, "host per step (MOESTREAM_CUDA_HOST_WAIT), %lld steps: %.1f us working, %.1f us waiting for the GPU\n",
+                   static_cast<long long>(host_wait_.steps - 1), 1e6 * host_wait_.work / double(host_wait_.steps - 1),
+                   1e6 * host_wait_.wait / double(host_wait_.steps - 1));
     if (capturing_) abort_capture();
     for (auto& [rows, g] : step_graphs_)
       for (cudaGraphExec_t e : g.execs)
@@ -194,7 +200,9 @@ class CudaBackend final : public Backend {
     if (capturing_) finish_capture();  // a graph step ends here, with the search in it
     int32_t* host = staging_.get<int32_t>(kGreedyIdsHost, ids.size(), compute_);
     MS_CUDA_CHECK(cudaMemcpyAsync(host, dev, ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost, compute_));
+    host_wait_.begin();
     MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+    host_wait_.end();
     std::copy_n(host, ids.size(), ids.data());
   }
 
@@ -719,6 +727,28 @@ class CudaBackend final : public Backend {
   int first_segment_ = 8;  // MOESTREAM_CUDA_GRAPH_SEGMENT: operations in a step's first graph; 0 = one graph a step
   int segment_limit_ = 0, segment_ops_ = 0, segment_ = 0;
   bool append_in_attention_ = true;  // MOESTREAM_CUDA_ATTN_APPEND=0: a decode step's cache append as copies
+  // MOESTREAM_CUDA_HOST_WAIT=1: between the ends of consecutive greedy steps' final waits, how long
+  // the host worked and how long it waited for the GPU (printed at exit): which of the two bounds
+  // a decode step.
+  struct HostWait {
+    bool on = std::getenv("MOESTREAM_CUDA_HOST_WAIT") != nullptr;
+    std::chrono::steady_clock::time_point last_end, wait_start;
+    double work = 0, wait = 0;
+    int64_t steps = 0;
+    void begin() {
+      if (on) wait_start = std::chrono::steady_clock::now();
+    }
+    void end() {
+      if (!on) return;
+      const auto now = std::chrono::steady_clock::now();
+      if (steps > 0) {
+        work += std::chrono::duration<double>(wait_start - last_end).count();
+        wait += std::chrono::duration<double>(now - wait_start).count();
+      }
+      last_end = now;
+      ++steps;
+    }
+  } host_wait_;
   // What each RMSNorm (by its weights) of a batched step splits its rows for (NormSplit); learned
   // from the operation after it. MOESTREAM_CUDA_NORM_SPLIT=0: never, for comparison.
   enum class SplitOrder { kNone, kInOrder, kInterleaved };
