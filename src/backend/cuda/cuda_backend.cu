@@ -85,10 +85,7 @@ class CudaBackend final : public Backend {
       prof_.report();
     } catch (...) {  // a failed CUDA call at exit loses the profile, not the run
     }
-    if (host_wait_.on && host_wait_.steps > 1)
-      std::fprintf(stderr, "host per step (MOESTREAM_CUDA_HOST_WAIT), %lld steps: %.1f us working, %.1f us waiting for the GPU\n",
-                   static_cast<long long>(host_wait_.steps - 1), 1e6 * host_wait_.work / double(host_wait_.steps - 1),
-                   1e6 * host_wait_.wait / double(host_wait_.steps - 1));
+    host_wait_.report();
     if (capturing_) abort_capture();
     for (auto& [rows, g] : step_graphs_)
       for (cudaGraphExec_t e : g.execs)
@@ -732,21 +729,26 @@ class CudaBackend final : public Backend {
   // a decode step.
   struct HostWait {
     bool on = std::getenv("MOESTREAM_CUDA_HOST_WAIT") != nullptr;
-    std::chrono::steady_clock::time_point last_end, wait_start;
+    std::chrono::steady_clock::time_point last_end{}, wait_start;
     double work = 0, wait = 0;
-    int64_t steps = 0;
+    int64_t steps = 0;  // intervals between two waits' ends
     void begin() {
       if (on) wait_start = std::chrono::steady_clock::now();
     }
     void end() {
       if (!on) return;
       const auto now = std::chrono::steady_clock::now();
-      if (steps > 0) {
+      if (last_end != std::chrono::steady_clock::time_point{}) {
         work += std::chrono::duration<double>(wait_start - last_end).count();
         wait += std::chrono::duration<double>(now - wait_start).count();
+        ++steps;
       }
       last_end = now;
-      ++steps;
+    }
+    void report() const {
+      if (on && steps > 0)
+        std::fprintf(stderr, "host per step (MOESTREAM_CUDA_HOST_WAIT), %lld steps: %.1f us working, %.1f us waiting for the GPU\n",
+                     static_cast<long long>(steps), 1e6 * work / double(steps), 1e6 * wait / double(steps));
     }
   } host_wait_;
   // What each RMSNorm (by its weights) of a batched step splits its rows for (NormSplit); learned

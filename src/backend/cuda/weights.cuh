@@ -262,13 +262,13 @@ struct RawQuantPack {
   uint32_t scale, bias;
 };
 
-// Index of the scale (and bias) of element (row, col). A pack of 32 never straddles two groups
-// (group sizes are multiples of 32).
 // The group of column col within its row (I: int or int64_t, the column's own type).
 template <class I>
 __device__ __forceinline__ I group_in_row(const WeightRef& w, I col) {
   return w.group_shift >= 0 ? col >> w.group_shift : col / w.group_size;
 }
+// Index of the scale (and bias) of element (row, col). A pack of 32 never straddles two groups
+// (group sizes are multiples of 32).
 __device__ __forceinline__ int64_t group_index(const WeightRef& w, int64_t row, int64_t col) {
   return row * w.groups_per_row + group_in_row(w, col);
 }
