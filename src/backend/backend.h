@@ -100,6 +100,13 @@ enum class ExpertActivation {
   ClampedSwiGlu,  // gpt-oss: gate <= limit, |up| <= limit, (up + 1) * gate * sigmoid(alpha * gate)
 };
 
+// A later MoE layer whose experts the lookahead guesses (MoeParams::ahead).
+struct LookaheadGuess {
+  const Matrix* router = nullptr;
+  int layer = -1;
+  int top_k = 0;
+};
+
 struct MoeParams {
   int n_experts = 0, top_k = 0;
   RouterKind router = RouterKind::SoftmaxTopK;
@@ -119,13 +126,12 @@ struct MoeParams {
   // waits for all of them (exact).
   float cache_bias = 0.0f;
   bool miss_fallback = false;
-  // Lookahead (ExpertProvider::wants_prefetch), exact: the next MoE layer (next_layer), its
-  // router and top k. The backend applies that router to this call's input (float32 activations)
-  // and hands the k best experts to ExpertProvider::prefetch once this call's own reads have
-  // started, leaving out those it holds itself (the CUDA tier's VRAM). Set by the model on
-  // one-token steps only.
-  const Matrix* next_router = nullptr;
-  int next_layer = -1, next_top_k = 0;
+  // Lookahead (ExpertProvider::wants_prefetch), exact: the next MoE layers, nearest first. The
+  // backend applies each one's router to this call's input (float32 activations) and hands its
+  // top_k best experts to ExpertProvider::prefetch once this call's own reads have started,
+  // leaving out those it holds itself (the CUDA tier's VRAM). Set by the model on one-token steps
+  // only.
+  std::span<const LookaheadGuess> ahead;
 };
 
 // ids = the k largest of logits, best first, ties to the lower index (the lookahead's guess).

@@ -44,10 +44,12 @@ class ExpertProvider {
   }
 
   // Lookahead. wants_prefetch(): whether guesses of a later layer's experts can help (a bounded
-  // cache that reads ahead). prefetch(): a guess of the experts `layer` will request next; reads
-  // for those not in memory start once every read of the current request has started (at once
-  // between requests), into slots the eviction policy frees; a guess replaces the previous one.
-  // Guesses never fail a request: a failed read ahead is forgotten and retried when asked for.
+  // cache that reads ahead). prefetch(): a guess of the experts `layer` will request next, the
+  // likeliest first; reads for those not in memory (the provider may read only the likeliest of
+  // them) start once every read of the current request has started (at once between requests),
+  // nearer layers first, into slots the eviction policy frees; a guess replaces the layer's
+  // previous one. Guesses never fail a request: a failed read ahead is forgotten and retried
+  // when asked for.
   virtual bool wants_prefetch() const { return false; }
   virtual void prefetch(int layer, std::span<const int> experts) {
     (void)layer;

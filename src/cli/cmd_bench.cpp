@@ -322,6 +322,7 @@ void add_bench(CLI::App& app) {
                    {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw},
                    {"lookahead", {{"guessed", after.predicted - before.predicted},
                                   {"guessed_right", after.predicted_right - before.predicted_right},
+                                  {"reguessed", after.reguessed - before.reguessed},
                                   {"reads", after.prefetch_reads - before.prefetch_reads},
                                   {"reads_used", after.prefetch_hits - before.prefetch_hits},
                                   {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}},

@@ -113,9 +113,13 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
       "Decode with a bounded expert cache (CPU; CUDA with --host-expert-mb): read the next layer's "
       "guessed experts ahead (default off: docs/PERFORMANCE.md)");
   cmd.add_option("--lookahead-k", e.lookahead_k,
-                 "With --lookahead: guess only the next layer's N most likely experts (default 0: as many "
-                 "as it routes to)")
+                 "With --lookahead: read ahead only the N most likely of a layer's guessed experts that are "
+                 "not in memory (default 0: every one; a guess is the layer's top k)")
       ->check(kNonNegative);
+  cmd.add_option("--lookahead-depth", e.lookahead_depth,
+                 "With --lookahead: guess the next D MoE layers' experts from each layer's input, so that "
+                 "reads of several layers are in flight at once (default 1)")
+      ->check(CLI::Range(1, 8));
   cmd.add_option("--profile", profile_in,
                  "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "
                  "--expert-cache-mb, its hottest experts are never evicted; on CUDA when VRAM cannot hold every "
@@ -232,6 +236,7 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
         {"bytes_read", s.bytes_read},
         {"lookahead_guessed", s.predicted},
         {"lookahead_guessed_right", s.predicted_right},
+        {"lookahead_reguessed", s.reguessed},
         {"lookahead_reads", s.prefetch_reads},
         {"lookahead_reads_used", s.prefetch_hits},
         {"lookahead_reads_wasted", s.prefetch_wasted},

@@ -46,6 +46,13 @@ struct HostFree {
   void operator()(char* p) const { backend->free_host(p); }
 };
 
+struct HashFree {
+  void operator()(XXH64_state_t* h) const { XXH64_freeState(h); }
+};
+
+// A read's tag: its slot and the piece of the expert it reads.
+uint64_t read_tag(int slot, int piece) { return uint64_t(uint32_t(slot)) | uint64_t(piece) << 32; }
+
 class StreamingExpertStore final : public ExpertStore {
  public:
   StreamingExpertStore(const PackManifest& pack, Backend& backend, const ExpertStoreOptions& o)
@@ -58,6 +65,7 @@ class StreamingExpertStore final : public ExpertStore {
     }
     total_experts_ = total;
     lookahead_ = o.lookahead;
+    lookahead_k_ = o.lookahead_k;
     read_piece_ = read_piece_bytes(o);
     if (o.cache_mb < 0) {
       max_slots_ = size_t(total);
@@ -106,7 +114,8 @@ class StreamingExpertStore final : public ExpertStore {
     layer_ = layer;
     ++tick_;
     remaining_ = experts.size();
-    if (prefetch_layer_ == layer) prefetch_queue_.clear();  // not started in time: plain loads now
+    // Guesses of this layer not started in time: plain loads now.
+    std::erase_if(prefetch_queue_, [&](const std::pair<int, int>& q) { return q.first == layer; });
     for (int e : experts) {
       if (e < 0 || size_t(e) >= where_[size_t(layer)].size())
         fail("expert store: layer ", layer, " has no expert ", e);
@@ -209,13 +218,25 @@ class StreamingExpertStore final : public ExpertStore {
   void prefetch(int layer, std::span<const int> experts) override {
     std::lock_guard lock(mu_);
     if (!lookahead_ || layer < 0 || size_t(layer) >= pack_.layers.size()) return;
-    prefetch_queue_.clear();
-    prefetch_layer_ = layer;
+    // This guess replaces the layer's earlier one (made from further back): the counts keep the
+    // latest, and its reads not started yet give way to this guess's, queued by layer.
+    for (char& g : guessed_[size_t(layer)]) {
+      if (!g) continue;
+      g = 0;
+      --stats_.predicted;
+      ++stats_.reguessed;
+    }
+    std::erase_if(prefetch_queue_, [&](const std::pair<int, int>& q) { return q.first == layer; });
+    auto at = std::find_if(prefetch_queue_.begin(), prefetch_queue_.end(),
+                           [&](const std::pair<int, int>& q) { return q.first > layer; });
+    int reads = 0;
     for (int e : experts) {
       if (e < 0 || size_t(e) >= where_[size_t(layer)].size()) continue;
       ++stats_.predicted;
       guessed_[size_t(layer)][size_t(e)] = 1;
-      if (where_[size_t(layer)][size_t(e)] < 0) prefetch_queue_.push_back(e);
+      if (where_[size_t(layer)][size_t(e)] >= 0 || (lookahead_k_ > 0 && reads >= lookahead_k_)) continue;
+      at = std::next(prefetch_queue_.insert(at, {layer, e}));
+      ++reads;
     }
     start_loads();  // behind the current request's reads, which start_loads starts first
   }
@@ -274,7 +295,13 @@ class StreamingExpertStore final : public ExpertStore {
     bool wanted = false;      // Loading for the current request (else a read ahead)
     bool read_ahead = false;  // brought in by prefetch() and not asked for since
     bool hot = false;         // pinned by the profile: never evicted
-    int pieces_left = 0;      // reads of this load still in flight
+    // This load's pieces (of piece_bytes each, the last one shorter): those read, and how many of
+    // them, in order, the checksum has taken so far (one reader thread at a time, `hashing`).
+    uint64_t piece_bytes = 0;
+    std::vector<char> piece_read;
+    int pieces_hashed = 0;
+    bool hashing = false;
+    std::unique_ptr<XXH64_state_t, HashFree> hash;
     uint64_t bytes_got = 0;   // bytes its pieces returned so far
     int read_errno = 0;       // the first failed piece's errno
     MlpWeights weights;  // views into mem, valid while Ready
@@ -350,8 +377,8 @@ class StreamingExpertStore final : public ExpertStore {
       start_read(s, layer_, e, true);
     }
     while (!prefetch_queue_.empty()) {
-      const int e = prefetch_queue_.front();
-      if (where_[size_t(prefetch_layer_)][size_t(e)] >= 0) {  // arrived meanwhile
+      const auto [layer, e] = prefetch_queue_.front();
+      if (where_[size_t(layer)][size_t(e)] >= 0) {  // arrived meanwhile
         prefetch_queue_.pop_front();
         continue;
       }
@@ -359,9 +386,9 @@ class StreamingExpertStore final : public ExpertStore {
       if (s < 0) return;
       prefetch_queue_.pop_front();
       // As recent as the request that made the guess, so the policy keeps it until it is used.
-      use_[size_t(prefetch_layer_)][size_t(e)].last_use = tick_;
+      use_[size_t(layer)][size_t(e)].last_use = tick_;
       ++stats_.prefetch_reads;
-      start_read(s, prefetch_layer_, e, false);
+      start_read(s, layer, e, false);
     }
     while (!background_.empty()) {
       const auto [layer, e] = background_.front();
@@ -391,13 +418,22 @@ class StreamingExpertStore final : public ExpertStore {
     where_[size_t(layer)][size_t(e)] = s;
     const PackedExpert& pe = pack_.expert(layer, e);
     const uint64_t piece = read_piece_ > 0 ? read_piece_ : std::max<uint64_t>(pe.size, 1);
-    slot.pieces_left = int((pe.size + piece - 1) / piece);
+    const int pieces = int((pe.size + piece - 1) / piece);
+    slot.piece_bytes = piece;
+    slot.piece_read.assign(size_t(pieces), 0);
+    slot.pieces_hashed = 0;
+    slot.hashing = false;
+    if (!slot.hash) slot.hash.reset(XXH64_createState());
+    if (!slot.hash) fail("expert store: out of memory for a checksum state");
+    XXH64_reset(slot.hash.get(), 0);
     slot.bytes_got = 0;
     slot.read_errno = 0;
     if (outstanding_ == 0) busy_since_ = clock_type::now();
-    outstanding_ += slot.pieces_left;
-    for (uint64_t at = 0; at < pe.size; at += piece)
-      reader_->submit(pe.file, pe.offset + at, std::min(piece, pe.size - at), slot.mem.get() + at, uint64_t(s));
+    outstanding_ += pieces;
+    for (int i = 0; i < pieces; ++i) {
+      const uint64_t at = uint64_t(i) * piece;
+      reader_->submit(pe.file, pe.offset + at, std::min(piece, pe.size - at), slot.mem.get() + at, read_tag(s, i));
+    }
   }
 
   // A read finished (mu_ held): the store's in-flight count and busy time.
@@ -438,13 +474,16 @@ class StreamingExpertStore final : public ExpertStore {
     return victim;
   }
 
-  // Reader thread: a piece of a load is done; once all are, check the bytes, then hand the expert
-  // to the compute side.
+  // Reader thread: a piece of a load is done. The checksum takes the pieces in order as they
+  // arrive, on the thread of the piece that lets it go on (so that little of it is left once the
+  // last piece is read); the thread that takes the last piece checks the sum, then hands the
+  // expert to the compute side. A piece counts as in flight until the checksum has taken it.
   void on_read(const ReadDone& d) {
+    const int s_index = int(uint32_t(d.tag)), piece = int(d.tag >> 32);
     Slot* slot_ptr;
     {
       std::lock_guard lock(mu_);  // the deque's index may be growing; element addresses are stable
-      slot_ptr = &slots_[size_t(d.tag)];
+      slot_ptr = &slots_[size_t(s_index)];
       Slot& s = *slot_ptr;
       if (d.bytes < 0) {
         if (s.read_errno == 0) s.read_errno = int(-d.bytes);
@@ -452,13 +491,25 @@ class StreamingExpertStore final : public ExpertStore {
         s.bytes_got += uint64_t(d.bytes);
         stats_.bytes_read += uint64_t(d.bytes);
       }
-      if (--s.pieces_left > 0) {  // the last piece's thread finishes the load
-        read_finished();
+      s.piece_read[size_t(piece)] = 1;
+      if (s.hashing || piece != s.pieces_hashed) return;  // the checksum takes it later
+      s.hashing = true;
+    }
+    Slot& slot = *slot_ptr;  // pinned and Loading: only its hashing thread reads its memory
+    const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
+    const int pieces = int(slot.piece_read.size());
+    for (;;) {
+      const uint64_t at = uint64_t(slot.pieces_hashed) * slot.piece_bytes;
+      XXH64_update(slot.hash.get(), slot.mem.get() + at, std::min(slot.piece_bytes, pe.size - at));
+      if (slot.pieces_hashed + 1 == pieces) break;  // this thread finishes the load
+      std::lock_guard lock(mu_);
+      ++slot.pieces_hashed;
+      read_finished();
+      if (!slot.piece_read[size_t(slot.pieces_hashed)]) {  // its thread goes on when it is read
+        slot.hashing = false;
         return;
       }
     }
-    Slot& slot = *slot_ptr;  // pinned and Loading: nothing else touches it until it is Ready
-    const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
     const std::string& file = pack_.expert_files[size_t(pe.file)];
     std::optional<std::string> err;
     if (slot.read_errno != 0) {
@@ -468,7 +519,7 @@ class StreamingExpertStore final : public ExpertStore {
       err = file + ": short read for layer " + std::to_string(slot.layer) + " expert " +
             std::to_string(slot.expert) + " (" + std::to_string(slot.bytes_got) + " of " +
             std::to_string(pe.size) + " bytes; truncated file?)";
-    } else if (XXH64(slot.mem.get(), pe.size, 0) != pe.checksum) {
+    } else if (XXH64_digest(slot.hash.get()) != pe.checksum) {
       err = file + ": checksum mismatch for layer " + std::to_string(slot.layer) + " expert " +
             std::to_string(slot.expert) + " (corrupted pack)";
     } else {
@@ -488,7 +539,7 @@ class StreamingExpertStore final : public ExpertStore {
         slot.read_ahead = false;
       } else {
         slot.state = Slot::Ready;
-        if (slot.wanted) ready_.push_back(int(d.tag));
+        if (slot.wanted) ready_.push_back(s_index);
       }
       slot.wanted = false;
     }
@@ -528,6 +579,7 @@ class StreamingExpertStore final : public ExpertStore {
   size_t max_slots_ = 0;
   uint64_t total_experts_ = 0;
   bool lookahead_ = false;
+  int lookahead_k_ = 0;  // reads ahead per guess (ExpertStoreOptions::lookahead_k)
   int moe_layers_ = 0;
 
   mutable std::mutex mu_;
@@ -540,8 +592,7 @@ class StreamingExpertStore final : public ExpertStore {
   size_t remaining_ = 0;                    // experts of the request not yet handed out
   std::deque<int> pending_;                 // experts of the request waiting for a slot
   std::deque<int> ready_;                   // slots ready to hand out
-  std::deque<int> prefetch_queue_;          // guessed experts of prefetch_layer_ not started yet
-  int prefetch_layer_ = -1;
+  std::deque<std::pair<int, int>> prefetch_queue_;  // guessed (layer, expert) not started yet, by layer
   std::deque<std::pair<int, int>> background_;  // (layer, expert) the miss fallback skipped, not started yet
   std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
   std::vector<std::vector<char>> hot_;      // [layer][expert]: pinned by the profile

@@ -26,7 +26,12 @@ struct ExpertStoreOptions {
   // once. MOESTREAM_READ_CHUNK_KB overrides it, for measurements.
   uint64_t read_piece_bytes = 512 * 1024;
   bool lookahead = false;  // accept prefetch() (the backend's guesses of the next layer's experts)
-  int lookahead_k = 0;  // guesses per layer: the next layer's N most likely experts (0: its top k)
+  // Reads ahead per guess: the guess's N most likely experts that are not in memory (0: all of
+  // them). The guess itself is the layer's top k (less what the backend holds itself).
+  int lookahead_k = 0;
+  // Layers guessed ahead: each MoE call guesses the next D MoE layers' experts from its input; a
+  // layer's later guess (from nearer) replaces its earlier one.
+  int lookahead_depth = 1;
   // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
   // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
   // `warmup` reads them when the store is made, before the first token (on the CPU backend with a
@@ -48,10 +53,11 @@ struct ExpertStats {
   double wait_seconds = 0;        // time compute spent waiting for a read
   uint64_t cache_bytes = 0;       // memory held for expert slots (allocated so far)
   uint64_t budget_bytes = 0;      // the configured bound (0 = unbounded)
-  // Lookahead (prefetch): experts guessed, how many of them the layer then chose, reads started
-  // for guesses not in memory, guesses read ahead that the layer then asked for, and guesses read
-  // ahead but evicted before any use (their bytes were wasted).
-  uint64_t predicted = 0, predicted_right = 0;
+  // Lookahead (prefetch): experts guessed (each layer's latest guess), how many of them the layer
+  // then chose, reads started for guesses not in memory, guesses read ahead that the layer then
+  // asked for, and guesses read ahead but evicted before any use (their bytes were wasted).
+  // reguessed: guesses a later guess of the same layer replaced (--lookahead-depth above 1).
+  uint64_t predicted = 0, predicted_right = 0, reguessed = 0;
   uint64_t prefetch_reads = 0, prefetch_hits = 0, prefetch_wasted = 0;
   uint64_t pinned = 0;  // experts the profile pins (read or not yet)
   // Miss fallback: layer steps that computed without some chosen experts, the experts so skipped,

@@ -163,8 +163,7 @@ class DeepseekV3 final : public DecoderModel {
       be.add(x, out);
     }
     be.rmsnorm(x, layer.post_attention_norm, norm_eps, x.cols, xn);
-    const int next = next_moe_layer(layers_, l);
-    layer.ffn.forward(be, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next);
+    layer.ffn.forward(be, *experts_, ws_, l, xn, x, upcoming_moe_layers(layers_, l, ws_));
   }
 
  private:

@@ -48,8 +48,7 @@ void MoeDecoder::run_layer(int l, int64_t T, std::span<const RowSpan> seqs) {
   // Layers run in order, and the residual add that ends each layer but the last (whose rows the
   // final norm takes, only those whose logits are wanted) also normalizes x for the next one.
   attention_residual(layer.input_norm, layer.attn, seqs, l, rope_, T, &layer.post_attention_norm, l > 0);
-  const int next = next_moe_layer(layers_, l);
-  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
+  layer.ffn.forward(*backend_, *experts_, ws_, l, xn, x, upcoming_moe_layers(layers_, l, ws_),
                     next_input_norm(layers_, l), norm_eps);
 }
 
@@ -121,7 +120,7 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
   store.cache_mb = expert_cache_mb_;
   experts_ = make_expert_store(pack_, *backend_, store);
   ws_.moe_top_k = options.moe_top_k;
-  ws_.lookahead_k = options.experts.lookahead_k;
+  ws_.lookahead_depth = options.experts.lookahead_depth;
   // The CUDA tier routes on the device and has no residency test yet.
   if ((options.experts.miss_fallback || options.experts.cache_bias != 0.0f) && backend_->name().rfind("cpu", 0) != 0)
     fail("--miss-fallback and --cache-bias work on the CPU backend only (use --device cpu)");

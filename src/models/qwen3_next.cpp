@@ -192,8 +192,7 @@ class Qwen3Next final : public DecoderModel {
       }
       be.add_rmsnorm(x, out, layer.post_attention_norm, norm_eps, xn);
     }
-    const int next = next_moe_layer(layers_, l);
-    layer.ffn.forward(be, *experts_, ws_, l, xn, x, next >= 0 ? &layers_[size_t(next)].ffn : nullptr, next,
+    layer.ffn.forward(be, *experts_, ws_, l, xn, x, upcoming_moe_layers(layers_, l, ws_),
                       next_input_norm(layers_, l), norm_eps);
   }
 

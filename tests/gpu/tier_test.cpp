@@ -290,8 +290,8 @@ TEST(CudaTier, FittingBudgetRunsTheFirstPromptResident) {
 }
 
 // Lookahead from disk (--lookahead, a host tier that cannot hold every expert): each decode
-// step's MoE call also runs the next MoE layer's router and hands its top k not in VRAM to the
-// store, which reads them behind the call's own misses. The logits equal everything resident,
+// step's MoE call also runs the next MoE layer's router (with --lookahead-depth 2, the next two)
+// and hands its top k not in VRAM to the store, which reads them behind the call's own misses. The logits equal everything resident,
 // bit for bit; guesses are made, read ahead and used; and no guess names an expert in VRAM (a
 // VRAM budget of every expert leaves nothing to guess).
 TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
@@ -307,9 +307,10 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
     std::vector<float> logits;
     ExpertStats store;
   };
-  auto decode = [&](double vram_mb, double host_mb, bool lookahead) {
+  auto decode = [&](double vram_mb, double host_mb, bool lookahead, int depth = 1) {
     ModelOptions o = cuda_options(cache, vram_mb, host_mb);
     o.experts.lookahead = lookahead;
+    o.experts.lookahead_depth = depth;
     auto model = load_model(dir, o);
     Result r;
     std::vector<float> logits(size_t(model->info().vocab_size));
@@ -338,6 +339,12 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
     EXPECT_GT(on.store.predicted_right, 0u);
     EXPECT_GT(on.store.prefetch_reads, 0u);
     EXPECT_GT(on.store.prefetch_hits, 0u) << "no read ahead was ever used";
+    // --lookahead-depth 2: layer 0 also guesses layer 2, which layer 1 guesses again.
+    const Result deep = decode(slots * slot_mb, host_mb, true, 2);
+    EXPECT_EQ(deep.logits, all.logits);
+    EXPECT_EQ(on.store.reguessed, 0u);
+    EXPECT_GT(deep.store.reguessed, 0u);
+    EXPECT_GT(deep.store.prefetch_hits, 0u);
   }
   const Result vram_all = decode(-1, 6 * slot_mb, true);  // every expert fits in VRAM
   EXPECT_EQ(vram_all.logits, all.logits);

@@ -412,7 +412,7 @@ class CpuBackend final : public Backend {
     const bool together = T <= kTogetherTokens && all_resident(store, p, ids);
     store.request(p.layer, ids);
     if (!skipped_.empty()) store.fetch_later(p.layer, skipped_);
-    if (p.next_router) guess_next_experts(x, p, store);
+    if (!p.ahead.empty()) guess_next_experts(x, p, store);
     int e;
     MlpWeights w;
     if (together) {
@@ -701,14 +701,16 @@ class CpuBackend final : public Backend {
     linear(g, w.down, w.down_bias ? &w.down_bias : nullptr, out);
   }
 
-  // Lookahead (MoeParams::next_router): the next MoE layer's router on this call's one token
-  // guesses that layer's experts, read behind this call's own reads.
+  // Lookahead (MoeParams::ahead): each next MoE layer's router on this call's one token guesses
+  // that layer's experts, read behind this call's own reads.
   void guess_next_experts(const Buffer& x, const MoeParams& p, ExpertProvider& store) {
-    const int64_t E = p.next_router->rows;
-    Buffer logits = scratch(6, 1, E);
-    linear(x.rows_view(0, 1), *p.next_router, nullptr, logits, /*precise=*/true);
-    top_k_ids(std::span<const float>(logits.data, size_t(E)), p.next_top_k, guess_);
-    store.prefetch(p.next_layer, guess_);
+    for (const LookaheadGuess& a : p.ahead) {
+      const int64_t E = a.router->rows;
+      Buffer logits = scratch(6, 1, E);
+      linear(x.rows_view(0, 1), *a.router, nullptr, logits, /*precise=*/true);
+      top_k_ids(std::span<const float>(logits.data, size_t(E)), a.top_k, guess_);
+      store.prefetch(a.layer, guess_);
+    }
   }
 
   // Reusable per-slot scratch buffers: they grow to the largest size seen, then never allocate.

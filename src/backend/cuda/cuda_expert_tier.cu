@@ -406,13 +406,19 @@ ExpertTier::Call ExpertTier::route(const Buffer& x, const Matrix& router, const 
     cuda::route(logits, T, p, bias, c.sel_ids, c.sel_w, direct, compute_);
   }
 
-  if (p.next_router && !c.resident) {  // lookahead: the next layer's logits of the (one) token
-    const Matrix& next = *p.next_router;
-    if (next.cols != dim)
-      fail("moe: router ", next.name, " has ", next.cols, " columns, the input ", dim);
-    c.next_logits = scratch_.get(kNext, size_t(next.rows));
-    cuda::linear(next, x.data, dim, 1, nullptr, c.next_logits, next.rows, gemm_, compute_,
-                 GemmMath::F32);
+  if (!p.ahead.empty() && !c.resident) {  // lookahead: the next layers' logits of the (one) token
+    c.next_count = 0;
+    for (const LookaheadGuess& a : p.ahead) {
+      if (a.router->cols != dim)
+        fail("moe: router ", a.router->name, " has ", a.router->cols, " columns, the input ", dim);
+      c.next_count += a.router->rows;
+    }
+    c.next_logits = scratch_.get(kNext, size_t(c.next_count));
+    float* logits_at = c.next_logits;
+    for (const LookaheadGuess& a : p.ahead) {
+      cuda::linear(*a.router, x.data, dim, 1, nullptr, logits_at, a.router->rows, gemm_, compute_, GemmMath::F32);
+      logits_at += a.router->rows;
+    }
   }
 
   ExpertBatch& b = c.b;
@@ -491,7 +497,7 @@ void ExpertTier::read_selection(const Call& c) {
   int* ids_host = staging_.get<int>(kIdsHost, size_t(c.pairs), compute_);
   MS_CUDA_CHECK(cudaMemcpyAsync(ids_host, c.sel_ids, size_t(c.pairs) * sizeof(int), cudaMemcpyDeviceToHost, compute_));
   if (c.next_logits) {
-    const size_t n = size_t(c.b.params->next_router->rows);
+    const size_t n = size_t(c.next_count);
     float* host = staging_.get<float>(kNextHost, n, compute_);
     MS_CUDA_CHECK(
         cudaMemcpyAsync(host, c.next_logits, n * sizeof(float), cudaMemcpyDeviceToHost, compute_));
@@ -707,21 +713,23 @@ void ExpertTier::fill_layer(const MoeParams& p, ExpertProvider& experts) {
   leave_copies(experts, copies, true);
 }
 
-// Lookahead: the next MoE layer's top k by its router on this call's input, less those in VRAM,
-// as the provider's guess of that layer's request.
+// Lookahead: each next MoE layer's top k by its router on this call's input, less those in VRAM,
+// as the provider's guess of that layer's request, nearest layer first.
 void ExpertTier::guess_next_layer(const Call& c, ExpertProvider& experts) {
   if (!c.next_logits) return;
-  const MoeParams& p = *c.b.params;
-  const size_t n = size_t(p.next_router->rows);
-  const float* logits =
-      staging_.get<float>(kNextHost, n, compute_);  // read_selection filled it
-  top_k_ids(std::span<const float>(logits, n), p.next_top_k, guess_);
-  const int next = p.next_layer;
-  if (tier_ready_ && next >= 0 && next < layers_cap_ && !where_[size_t(next)].empty()) {
-    const std::vector<int>& where = where_[size_t(next)];
-    std::erase_if(guess_, [&](int e) { return size_t(e) < where.size() && where[size_t(e)] >= 0; });
+  // read_selection filled it
+  const float* logits = staging_.get<float>(kNextHost, size_t(c.next_count), compute_);
+  for (const LookaheadGuess& a : c.b.params->ahead) {
+    const size_t n = size_t(a.router->rows);
+    top_k_ids(std::span<const float>(logits, n), a.top_k, guess_);
+    logits += n;
+    const int next = a.layer;
+    if (tier_ready_ && next >= 0 && next < layers_cap_ && !where_[size_t(next)].empty()) {
+      const std::vector<int>& where = where_[size_t(next)];
+      std::erase_if(guess_, [&](int e) { return size_t(e) < where.size() && where[size_t(e)] >= 0; });
+    }
+    experts.prefetch(next, guess_);
   }
-  experts.prefetch(next, guess_);
 }
 
 // The slot of lowest priority (an empty one first) that this call does not hold. When every slot

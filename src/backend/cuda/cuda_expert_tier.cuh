@@ -9,8 +9,8 @@
 //    reads from disk what it lacks), copied into free VRAM slots on the copy stream, and launched
 //    as one more batch once all have arrived. With a VRAM budget that holds every expert, the
 //    rest of layer L is fetched along so that later calls take the first path. With lookahead
-//    (MoeParams::next_router), the next MoE layer's router runs on the same input and comes back
-//    with the choice; its top k not in VRAM go to the provider as a guess (ExpertProvider::
+//    (MoeParams::ahead), the next MoE layers' routers run on the same input and come back with
+//    the choice; each one's top k not in VRAM go to the provider as a guess (ExpertProvider::
 //    prefetch), read from disk behind L's own misses;
 //  - decode (at most kGemvMaxTokens tokens) over a lasting provider (a host tier that keeps every
 //    expert it reads, in pinned memory): the first call of L preloads L's experts into the host
@@ -133,7 +133,9 @@ class ExpertTier {
     bool in_place = false;  // the layer's experts not in VRAM are read from pinned host memory
     float* sel_w = nullptr;
     int* sel_ids = nullptr;
-    float* next_logits = nullptr;  // lookahead: the next MoE layer's router logits (host path)
+    // lookahead: the next MoE layers' router logits (MoeParams::ahead), one after another (host path)
+    float* next_logits = nullptr;
+    int64_t next_count = 0;
     MoeGroups g{};
     ExpertBatch b{};
     float* out = nullptr;
