@@ -140,7 +140,9 @@ TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
   EXPECT_EQ(deep.predicted_right, all.predicted_right);
   EXPECT_EQ(all.reguessed, 0u);
   const auto moe_layers = std::count_if(pack.layers.begin(), pack.layers.end(), [](const auto& l) { return !l.empty(); });
-  if (moe_layers >= 3) EXPECT_GT(deep.reguessed, 0u) << dir << ": " << moe_layers << " MoE layers";
+  if (moe_layers >= 3) {
+    EXPECT_GT(deep.reguessed, 0u) << dir << ": " << moe_layers << " MoE layers";
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, StreamingFixture, ::testing::ValuesIn(test::model_fixtures()),
