@@ -423,8 +423,6 @@ class StreamingExpertStore final : public ExpertStore {
     slot.piece_read.assign(size_t(pieces), 0);
     slot.pieces_hashed = 0;
     slot.hashing = false;
-    if (!slot.hash) slot.hash.reset(XXH64_createState());
-    if (!slot.hash) fail("expert store: out of memory for a checksum state");
     XXH64_reset(slot.hash.get(), 0);
     slot.bytes_got = 0;
     slot.read_errno = 0;
@@ -450,6 +448,8 @@ class StreamingExpertStore final : public ExpertStore {
       Slot& s = slots_.emplace_back();
       s.mem = std::unique_ptr<char, HostFree>(static_cast<char*>(backend_.alloc_host(slot_bytes_)), HostFree{&backend_});
       if (!s.mem) fail("expert store: out of memory allocating a ", slot_bytes_, "-byte slot");
+      s.hash.reset(XXH64_createState());
+      if (!s.hash) fail("expert store: out of memory for a slot's checksum state");
       return int(slots_.size() - 1);
     }
     int victim = -1;

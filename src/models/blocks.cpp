@@ -456,7 +456,7 @@ void fail_truncate(int64_t n, int64_t n_past) {
 }
 
 void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn,
-                             Buffer& x, std::span<const UpcomingMoe> upcoming, const Vector* next_norm,
+                             Buffer& x, std::span<const LookaheadGuess> ahead, const Vector* next_norm,
                              float eps) const {
   const int64_t T = x.rows;
   Buffer out = ws.ffn_out.rows_view(0, T);
@@ -482,15 +482,7 @@ void MoeFeedForward::forward(Backend& be, ExpertStore& experts, Workspace& ws, i
     p.miss_fallback = ws.miss_fallback;
     p.cache_bias = ws.cache_bias;
   }
-  if (!upcoming.empty() && T == 1 && experts.wants_prefetch()) {
-    ws.ahead.clear();
-    for (const UpcomingMoe& u : upcoming) {
-      LookaheadGuess g{&u.ffn->router, u.layer, std::min<int>(u.ffn->routing.top_k, int(u.ffn->router.rows))};
-      if (ws.moe_top_k > 0) g.top_k = std::min(g.top_k, ws.moe_top_k);
-      ws.ahead.push_back(g);
-    }
-    p.ahead = ws.ahead;
-  }
+  if (T == 1 && experts.wants_prefetch()) p.ahead = ahead;
   Buffer s{ws.attn_out.data, T, x.cols};  // attention is done with attn_out
   if (shared.gate && shared_gate) {
     // Qwen3-Next: out = moe(xn) + sigmoid(shared_gate xn) * shared(xn), then x += out.

@@ -62,13 +62,6 @@ RopeTable make_rope_table(const RopeParams& params, int rot_dim, const std::stri
 // YaRN's magnitude correction 0.1 * mscale * ln(factor) + 1 (1 when factor <= 1).
 double yarn_mscale(double factor, double mscale);
 
-struct MoeFeedForward;
-// A later MoE layer: its feed-forward and index (the lookahead's guesses, MoeFeedForward::forward).
-struct UpcomingMoe {
-  const MoeFeedForward* ffn = nullptr;
-  int layer = -1;
-};
-
 // Activation buffers of one forward batch, preallocated for max_batch tokens.
 struct Workspace {
   int64_t max_batch = 0;
@@ -77,9 +70,8 @@ struct Workspace {
   Buffer logits;                    // [max_batch, vocab]
   Buffer shared_gate;               // [max_batch, 1]: logit of a sigmoid-gated shared expert
   int moe_top_k = 0;                // ModelOptions::moe_top_k (applied by MoeFeedForward::forward)
-  int lookahead_depth = 1;          // ExpertStoreOptions::lookahead_depth (upcoming_moe_layers)
-  std::vector<UpcomingMoe> upcoming;  // upcoming_moe_layers' list, kept between calls
-  std::vector<LookaheadGuess> ahead;  // MoeFeedForward::forward's MoeParams::ahead, kept between calls
+  int lookahead_depth = 0;          // MoE layers guessed ahead (upcoming_moe_layers); 0: no lookahead
+  std::vector<LookaheadGuess> ahead;  // upcoming_moe_layers' list, kept between calls
   KvCacheSpec kv;                   // ModelOptions::kv: how attention layers store K and V
   bool miss_fallback = false;       // ExpertStoreOptions' lossy routing options (MoeFeedForward::forward)
   float cache_bias = 0.0f;
@@ -230,26 +222,32 @@ struct MoeFeedForward {
   MlpWeights dense;     //                                                      (dense layers)
 
   // x (T, hidden) += ffn(xn) for layer l; ws.ffn_out, ws.attn_out (shared expert) and
-  // ws.shared_gate are scratch. `upcoming`, the next MoE layers (upcoming_moe_layers), let the
-  // store read ahead while this layer computes: on one-token steps whose store wants guesses, the
+  // ws.shared_gate are scratch. `ahead`, the next MoE layers (upcoming_moe_layers), let the store
+  // read ahead while this layer computes: on one-token steps whose store wants guesses, the
   // backend guesses from their routers (MoeParams::ahead). ws.miss_fallback and
   // ws.cache_bias apply to decode steps (one token) with a bounded store only: a prefill batch's
   // tokens choose most of a layer's experts, which it reads anyway. With next_norm (the next
   // layer's input norm, eps), the last residual add also writes ws.xn = rmsnorm(x) with it, fused
   // (Backend::add_rmsnorm, the same values as add then rmsnorm).
   void forward(Backend& be, ExpertStore& experts, Workspace& ws, int l, const Buffer& xn, Buffer& x,
-               std::span<const UpcomingMoe> upcoming = {}, const Vector* next_norm = nullptr,
+               std::span<const LookaheadGuess> ahead = {}, const Vector* next_norm = nullptr,
                float eps = 0.0f) const;
 };
 
-// The first ws.lookahead_depth layers after l whose feed-forward is MoE (layers[i].ffn), nearest
-// first, in ws.upcoming.
+// The lookahead's guesses from layer l (MoeFeedForward::forward's `ahead`): the first
+// ws.lookahead_depth layers after l whose feed-forward is MoE (layers[i].ffn), nearest first, each
+// with its router and top k (at most ws.moe_top_k), in ws.ahead.
 template <class Layers>
-std::span<const UpcomingMoe> upcoming_moe_layers(const Layers& layers, int l, Workspace& ws) {
-  ws.upcoming.clear();
-  for (size_t i = size_t(l) + 1; i < layers.size() && int(ws.upcoming.size()) < ws.lookahead_depth; ++i)
-    if (layers[i].ffn.moe) ws.upcoming.push_back({&layers[i].ffn, int(i)});
-  return ws.upcoming;
+std::span<const LookaheadGuess> upcoming_moe_layers(const Layers& layers, int l, Workspace& ws) {
+  ws.ahead.clear();
+  for (size_t i = size_t(l) + 1; i < layers.size() && int(ws.ahead.size()) < ws.lookahead_depth; ++i) {
+    const MoeFeedForward& f = layers[i].ffn;
+    if (!f.moe) continue;
+    int top_k = std::min<int>(f.routing.top_k, int(f.router.rows));
+    if (ws.moe_top_k > 0) top_k = std::min(top_k, ws.moe_top_k);
+    ws.ahead.push_back({&f.router, int(i), top_k});
+  }
+  return ws.ahead;
 }
 
 // layers[l + 1].input_norm, which layer l's last residual add computes with it

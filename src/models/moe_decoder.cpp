@@ -120,7 +120,7 @@ void DecoderModel::load_experts(const ModelOptions& options, const std::vector<b
   store.cache_mb = expert_cache_mb_;
   experts_ = make_expert_store(pack_, *backend_, store);
   ws_.moe_top_k = options.moe_top_k;
-  ws_.lookahead_depth = options.experts.lookahead_depth;
+  ws_.lookahead_depth = options.experts.lookahead ? options.experts.lookahead_depth : 0;
   // The CUDA tier routes on the device and has no residency test yet.
   if ((options.experts.miss_fallback || options.experts.cache_bias != 0.0f) && backend_->name().rfind("cpu", 0) != 0)
     fail("--miss-fallback and --cache-bias work on the CPU backend only (use --device cpu)");
