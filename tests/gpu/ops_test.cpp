@@ -1058,6 +1058,9 @@ TEST_F(Pair, MoeOfFewTokensMatchesLoneTokens) {
 // aligned) equals, bit for bit, the kernels that check each expert, whose resident experts take
 // their own loads over the same k-blocks (MOESTREAM_CUDA_EXPERT_SPLIT=mixed); the blocks of whole
 // rows (MOESTREAM_CUDA_EXPERT_SPLIT=0) and each token's lone step agree within float32 rounding.
+// Down runs as a stream of items a block (down_stream_kernel, every expert staged), bit for bit its
+// split kernel (MOESTREAM_CUDA_DOWN_STREAM=0), with its grid of item rows as the SMs hold it or
+// capped at 2 (many items a block, both scale buffers reused).
 TEST_F(Pair, SplitExpertKernelsEqualTheirDirectLoadsAndLoneTokens) {
   if (!cuda::few_mma_enabled()) GTEST_SKIP() << "the few-token tensor-core paths are off";
   constexpr int E = 24;
@@ -1079,14 +1082,22 @@ TEST_F(Pair, SplitExpertKernelsEqualTheirDirectLoadsAndLoneTokens) {
       const std::vector<float> xv = random(size_t(T * dim), 143);
       Buffer x = g->alloc(T, dim), out = g->alloc(T, dim), lone = g->alloc(1, dim);
       ASSERT_EQ(cudaMemcpy(x.data, xv.data(), xv.size() * sizeof(float), cudaMemcpyHostToDevice), cudaSuccess);
-      auto run = [&](const char* mode) {
-        if (mode) setenv("MOESTREAM_CUDA_EXPERT_SPLIT", mode, 1);
+      auto run = [&](const char* split, const char* stream = nullptr) {
+        if (split) setenv("MOESTREAM_CUDA_EXPERT_SPLIT", split, 1);
+        if (stream) setenv("MOESTREAM_CUDA_DOWN_STREAM", stream, 1);
         g->moe(x, rg, experts, p, out);
         unsetenv("MOESTREAM_CUDA_EXPERT_SPLIT");
+        unsetenv("MOESTREAM_CUDA_DOWN_STREAM");
         return host(*g, out);
       };
       run(nullptr);  // the experts into VRAM
-      const std::vector<float> staged = run(nullptr), mixed = run("mixed"), whole = run("0");
+      const uint64_t streams = cuda::down_stream_launches();
+      const std::vector<float> staged = run(nullptr);
+      EXPECT_GT(cuda::down_stream_launches(), streams) << "down's stream kernel taken";
+      const std::vector<float> split = run(nullptr, "0"), capped = run(nullptr, "2"),
+                               mixed = run("mixed"), whole = run("0");
+      EXPECT_EQ(staged, split) << "down's stream against its split kernel";
+      EXPECT_EQ(staged, capped) << "two item rows of stream blocks";
       EXPECT_EQ(staged, mixed) << "the staging against the direct loads";
       EXPECT_LT(test::relative_error(staged, whole), 1e-5);
       EXPECT_NE(staged, whole) << "the same sums: the split kernels were not taken";

@@ -21,16 +21,21 @@
 //
 // The split kernels (the default) give a block's warps the same tiles and split the rows' columns
 // between them (split_tiles), and stage every expert of a layer whose arrays are all aligned for
-// it, in VRAM or not. The whole-row kernels (a warp's own tiles over all their columns, staged only
-// when read in place) are left where a split block's shared memory would not fit.
+// it, in VRAM or not; down goes further where every expert is staged (down_stream_kernel: a grid
+// of about the blocks the SMs hold, each taking item after item). The whole-row kernels (a warp's
+// own tiles over all their columns, staged only when read in place) are left where a split
+// block's shared memory would not fit.
 #include <cuda_fp16.h>
 
+#include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <string>
 #include <string_view>
 
 #include "backend/cuda/expert_items.cuh"
 #include "backend/cuda/few_mma.cuh"
+#include "backend/cuda/linear.h"
 #include "backend/cuda/mma.cuh"
 
 namespace moestream::cuda {
@@ -154,24 +159,14 @@ __device__ __forceinline__ bool staged(const DevExpert& d) {
   return ok;
 }
 
-// lane_tiles through the staging: the same products, summed in the same order (bit for bit the
-// direct loads'), over lines [c0, c1) of each row, from words staged in this warp's `ring`
-// ([kStages][NA][16][kPitch]) and the tiles' scales and biases staged in `sc` ([NA][scales,
-// biases][scale_stage]). BLOCK: the block's warps share sc, copy it together and wait for each
-// other once (every warp of the block must call this); else the warp copies it alone. wait: as
-// lane_tiles's, after the first lines are issued.
-template <int KIND, bool SF16, bool WIDE, int NA, bool BLOCK>
-__device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
-                                                  const int64_t (&row0)[NA], const FewB& b,
-                                                  int64_t cols, int c0, int c1, char* ring,
-                                                  char* sc, int scale_stage,
-                                                  float (&acc)[NA][4], bool wait = false) {
-  using L = Layout<KIND, WIDE>;
-  constexpr int B = bits_of(KIND);
-  constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
-  constexpr int kPerChunk = kChunk / kBlockBytes;
-  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
-  const int64_t row_bytes = cols * B / 8;
+// Copies the scales and biases of NA 16-row tiles (tile t: rows row0[t] .. + 15 of w[t]) into sc
+// ([NA][scales, biases][scale_stage]) with cp.async, uncommitted. BLOCK: the block's threads share
+// the copy; else the warp copies it alone.
+template <int NA, bool BLOCK>
+__device__ __forceinline__ void stage_scales(const WeightRef* const (&w)[NA],
+                                             const int64_t (&row0)[NA], char* sc,
+                                             int scale_stage) {
+  const int lane = int(threadIdx.x) % 32;
 #pragma unroll
   for (int t = 0; t < NA; ++t) {
     const int64_t gpr = w[t]->groups_per_row;
@@ -188,76 +183,124 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
                    int(n - off < 16 ? n - off : 16));
     }
   }
-  // line c of every tile's 16 rows (row r clamped to the matrix) into stage (c - c0) % kStages
-  auto issue = [&](int c) {
-    if (c < c1) {
-      const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
-      const int64_t left = row_bytes - off;
-      const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
+}
+
+// Copies line c (128 bytes) of every tile's 16 rows (row r clamped to the matrix) into `stage`
+// ([NA][16][kPitch]) with cp.async, uncommitted; the warp's lanes take 16 bytes each of 4 rows.
+template <int NA>
+__device__ __forceinline__ void stage_line(const WeightRef* const (&w)[NA],
+                                           const int64_t (&row0)[NA], int64_t row_bytes, int c,
+                                           char* stage) {
+  const int lane = int(threadIdx.x) % 32;
+  const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
+  const int64_t left = row_bytes - off;
+  const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
 #pragma unroll
-      for (int t = 0; t < NA; ++t)
+  for (int t = 0; t < NA; ++t)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int r = lane / 8 + 4 * i;
-          const int64_t row = min(row0[t] + r, w[t]->rows - 1);
-          char* dst =
-              ring + (((c - c0) % kStages) * NA + t) * kTileChunk + r * kPitch + (lane % 8) * 16;
-          cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
-        }
+    for (int i = 0; i < 4; ++i) {
+      const int r = lane / 8 + 4 * i;
+      const int64_t row = min(row0[t] + r, w[t]->rows - 1);
+      char* dst = stage + t * kTileChunk + r * kPitch + (lane % 8) * 16;
+      cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
     }
+}
+
+// The staged line c's products added to acc: its words in `stage` ([NA][16][kPitch]), the tiles'
+// scales and biases in sc (stage_scales), srow[t][r] this lane's rows within tile t.
+template <int KIND, bool SF16, bool WIDE, int NA>
+__device__ __forceinline__ void staged_line_products(const WeightRef* const (&w)[NA],
+                                                     const int (&srow)[NA][2], const FewB& b,
+                                                     int64_t cols, int c, const char* stage,
+                                                     const char* sc, int scale_stage,
+                                                     float (&acc)[NA][4]) {
+  using L = Layout<KIND, WIDE>;
+  constexpr int kBlockBytes = 16 * L::kWords;  // a row's bytes of a k-block (4 lanes)
+  constexpr int kPerChunk = kChunk / kBlockBytes;
+  const int lane = int(threadIdx.x) % 32, g = lane / 4, j = lane % 4;
+  const int kbs = int(cols / L::kCols);
+#pragma unroll
+  for (int i = 0; i < kPerChunk; ++i) {
+    const int kb = c * kPerChunk + i;
+    if (kb >= kbs) break;
+    XBlock<KIND, WIDE> x;
+    x.load(b, kb);
+#pragma unroll
+    for (int t = 0; t < NA; ++t) {
+      uint32_t raw[2][L::kWords];
+      float scale[2], bias[2];
+      const int group = (kb * L::kCols) >> w[t]->group_shift;
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const char* p =
+            stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
+        if constexpr (L::kWords == 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(p);
+          raw[r][0] = v.x;
+          raw[r][1] = v.y;
+        } else {
+          raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
+        }
+        const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
+        scale[r] =
+            scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
+        bias[r] = scale_value<SF16>(
+            *reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
+      }
+      uint32_t ha[L::kPairs], hb[L::kPairs];
+      code_pairs<KIND, L::kWords>(raw[0], ha);
+      code_pairs<KIND, L::kWords>(raw[1], hb);
+      add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
+    }
+  }
+}
+
+// This lane's rows within each tile of NA from row0 (clamped to the matrix), as
+// staged_line_products takes them.
+template <int NA>
+__device__ __forceinline__ void staged_rows(const WeightRef* const (&w)[NA],
+                                            const int64_t (&row0)[NA], int (&srow)[NA][2]) {
+  const int g = (int(threadIdx.x) % 32) / 4;
+#pragma unroll
+  for (int t = 0; t < NA; ++t)
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
+}
+
+// lane_tiles through the staging: the same products, summed in the same order (bit for bit the
+// direct loads'), over lines [c0, c1) of each row, from words staged in this warp's `ring`
+// ([kStages][NA][16][kPitch]) and the tiles' scales and biases staged in `sc` ([NA][scales,
+// biases][scale_stage]). BLOCK: the block's warps share sc, copy it together and wait for each
+// other once (every warp of the block must call this); else the warp copies it alone. wait: as
+// lane_tiles's, after the first lines are issued.
+template <int KIND, bool SF16, bool WIDE, int NA, bool BLOCK>
+__device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA],
+                                                  const int64_t (&row0)[NA], const FewB& b,
+                                                  int64_t cols, int c0, int c1, char* ring,
+                                                  char* sc, int scale_stage,
+                                                  float (&acc)[NA][4], bool wait = false) {
+  const int64_t row_bytes = cols * bits_of(KIND) / 8;
+  stage_scales<NA, BLOCK>(w, row0, sc, scale_stage);
+  // line c into stage (c - c0) % kStages
+  auto issue = [&](int c) {
+    if (c < c1) stage_line<NA>(w, row0, row_bytes, c, ring + ((c - c0) % kStages) * NA * kTileChunk);
     cp_async_commit();
   };
 #pragma unroll
   for (int c = 0; c < kStages; ++c) issue(c0 + c);
   if (wait) follow_prior_grid();  // x is the kernel before's
   int srow[NA][2];
-#pragma unroll
-  for (int t = 0; t < NA; ++t)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
-  const int kbs = int(cols / L::kCols);
+  staged_rows<NA>(w, row0, srow);
   for (int c = c0; c < c1; ++c) {
     cp_async_wait<kStages - 1>();
     if (BLOCK && c == c0)
       __syncthreads();  // every thread's pieces of the scales (in the first line's group)
     else
       __syncwarp();
-    const char* stage = ring + ((c - c0) % kStages) * NA * kTileChunk;
-#pragma unroll
-    for (int i = 0; i < kPerChunk; ++i) {
-      const int kb = c * kPerChunk + i;
-      if (kb >= kbs) break;
-      XBlock<KIND, WIDE> x;
-      x.load(b, kb);
-#pragma unroll
-      for (int t = 0; t < NA; ++t) {
-        uint32_t raw[2][L::kWords];
-        float scale[2], bias[2];
-        const int group = (kb * L::kCols) >> w[t]->group_shift;
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          const char* p =
-              stage + t * kTileChunk + (g + 8 * r) * kPitch + i * kBlockBytes + j * L::kWords * 4;
-          if constexpr (L::kWords == 2) {
-            const uint2 v = *reinterpret_cast<const uint2*>(p);
-            raw[r][0] = v.x;
-            raw[r][1] = v.y;
-          } else {
-            raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
-          }
-          const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
-          scale[r] =
-              scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
-          bias[r] = scale_value<SF16>(
-              *reinterpret_cast<const uint16_t*>(sc + (2 * t + 1) * scale_stage + at));
-        }
-        uint32_t ha[L::kPairs], hb[L::kPairs];
-        code_pairs<KIND, L::kWords>(raw[0], ha);
-        code_pairs<KIND, L::kWords>(raw[1], hb);
-        add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
-      }
-    }
+    staged_line_products<KIND, SF16, WIDE, NA>(w, srow, b, cols, c,
+                                               ring + ((c - c0) % kStages) * NA * kTileChunk, sc,
+                                               scale_stage, acc);
     __syncwarp();
     issue(c + kStages);
   }
@@ -275,7 +318,7 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
 // slots against 14%), each kernel alone about as fast, a batched step 2-4% faster.
 
 // The warps (parts) for rows of `lines` lines: at most 4, whole lines each.
-inline int k_parts(int lines) {
+__host__ __device__ inline int k_parts(int lines) {
   if (lines % 4 == 0) return 4;
   if (lines % 3 == 0) return 3;
   return lines < 4 ? lines : 4;
@@ -470,6 +513,92 @@ __global__ void __launch_bounds__(kLaneThreads, PURE ? 4 : 3)
   write_down(a, d, rows, r0, nt, acc);
 }
 
+// --- down as a stream of items ---
+// A warp takes two tiles of 16 rows (32 rows) of down over all their lines (3 for q4 over 768
+// columns, too few to split across warps with two lines in flight each), a block four such warps
+// (128 rows). The grid holds about the blocks the SMs do at once, and block (x, y) takes row block
+// x of items y, y + gridDim.y, ... of the work plan, each warp's lines of the next item following
+// this item's through its ring, with each item's scales and biases staged by the warp into one of
+// two buffers. The sums are the split kernel's, bit for bit: the warp sums the split kernel's
+// parts of the lines apart and adds them in warp order. Against down_split_kernel (ncu, p4q's
+// 8-stream step, session 40): 11% fewer instructions (no sums through shared memory, no block
+// barrier) and 12-19% less time. Needs every expert of the layer staged, one format, and rows of at
+// least kStages lines (the next item's scales are issued after this item's first line).
+inline int down_stream_smem_bytes(int scale_stage) {
+  return kLaneWarps * (kStages * 2 * kTileChunk + 2 * 4 * scale_stage);
+}
+
+template <int KIND, bool SF16, bool WIDE>
+__global__ void __launch_bounds__(kLaneThreads, 4)
+    down_stream_kernel(ExactArgs a, int scale_stage) {
+  extern __shared__ __align__(16) char stream_smem[];
+  const bool early = a.e.down_early;
+  if (!early) follow_prior_grid();  // the plan (else older than the kernel before) and x
+  const int p = int(threadIdx.x) / 32;
+  const int per = row_lines(a.e.inter, bits_of(KIND));  // lines a row
+  const int parts = k_parts(per);  // the split kernel's, whose sums these equal
+  char* const ring = stream_smem + p * (kStages * 2 * kTileChunk + 8 * scale_stage);
+  char* const scales = ring + kStages * 2 * kTileChunk;  // [2][4 * scale_stage]
+  const int n_work = *a.n_work;
+  const int64_t row = int64_t(blockIdx.x) * (32 * kLaneWarps) + 32 * p,
+                row_bytes = a.e.inter * bits_of(KIND) / 8;
+  const int64_t rows[2] = {row, row + 16};
+  auto item = [&](int k, int& e, int& r0, int& nt) {
+    const int i = int(blockIdx.y) + k * int(gridDim.y);
+    if (i >= n_work || row >= a.e.dim) return false;
+    const int2 w = a.work[i];
+    e = a.e.g.active[w.x];
+    r0 = a.e.g.offset[w.x] + w.y;
+    nt = min(kFewLaneRows, a.e.g.offset[w.x + 1] - r0);
+    return true;
+  };
+  auto issue = [&](int s) {
+    int e, r0, nt;
+    if (item(s / per, e, r0, nt)) {
+      const DevExpert& d = a.e.table[e];
+      const WeightRef* const w[2] = {&d.down, &d.down};
+      if (s % per == 0) stage_scales<2, false>(w, rows, scales + (s / per % 2) * 4 * scale_stage, scale_stage);
+      stage_line<2>(w, rows, row_bytes, s % per, ring + (s % kStages) * 2 * kTileChunk);
+    }
+    cp_async_commit();
+  };
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) issue(s);
+  if (early) follow_prior_grid();  // x is the kernel before's
+  int e, r0, nt;
+  for (int k = 0; item(k, e, r0, nt); ++k) {
+    const DevExpert& d = a.e.table[e];
+    const WeightRef* const w[2] = {&d.down, &d.down};
+    const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return int64_t(r0 + r); });
+    const char* const sc = scales + (k % 2) * 4 * scale_stage;
+    int srow[2][2];
+    staged_rows<2>(w, rows, srow);
+    float acc[2][4] = {}, part[2][4] = {};
+    for (int q = 0, o = 0; q < per; ++q) {
+      const int s = k * per + q;
+      cp_async_wait<kStages - 1>();
+      __syncwarp();
+      staged_line_products<KIND, SF16, WIDE, 2>(w, srow, b, a.e.inter, q,
+                                                ring + (s % kStages) * 2 * kTileChunk, sc,
+                                                scale_stage, part);
+      __syncwarp();
+      issue(s + kStages);
+      if (q + 1 == (o + 1) * per / parts) {  // the end of the split kernel's part o
+#pragma unroll
+        for (int t = 0; t < 2; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc[t][i] = o == 0 ? part[t][i] : acc[t][i] + part[t][i];
+            part[t][i] = 0.0f;
+          }
+        ++o;
+      }
+    }
+    write_down(a, d, rows, r0, nt, acc);
+  }
+  cp_async_wait<0>();
+}
+
 bool lanes_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOESTREAM_CUDA_EXPERT_LANES");
@@ -551,7 +680,51 @@ bool launch_split(const ExactArgs& a, unsigned row_blocks, unsigned items, int64
   return true;
 }
 
+std::atomic<uint64_t> down_streams{0};  // launches of down_stream_kernel (the tests)
+
+// MOESTREAM_CUDA_DOWN_STREAM: 0 down's split kernel (for comparison); "all" a block an item
+// (no stream, for comparison); a number above 1 caps the grid's item rows (the tests: many items a
+// block). Read at each call.
+int down_stream_mode(unsigned held_rows, unsigned items) {
+  const char* v = std::getenv("MOESTREAM_CUDA_DOWN_STREAM");
+  const std::string_view s = v ? v : "";
+  if (s == "0") return 0;
+  if (s == "all") return int(items);
+  const int cap = v ? std::atoi(v) : 0;
+  return int(cap > 1 ? std::min(held_rows, unsigned(cap)) : held_rows);
+}
+
+// Launches down_stream_kernel where it applies (above) over row blocks x item rows; false
+// (nothing launched) where not, or where the split kernels are off (split_mode()).
+template <int KIND, bool SF16, bool WIDE>
+bool launch_down_stream(const ExactArgs& a, unsigned items, int group_shift, bool aligned,
+                        cudaStream_t s) {
+  const int lines = row_lines(a.e.inter, bits_of(KIND));
+  const int scale_stage = scale_stage_bytes(a.e.inter, group_shift);
+  const int smem = down_stream_smem_bytes(scale_stage);
+  if (split_mode() != 1 || !aligned || a.e.only_formats >= 0 || lines < kStages ||
+      smem > kMaxStagedBlockBytes)
+    return false;
+  constexpr auto kernel = down_stream_kernel<KIND, SF16, WIDE>;
+  static int sized = 0, per_sm = 1;  // the bytes per_sm is for
+  if (smem != sized) {
+    allow_smem<kernel>(size_t(smem));
+    MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLaneThreads, size_t(smem)));
+    sized = smem;
+  }
+  const unsigned row_blocks = blocks_for(a.e.dim, 32 * kLaneWarps);
+  const unsigned held = unsigned(std::max(1, per_sm)) * unsigned(sm_count());
+  const int rows = down_stream_mode(std::max(1u, held / row_blocks), items);
+  if (rows == 0) return false;
+  launch(kernel, dim3(row_blocks, std::min(items, unsigned(rows))), kLaneThreads, size_t(smem), s,
+         a, scale_stage);
+  down_streams.fetch_add(1, std::memory_order_relaxed);
+  return true;
+}
+
 }  // namespace
+
+uint64_t down_stream_launches() { return down_streams.load(std::memory_order_relaxed); }
 
 void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items,
                        bool in_place, bool aligned, cudaStream_t s) {
@@ -570,6 +743,7 @@ void gate_up_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigne
 void down_few_lanes(const ExactArgs& a, FormatTag t, int group_shift, unsigned items, bool in_place,
                     bool aligned, cudaStream_t s) {
   dispatch_lanes(t, group_shift, a.e.inter, [&]<int KIND, bool SF16, bool WIDE>() {
+    if (launch_down_stream<KIND, SF16, WIDE>(a, items, group_shift, aligned, s)) return;
     if (launch_split<down_split_kernel<KIND, SF16, WIDE, true>,
                      down_split_kernel<KIND, SF16, WIDE, false>>(
             a, blocks_for(a.e.dim, 32), items, a.e.inter, bits_of(KIND), group_shift, aligned,

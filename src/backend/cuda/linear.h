@@ -96,6 +96,9 @@ bool linear_exact_mma_shared(std::span<const Matrix* const> w, const float* x, i
 // few_mma_enabled: with the exact tensor-core paths, unless MOESTREAM_CUDA_FEW_MMA=0 (then the GEMV
 // and the experts' decode kernels take such calls, as before, for comparison).
 bool few_mma_enabled();
+// How many times the batched experts' down took its stream kernel (expert_few_mma.cu), for the
+// tests.
+uint64_t down_stream_launches();
 bool few_mma_for(const Matrix& m, int64_t T, const float* x, int64_t ldx);
 // Up to 4 such matrices of one format and width over x in one launch.
 void linear_few_mma(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
