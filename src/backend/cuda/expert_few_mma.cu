@@ -284,7 +284,8 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
   stage_scales<NA, BLOCK>(w, row0, sc, scale_stage);
   // line c into stage (c - c0) % kStages
   auto issue = [&](int c) {
-    if (c < c1) stage_line<NA>(w, row0, row_bytes, c, ring + ((c - c0) % kStages) * NA * kTileChunk);
+    if (c < c1)
+      stage_line<NA>(w, row0, row_bytes, c, ring + ((c - c0) % kStages) * NA * kTileChunk);
     cp_async_commit();
   };
 #pragma unroll
@@ -557,7 +558,8 @@ __global__ void __launch_bounds__(kLaneThreads, 4)
     if (item(s / per, e, r0, nt)) {
       const DevExpert& d = a.e.table[e];
       const WeightRef* const w[2] = {&d.down, &d.down};
-      if (s % per == 0) stage_scales<2, false>(w, rows, scales + (s / per % 2) * 4 * scale_stage, scale_stage);
+      if (s % per == 0)
+        stage_scales<2, false>(w, rows, scales + (s / per % 2) * 4 * scale_stage, scale_stage);
       stage_line<2>(w, rows, row_bytes, s % per, ring + (s % kStages) * 2 * kTileChunk);
     }
     cp_async_commit();
@@ -706,10 +708,11 @@ bool launch_down_stream(const ExactArgs& a, unsigned items, int group_shift, boo
       smem > kMaxStagedBlockBytes)
     return false;
   constexpr auto kernel = down_stream_kernel<KIND, SF16, WIDE>;
-  static int sized = 0, per_sm = 1;  // the bytes per_sm is for
+  thread_local int sized = 0, per_sm = 1;  // the bytes per_sm is for (each thread its own)
   if (smem != sized) {
     allow_smem<kernel>(size_t(smem));
-    MS_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLaneThreads, size_t(smem)));
+    MS_CUDA_CHECK(
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kLaneThreads, size_t(smem)));
     sized = smem;
   }
   const unsigned row_blocks = blocks_for(a.e.dim, 32 * kLaneWarps);
