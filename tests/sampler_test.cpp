@@ -29,6 +29,32 @@ TEST(Sampler, RepetitionPenaltyAppliesOncePerDistinctToken) {
   EXPECT_FLOAT_EQ(l[2], -2.0f);  // negative logits are multiplied
 }
 
+TEST(Sampler, RepeatLastNPenalizesOnlyTheContextsLastTokens) {
+  SamplingParams p;
+  p.repetition_penalty = 2.0f;
+  p.repeat_last_n = 2;
+  Sampler s(p);
+  // Of the context 0 0 1 2, the last two (1 and 2) are penalized; token 0 keeps its 3 and wins.
+  auto l = logits_of({3.0f, 2.0f, -1.0f});
+  const std::vector<int32_t> ctx = {0, 0, 1, 2};
+  EXPECT_EQ(s.sample(l, ctx), 0);
+  EXPECT_FLOAT_EQ(l[0], 3.0f);
+  EXPECT_FLOAT_EQ(l[1], 1.0f);
+  EXPECT_FLOAT_EQ(l[2], -2.0f);
+  p.repeat_last_n = 0;  // none
+  Sampler none(p);
+  l = logits_of({3.0f, 2.0f, -1.0f});
+  none.sample(l, ctx);
+  EXPECT_EQ(l, logits_of({3.0f, 2.0f, -1.0f}));
+  p.repeat_last_n = 10;  // more than the context: all of it
+  Sampler all(p);
+  l = logits_of({3.0f, 2.0f, -1.0f});
+  all.sample(l, ctx);
+  EXPECT_EQ(l, logits_of({1.5f, 1.0f, -2.0f}));
+  p.repeat_last_n = -2;
+  EXPECT_THROW(Sampler{p}, Error);
+}
+
 TEST(Sampler, PresenceAndFrequencyPenaltiesCountGeneratedTokensOnly) {
   SamplingParams p;
   p.presence_penalty = 0.5f;

@@ -104,6 +104,28 @@ struct Reference {
     }
     return out;
   }
+  // Greedy ids with the repetition penalty over the last `last_n` tokens of prompt + reply (-1 all).
+  std::vector<int32_t> greedy_repeat(const std::vector<int32_t>& prompt, int n, float penalty, int last_n) {
+    auto state = model->new_sequence(1024);
+    std::vector<float> l(size_t(model->info().vocab_size));
+    model->forward(prompt, *state, l);
+    std::vector<int32_t> context = prompt, out;
+    for (int i = 0; i < n; ++i) {
+      const size_t from = last_n < 0 ? 0 : context.size() - std::min(context.size(), size_t(last_n));
+      std::vector<char> seen(l.size(), 0);
+      for (size_t k = from; k < context.size(); ++k) {
+        const auto id = size_t(context[k]);
+        if (seen[id]) continue;
+        seen[id] = 1;
+        l[id] = l[id] > 0 ? l[id] / penalty : l[id] * penalty;
+      }
+      const int32_t next = int32_t(std::max_element(l.begin(), l.end()) - l.begin());
+      out.push_back(next);
+      context.push_back(next);
+      model->forward(std::span<const int32_t>(&next, 1), *state, l);
+    }
+    return out;
+  }
 };
 
 std::vector<int32_t> ids(const json& j) { return j.get<std::vector<int32_t>>(); }
@@ -169,6 +191,44 @@ TEST(ServerApi, PresenceAndFrequencyPenaltiesFollowOpenAI) {
       EXPECT_NE(expect, plain);
     }
   }
+}
+
+// repetition_penalty looks at the whole context (transformers, vLLM); llama.cpp's repeat_penalty at
+// its last repeat_last_n tokens, 64 unless given. Both against the reference loop; not both at once.
+TEST(ServerApi, RepeatPenaltyFollowsLlamaCppsWindow) {
+  Served s;
+  Reference ref_model;
+  const json& c = ref()["cases"][0];
+  const auto prompt = ids(c["prompt_ids"]);
+  struct Case {
+    const char* name;
+    int last_n;   // sent when >= -1
+    int window;   // what the reference uses
+  };
+  std::vector<std::vector<int32_t>> replies;
+  for (const Case& k : {Case{"repetition_penalty", -9, -1}, Case{"repeat_penalty", -9, 64},
+                        Case{"repeat_penalty", 2, 2}, Case{"repeat_penalty", 0, 0}}) {
+    SCOPED_TRACE(std::string(k.name) + " " + std::to_string(k.last_n));
+    json body = completion(c, 12);
+    body[k.name] = 3.0;
+    if (k.last_n >= -1) body["repeat_last_n"] = k.last_n;
+    const auto expect = ref_model.greedy_repeat(prompt, 12, 3.0f, k.window);
+    EXPECT_EQ(post(s, "/v1/completions", body)["choices"][0]["text"], text_of(*ref_model.tok, expect));
+    replies.push_back(expect);
+  }
+  const auto plain = ref_model.greedy_repeat(prompt, 12, 1.0f, -1);
+  EXPECT_NE(replies[0], plain) << "the penalty changed nothing";
+  EXPECT_EQ(replies[3], plain) << "repeat_last_n 0 looks at no token";
+  json both = completion(c, 1);
+  both["repetition_penalty"] = 1.1;
+  both["repeat_penalty"] = 1.1;
+  EXPECT_EQ(post(s, "/v1/completions", both, 400)["error"]["param"], "repeat_penalty");
+  json bad = completion(c, 1);
+  bad["repeat_last_n"] = -2;
+  EXPECT_EQ(post(s, "/v1/completions", bad, 400)["error"]["param"], "repeat_last_n");
+  const json msgs = {{{"role", "user"}, {"content", "hi"}}};
+  post(s, "/v1/chat/completions", {{"messages", msgs}, {"max_tokens", 1}, {"repeat_penalty", 1.1}, {"repeat_last_n", 8}});
+  post(s, "/v1/messages", {{"messages", msgs}, {"max_tokens", 1}, {"repeat_penalty", 1.1}});
 }
 
 TEST(ServerApi, LogprobsAreLogSoftmaxOfTheModelsLogits) {

@@ -61,7 +61,7 @@ struct ModelFlags {
 // overrides the model's generation_config.json defaults.
 struct SamplingFlags {
   std::optional<float> temperature, top_p, min_p, repeat_penalty;
-  std::optional<int> top_k;
+  std::optional<int> top_k, repeat_last_n;
   uint64_t seed = 0;
   void add_to(CLI::App& cmd);
   SamplingParams resolve(const std::string& model_dir) const;  // validated

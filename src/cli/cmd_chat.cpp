@@ -38,7 +38,8 @@ const char* kHelp =
     "  /save FILE          save the conversation (JSON)\n"
     "  /load FILE          continue a saved conversation\n"
     "  /set                show the settings; /set NAME VALUE changes one: temp, top_k, top_p,\n"
-    "                      min_p, repeat_penalty, seed, max_tokens, system, think (on|off)\n"
+    "                      min_p, repeat_penalty, repeat_last_n, seed, max_tokens, system, think\n"
+    "                      (on|off)\n"
     "  /quit               leave (also Ctrl-D, or Ctrl-C twice at the prompt)\n"
     "A message that starts with / is sent as written when it starts with //.\n";
 
@@ -145,9 +146,9 @@ void set(Conversation& c, const std::string& args) {
   in >> name;
   std::getline(in >> std::ws, value);
   if (name.empty()) {
-    std::fprintf(stderr, "temp %g, top_k %d, top_p %g, min_p %g, repeat_penalty %g, seed %llu, max_tokens %d, think %s\nsystem: %s\n",
+    std::fprintf(stderr, "temp %g, top_k %d, top_p %g, min_p %g, repeat_penalty %g, repeat_last_n %d, seed %llu, max_tokens %d, think %s\nsystem: %s\n",
                  c.sampling.temperature, c.sampling.top_k, c.sampling.top_p, c.sampling.min_p,
-                 c.sampling.repetition_penalty, (unsigned long long)c.sampling.seed, c.max_tokens,
+                 c.sampling.repetition_penalty, c.sampling.repeat_last_n, (unsigned long long)c.sampling.seed, c.max_tokens,
                  c.think ? "on" : "off", c.system.empty() ? "(none)" : c.system.c_str());
     return;
   }
@@ -158,6 +159,7 @@ void set(Conversation& c, const std::string& args) {
   else if (name == "top_p" || name == "top-p") s.top_p = float(parse_number(name, value));
   else if (name == "min_p" || name == "min-p") s.min_p = float(parse_number(name, value));
   else if (name == "repeat_penalty" || name == "repeat-penalty") s.repetition_penalty = float(parse_number(name, value));
+  else if (name == "repeat_last_n" || name == "repeat-last-n") s.repeat_last_n = int(parse_number(name, value));
   else if (name == "seed") s.seed = uint64_t(parse_number(name, value));
   else if (name == "max_tokens" || name == "max-tokens") {
     const double n = parse_number(name, value);

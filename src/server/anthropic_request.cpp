@@ -160,8 +160,8 @@ MessagesRequest parse_messages_request(const ServedModel& m, const ojson& body, 
   // Anthropic's fields, and the OpenAI-named sampling extensions request_sampling reads.
   field::known_only(body, {"model", "messages", "system", "max_tokens", "stop_sequences", "stream", "temperature",
                            "top_p", "top_k", "tools", "tool_choice", "thinking", "metadata", "service_tier",
-                           "min_p", "repetition_penalty", "seed", "presence_penalty", "frequency_penalty",
-                           "logit_bias"});
+                           "min_p", "repetition_penalty", "repeat_penalty", "repeat_last_n", "seed",
+                           "presence_penalty", "frequency_penalty", "logit_bias"});
   if (!body.contains("max_tokens")) throw ApiError(400, "max_tokens", "'max_tokens' is required");
   const int64_t max_tokens = field::integer(body, "max_tokens", 0, 1, INT32_MAX);
   MessagesRequest r;

@@ -176,6 +176,14 @@ SamplingParams request_sampling(const ServedModel& m, const ojson& body, double 
   p.top_k = int(field::integer(body, "top_k", p.top_k, 0, 1 << 30));
   p.min_p = float(field::number(body, "min_p", p.min_p, 0.0, 1.0));
   p.repetition_penalty = float(field::number(body, "repetition_penalty", p.repetition_penalty, 1e-3, 100.0));
+  // llama.cpp's name for it, with llama.cpp's window: the last repeat_last_n tokens, 64 unless given
+  const bool llama_named = body.contains("repeat_penalty") && !body["repeat_penalty"].is_null();
+  if (llama_named) {
+    if (body.contains("repetition_penalty") && !body["repetition_penalty"].is_null())
+      throw ApiError(400, "repeat_penalty", "give 'repetition_penalty' or 'repeat_penalty', not both");
+    p.repetition_penalty = float(field::number(body, "repeat_penalty", p.repetition_penalty, 1e-3, 100.0));
+  }
+  p.repeat_last_n = int(field::integer(body, "repeat_last_n", llama_named ? 64 : p.repeat_last_n, -1, INT32_MAX));
   p.seed = uint64_t(field::integer(body, "seed", 0, INT64_MIN, INT64_MAX));
   p.presence_penalty = float(field::number(body, "presence_penalty", 0.0, -2.0, 2.0));
   p.frequency_penalty = float(field::number(body, "frequency_penalty", 0.0, -2.0, 2.0));

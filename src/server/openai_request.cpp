@@ -146,6 +146,7 @@ std::optional<int64_t> requested_max_tokens(const ojson& body, std::string& para
 
 ChatRequest parse_chat_request(const ServedModel& m, const ojson& body, int64_t ctx) {
   field::known_only(body, {"model", "messages", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                           "repeat_penalty", "repeat_last_n",
                            "seed", "presence_penalty", "frequency_penalty", "logit_bias", "stop", "stream",
                            "stream_options", "n", "logprobs", "top_logprobs", "response_format", "tools",
                            "tool_choice", "parallel_tool_calls", "chat_template_kwargs", "reasoning_effort",
@@ -229,8 +230,8 @@ ChatRequest parse_chat_request(const ServedModel& m, const ojson& body, int64_t 
 
 CompletionRequest parse_completion_request(const ServedModel& m, const ojson& body, int64_t ctx) {
   field::known_only(body, {"model", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p",
-                           "repetition_penalty", "seed", "presence_penalty", "frequency_penalty", "logit_bias",
-                           "stop", "stream", "stream_options", "n", "best_of", "logprobs", "echo", "suffix",
+                           "repetition_penalty", "repeat_penalty", "repeat_last_n", "seed", "presence_penalty",
+                           "frequency_penalty", "logit_bias", "stop", "stream", "stream_options", "n", "best_of", "logprobs", "echo", "suffix",
                            "response_format", "user", "service_tier", "store", "metadata", "ignore_eos"});
   Common c = common_fields(m, body);
   if (!body.contains("prompt") || body["prompt"].is_null()) throw ApiError(400, "prompt", "'prompt' is required");

@@ -17,6 +17,7 @@ void validate(const SamplingParams& p) {
   if (!(p.min_p >= 0 && p.min_p <= 1)) fail("min_p must be in [0, 1], got ", p.min_p);
   if (!(p.repetition_penalty > 0))
     fail("repetition_penalty must be > 0, got ", p.repetition_penalty);
+  if (p.repeat_last_n < -1) fail("repeat_last_n must be >= -1, got ", p.repeat_last_n);
   if (!(p.presence_penalty >= -2 && p.presence_penalty <= 2))
     fail("presence_penalty must be in [-2, 2], got ", p.presence_penalty);
   if (!(p.frequency_penalty >= -2 && p.frequency_penalty <= 2))
@@ -68,10 +69,13 @@ int32_t Sampler::sample(std::span<float> logits, std::span<const int32_t> contex
   check_logits(logits);
   const int32_t n = int32_t(logits.size());
   if (params_.repetition_penalty != 1.0f) {
-    // Each distinct context token is penalized once, as transformers does.
+    // Each distinct token of the context's last repeat_last_n is penalized once, as transformers
+    // does over the whole context.
     const float pen = params_.repetition_penalty;
+    const size_t last = params_.repeat_last_n < 0 ? context.size()
+                                                  : std::min(context.size(), size_t(params_.repeat_last_n));
     seen_.assign(size_t(n), 0);
-    for (int32_t id : context) {
+    for (int32_t id : context.last(last)) {
       if (id < 0 || id >= n || seen_[size_t(id)]) continue;
       seen_[size_t(id)] = 1;
       float& l = logits[size_t(id)];

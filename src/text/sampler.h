@@ -16,6 +16,9 @@ struct SamplingParams {
   float top_p = 1.0f;              // keep the smallest set whose probability reaches top_p
   float min_p = 0.0f;              // drop tokens below min_p * p(most likely)
   float repetition_penalty = 1.0f; // > 1 discourages tokens already in the context (as transformers)
+  // The repetition penalty looks at the last repeat_last_n tokens of the context: -1 all of it (as
+  // transformers and vLLM), 0 none (llama.cpp's repeat_last_n, whose default is 64).
+  int repeat_last_n = -1;
   // OpenAI's: logit -= frequency_penalty * count + presence_penalty * (count > 0), where count is
   // how often the token was generated so far (the prompt does not count). In [-2, 2].
   float presence_penalty = 0.0f;
@@ -55,7 +58,7 @@ int32_t greedy_choice(std::span<const float> logits);
 bool plain_greedy(const SamplingParams& params);
 
 // Throws Error naming the parameter when a value is out of range (temperature < 0, top_p not in
-// (0, 1], min_p not in [0, 1], repetition_penalty <= 0, top_k < 0, presence or frequency penalty
+// (0, 1], min_p not in [0, 1], repetition_penalty <= 0, repeat_last_n < -1, top_k < 0, presence or frequency penalty
 // not in [-2, 2], a logit_bias value not in [-100, 100] or a negative token id).
 void validate(const SamplingParams& params);
 
