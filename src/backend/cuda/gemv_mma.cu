@@ -190,26 +190,28 @@ size_t rows_smem_bytes(const RowsGeometry& g) {
 }
 
 // Copies unit u's rows (a row past the matrix repeats its last, as the tile kernel reads) into a
-// stage, in 16-byte pieces spread over the block's threads. a.first_tile counts units here.
+// stage in 16-byte pieces: kFewThreads / kUnitRows threads a row, each taking every such piece of
+// its row's words, then of its scales and biases, so a thread's row and addresses are worked out
+// once a unit (a piece numbered across the unit cost a division by the row's pieces, which made
+// the copy ~a third of the kernel's instructions). a.first_tile counts units here.
+constexpr int kCopyLanes = kFewThreads / kUnitRows;  // threads copying one row
+static_assert(kFewThreads % kUnitRows == 0);
 __device__ __forceinline__ void copy_unit(const FewArgs& a, const RowsGeometry& geo, unsigned u,
-                                               unsigned char* stage) {
+                                          unsigned char* stage) {
   const int m = matrix_of(a, u);
   const WeightRef& w = a.w[m];
-  const int64_t row0 = int64_t(u - a.first_tile[m]) * kUnitRows;
-  const int word_pieces = geo.row_bytes / 16, scale_pieces = geo.scale_bytes / 16;
-  const int per_row = word_pieces + 2 * scale_pieces;
-  for (int p = int(threadIdx.x); p < kUnitRows * per_row; p += kFewThreads) {
-    const int r = p / per_row, q = p - r * per_row;
-    const int64_t row = min(row0 + r, w.rows - 1);
-    if (q < word_pieces) {
-      cp_async16(stage + r * geo.word_stride + 16 * q,
-                 static_cast<const unsigned char*>(w.data) + row * geo.row_bytes + 16 * q, 16);
-    } else {
-      const int k = q - word_pieces, which = k / scale_pieces, piece = k - which * scale_pieces;
-      const void* src = which == 0 ? w.scales : static_cast<const void*>(w.biases);
-      cp_async16(stage + kUnitRows * geo.word_stride + (which * kUnitRows + r) * geo.scale_stride + 16 * piece,
-                 static_cast<const unsigned char*>(src) + row * geo.scale_bytes + 16 * piece, 16);
-    }
+  const int r = int(threadIdx.x) / kCopyLanes, k = int(threadIdx.x) % kCopyLanes;
+  const int64_t row = min(int64_t(u - a.first_tile[m]) * kUnitRows + r, w.rows - 1);
+  const unsigned char* src = static_cast<const unsigned char*>(w.data) + row * geo.row_bytes;
+  unsigned char* dst = stage + r * geo.word_stride;
+  for (int q = 16 * k; q < geo.row_bytes; q += 16 * kCopyLanes) cp_async16(dst + q, src + q, 16);
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    const unsigned char* from =
+        static_cast<const unsigned char*>(which == 0 ? w.scales : static_cast<const void*>(w.biases)) +
+        row * geo.scale_bytes;
+    unsigned char* to = stage + kUnitRows * geo.word_stride + (which * kUnitRows + r) * geo.scale_stride;
+    for (int q = 16 * k; q < geo.scale_bytes; q += 16 * kCopyLanes) cp_async16(to + q, from + q, 16);
   }
 }
 
