@@ -202,17 +202,14 @@ __device__ __forceinline__ void copy_unit(const FewArgs& a, const RowsGeometry& 
   const WeightRef& w = a.w[m];
   const int r = int(threadIdx.x) / kCopyLanes, k = int(threadIdx.x) % kCopyLanes;
   const int64_t row = min(int64_t(u - a.first_tile[m]) * kUnitRows + r, w.rows - 1);
-  const unsigned char* src = static_cast<const unsigned char*>(w.data) + row * geo.row_bytes;
-  unsigned char* dst = stage + r * geo.word_stride;
-  for (int q = 16 * k; q < geo.row_bytes; q += 16 * kCopyLanes) cp_async16(dst + q, src + q, 16);
-#pragma unroll
-  for (int which = 0; which < 2; ++which) {
-    const unsigned char* from =
-        static_cast<const unsigned char*>(which == 0 ? w.scales : static_cast<const void*>(w.biases)) +
-        row * geo.scale_bytes;
-    unsigned char* to = stage + kUnitRows * geo.word_stride + (which * kUnitRows + r) * geo.scale_stride;
-    for (int q = 16 * k; q < geo.scale_bytes; q += 16 * kCopyLanes) cp_async16(to + q, from + q, 16);
-  }
+  auto copy = [&](unsigned char* to, const void* array, int bytes) {  // this thread's pieces of the row
+    const unsigned char* from = static_cast<const unsigned char*>(array) + row * bytes;
+    for (int q = 16 * k; q < bytes; q += 16 * kCopyLanes) cp_async16(to + q, from + q, 16);
+  };
+  unsigned char* const scales = stage + kUnitRows * geo.word_stride;
+  copy(stage + r * geo.word_stride, w.data, geo.row_bytes);
+  copy(scales + r * geo.scale_stride, w.scales, geo.scale_bytes);
+  copy(scales + (kUnitRows + r) * geo.scale_stride, w.biases, geo.scale_bytes);
 }
 
 template <int KIND, bool SF16, bool WIDE>
