@@ -202,7 +202,8 @@ __device__ __forceinline__ void copy_unit(const FewArgs& a, const RowsGeometry& 
   const WeightRef& w = a.w[m];
   const int r = int(threadIdx.x) / kCopyLanes, k = int(threadIdx.x) % kCopyLanes;
   const int64_t row = min(int64_t(u - a.first_tile[m]) * kUnitRows + r, w.rows - 1);
-  auto copy = [&](unsigned char* to, const void* array, int bytes) {  // this thread's pieces of the row
+  // this thread's pieces of the row of one array
+  auto copy = [&](unsigned char* to, const void* array, int bytes) {
     const unsigned char* from = static_cast<const unsigned char*>(array) + row * bytes;
     for (int q = 16 * k; q < bytes; q += 16 * kCopyLanes) cp_async16(to + q, from + q, 16);
   };
