@@ -185,32 +185,65 @@ __device__ __forceinline__ void stage_scales(const WeightRef* const (&w)[NA],
   }
 }
 
-// Copies line c (128 bytes) of every tile's 16 rows (row r clamped to the matrix) into `stage`
-// ([NA][16][kPitch]) with cp.async, uncommitted; the warp's lanes take 16 bytes each of 4 rows.
+// What a lane's copies and products need of NA 16-row tiles (tile t: rows row0[t] .. + 15 of
+// w[t], clamped to the matrix), worked out once a call: the tiles' fields are loads from the
+// expert table, which the compiler cannot keep in registers across the copies' asm, and the
+// clamps in 64 bits cost a dozen instructions a row (ncu's SASS counts, docs/PERFORMANCE.md,
+// session 41).
 template <int NA>
-__device__ __forceinline__ void stage_line(const WeightRef* const (&w)[NA],
-                                           const int64_t (&row0)[NA], int64_t row_bytes, int c,
-                                           char* stage) {
+struct StagedTiles {
+  const char* base[NA];  // tile t's first row at this lane's 16 bytes of a line
+  int copy_row[NA][4];   // from base: the rows this lane copies (lane / 8 + 4 i)
+  int scale_at[NA][2];   // this lane's rows g and g + 8 in the staged scales, in bytes
+  int group_shift[NA];
+  int row_bytes;
+};
+
+template <int NA>
+__device__ __forceinline__ StagedTiles<NA> staged_tiles(const WeightRef* const (&w)[NA],
+                                                        const int64_t (&row0)[NA],
+                                                        int64_t row_bytes) {
+  const int lane = int(threadIdx.x) % 32, g = lane / 4;
+  StagedTiles<NA> s;
+  s.row_bytes = int(row_bytes);
+#pragma unroll
+  for (int t = 0; t < NA; ++t) {
+    // the tile's last row, from row0 (negative where row0 is past it: rows are then clamped to
+    // the matrix's last, as before any tile)
+    const int last = int(min(w[t]->rows - 1 - row0[t], int64_t(15)));
+    const int gpr = int(w[t]->groups_per_row);
+    s.base[t] = static_cast<const char*>(w[t]->data) + row0[t] * row_bytes + (lane % 8) * 16;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s.copy_row[t][i] = min(lane / 8 + 4 * i, last) * int(row_bytes);
+#pragma unroll
+    for (int r = 0; r < 2; ++r) s.scale_at[t][r] = min(g + 8 * r, last) * gpr * 2;
+    s.group_shift[t] = w[t]->group_shift;
+  }
+  return s;
+}
+
+// Copies line c (128 bytes) of every tile's 16 rows into `stage` ([NA][16][kPitch]) with
+// cp.async, uncommitted; the warp's lanes take 16 bytes each of 4 rows.
+template <int NA>
+__device__ __forceinline__ void stage_line(const StagedTiles<NA>& s, int c, char* stage) {
   const int lane = int(threadIdx.x) % 32;
-  const int64_t off = int64_t(c) * kChunk + (lane % 8) * 16;
-  const int64_t left = row_bytes - off;
-  const int n = left <= 0 ? 0 : left < 16 ? int(left) : 16;
+  const int off = c * kChunk;
+  const int left = s.row_bytes - off - (lane % 8) * 16;
+  const int n = left <= 0 ? 0 : left < 16 ? left : 16;
 #pragma unroll
   for (int t = 0; t < NA; ++t)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = lane / 8 + 4 * i;
-      const int64_t row = min(row0[t] + r, w[t]->rows - 1);
       char* dst = stage + t * kTileChunk + r * kPitch + (lane % 8) * 16;
-      cp_async16(dst, static_cast<const char*>(w[t]->data) + row * row_bytes + off, n);
+      cp_async16(dst, s.base[t] + s.copy_row[t][i] + off, n);
     }
 }
 
 // The staged line c's products added to acc: its words in `stage` ([NA][16][kPitch]), the tiles'
-// scales and biases in sc (stage_scales), srow[t][r] this lane's rows within tile t.
+// scales and biases in sc (stage_scales), where s says this lane's rows are.
 template <int KIND, bool SF16, bool WIDE, int NA>
-__device__ __forceinline__ void staged_line_products(const WeightRef* const (&w)[NA],
-                                                     const int (&srow)[NA][2], const FewB& b,
+__device__ __forceinline__ void staged_line_products(const StagedTiles<NA>& s, const FewB& b,
                                                      int64_t cols, int c, const char* stage,
                                                      const char* sc, int scale_stage,
                                                      float (&acc)[NA][4]) {
@@ -229,7 +262,7 @@ __device__ __forceinline__ void staged_line_products(const WeightRef* const (&w)
     for (int t = 0; t < NA; ++t) {
       uint32_t raw[2][L::kWords];
       float scale[2], bias[2];
-      const int group = (kb * L::kCols) >> w[t]->group_shift;
+      const int group = (kb * L::kCols) >> s.group_shift[t];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const char* p =
@@ -241,7 +274,7 @@ __device__ __forceinline__ void staged_line_products(const WeightRef* const (&w)
         } else {
           raw[r][0] = *reinterpret_cast<const uint32_t*>(p);
         }
-        const int64_t at = (int64_t(srow[t][r]) * w[t]->groups_per_row + group) * 2;
+        const int at = s.scale_at[t][r] + group * 2;
         scale[r] =
             scale_value<SF16>(*reinterpret_cast<const uint16_t*>(sc + 2 * t * scale_stage + at));
         bias[r] = scale_value<SF16>(
@@ -253,19 +286,6 @@ __device__ __forceinline__ void staged_line_products(const WeightRef* const (&w)
       add_block<KIND, WIDE>(ha, hb, x, scale, bias, acc[t]);
     }
   }
-}
-
-// This lane's rows within each tile of NA from row0 (clamped to the matrix), as
-// staged_line_products takes them.
-template <int NA>
-__device__ __forceinline__ void staged_rows(const WeightRef* const (&w)[NA],
-                                            const int64_t (&row0)[NA], int (&srow)[NA][2]) {
-  const int g = (int(threadIdx.x) % 32) / 4;
-#pragma unroll
-  for (int t = 0; t < NA; ++t)
-#pragma unroll
-    for (int r = 0; r < 2; ++r)
-      srow[t][r] = int(min(row0[t] + g + 8 * r, w[t]->rows - 1) - row0[t]);
 }
 
 // lane_tiles through the staging: the same products, summed in the same order (bit for bit the
@@ -280,26 +300,23 @@ __device__ __forceinline__ void lane_tiles_staged(const WeightRef* const (&w)[NA
                                                   int64_t cols, int c0, int c1, char* ring,
                                                   char* sc, int scale_stage,
                                                   float (&acc)[NA][4], bool wait = false) {
-  const int64_t row_bytes = cols * bits_of(KIND) / 8;
+  const StagedTiles<NA> s = staged_tiles<NA>(w, row0, cols * bits_of(KIND) / 8);
   stage_scales<NA, BLOCK>(w, row0, sc, scale_stage);
   // line c into stage (c - c0) % kStages
   auto issue = [&](int c) {
-    if (c < c1)
-      stage_line<NA>(w, row0, row_bytes, c, ring + ((c - c0) % kStages) * NA * kTileChunk);
+    if (c < c1) stage_line<NA>(s, c, ring + ((c - c0) % kStages) * NA * kTileChunk);
     cp_async_commit();
   };
 #pragma unroll
   for (int c = 0; c < kStages; ++c) issue(c0 + c);
   if (wait) follow_prior_grid();  // x is the kernel before's
-  int srow[NA][2];
-  staged_rows<NA>(w, row0, srow);
   for (int c = c0; c < c1; ++c) {
     cp_async_wait<kStages - 1>();
     if (BLOCK && c == c0)
       __syncthreads();  // every thread's pieces of the scales (in the first line's group)
     else
       __syncwarp();
-    staged_line_products<KIND, SF16, WIDE, NA>(w, srow, b, cols, c,
+    staged_line_products<KIND, SF16, WIDE, NA>(s, b, cols, c,
                                                ring + ((c - c0) % kStages) * NA * kTileChunk, sc,
                                                scale_stage, acc);
     __syncwarp();
@@ -560,7 +577,8 @@ __global__ void __launch_bounds__(kLaneThreads, 4)
       const WeightRef* const w[2] = {&d.down, &d.down};
       if (s % per == 0)
         stage_scales<2, false>(w, rows, scales + (s / per % 2) * 4 * scale_stage, scale_stage);
-      stage_line<2>(w, rows, row_bytes, s % per, ring + (s % kStages) * 2 * kTileChunk);
+      stage_line<2>(staged_tiles<2>(w, rows, row_bytes), s % per,
+                    ring + (s % kStages) * 2 * kTileChunk);
     }
     cp_async_commit();
   };
@@ -573,14 +591,13 @@ __global__ void __launch_bounds__(kLaneThreads, 4)
     const WeightRef* const w[2] = {&d.down, &d.down};
     const FewB b = item_b<KIND, WIDE>(a.in, nt, [&](int r) { return int64_t(r0 + r); });
     const char* const sc = scales + (k % 2) * 4 * scale_stage;
-    int srow[2][2];
-    staged_rows<2>(w, rows, srow);
+    const StagedTiles<2> tiles = staged_tiles<2>(w, rows, row_bytes);
     float acc[2][4] = {}, part[2][4] = {};
     for (int q = 0, o = 0; q < per; ++q) {
       const int s = k * per + q;
       cp_async_wait<kStages - 1>();
       __syncwarp();
-      staged_line_products<KIND, SF16, WIDE, 2>(w, srow, b, a.e.inter, q,
+      staged_line_products<KIND, SF16, WIDE, 2>(tiles, b, a.e.inter, q,
                                                 ring + (s % kStages) * 2 * kTileChunk, sc,
                                                 scale_stage, part);
       __syncwarp();
