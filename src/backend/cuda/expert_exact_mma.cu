@@ -32,6 +32,7 @@
 #include <string>
 
 #include "backend/cuda/expert_items.cuh"
+#include "backend/cuda/few_mma.cuh"
 #include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/split_rows.cuh"
@@ -149,10 +150,7 @@ __global__ void plan_kernel(const int* offset, int a_begin, int a_end, const int
 template <int KIND, bool SF16>
 __device__ __forceinline__ void codes_of(const RawQuantPack<KIND>& p, uint32_t (&h)[16]) {
   if constexpr (KIND == kQ4) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-#pragma unroll
-      for (int s = 0; s < 4; ++s) h[4 * j + s] = minus_1024(((p.words[j] >> (4 * s)) & 0x000F000Fu) | 0x64006400u);
+    code_pairs<kQ4, 4>(p.words, h);  // word j's nibbles (s, s + 4) into h[4 j + s]
   } else if constexpr (KIND == kQ8) {
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
