@@ -48,17 +48,6 @@ __device__ __forceinline__ uint32_t sixteenth_minus_64(uint32_t h2) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// (w & MASK) | 0x64006400 in one instruction (a lop3 whose table is (a & b) | c): written as two
-// operations the compiler emits two, since an instruction takes one immediate (ncu's SASS counts
-// of the expert kernels: 257 logic instructions a line where 128 do; docs/PERFORMANCE.md, session
-// 41).
-template <uint32_t MASK>
-__device__ __forceinline__ uint32_t code_bits(uint32_t w) {
-  uint32_t r;
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "r"(0x64006400u));
-  return r;
-}
-
 // A lane's codes of one row as FP16 pairs: a q4 word's nibbles (0, 4), (1, 5), (2, 6), (3, 7) (the
 // code placed in the mantissa of 1024, or 16 times it, then 1024 taken away), a q8 word's bytes
 // (0, 1), (2, 3).
@@ -69,10 +58,10 @@ __device__ __forceinline__ void code_pairs(const uint32_t (&w)[WORDS],
   for (int i = 0; i < WORDS; ++i) {
     if constexpr (KIND == kQ4) {
       const uint32_t hi = w[i] >> 8;
-      h[4 * i + 0] = minus_1024(code_bits<0x000F000Fu>(w[i]));
-      h[4 * i + 1] = sixteenth_minus_64(code_bits<0x00F000F0u>(w[i]));
-      h[4 * i + 2] = minus_1024(code_bits<0x000F000Fu>(hi));
-      h[4 * i + 3] = sixteenth_minus_64(code_bits<0x00F000F0u>(hi));
+      h[4 * i + 0] = minus_1024(masked_or<0x000F000Fu, 0x64006400u>(w[i]));
+      h[4 * i + 1] = sixteenth_minus_64(masked_or<0x00F000F0u, 0x64006400u>(w[i]));
+      h[4 * i + 2] = minus_1024(masked_or<0x000F000Fu, 0x64006400u>(hi));
+      h[4 * i + 3] = sixteenth_minus_64(masked_or<0x00F000F0u, 0x64006400u>(hi));
     } else {
       h[2 * i + 0] = minus_1024(__byte_perm(w[i], 0x64646464u, 0x4140));
       h[2 * i + 1] = minus_1024(__byte_perm(w[i], 0x64646464u, 0x4342));

@@ -127,15 +127,23 @@ __device__ __forceinline__ void load_words(const uint32_t* words, uint32_t (&w)[
   }
 }
 
+// (w & MASK) | BITS in one instruction (a lop3 whose table is (a & b) | c): written as two
+// operations the compiler emits two, since an instruction takes one immediate (ncu's SASS counts of
+// the expert kernels: 257 logic instructions a line where 128 do; docs/PERFORMANCE.md, session 41).
+template <uint32_t MASK, uint32_t BITS>
+__device__ __forceinline__ uint32_t masked_or(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(MASK), "n"(BITS));
+  return r;
+}
+
 // The B-bit code at bits [S, S + B) of w as a float, exactly, in two instructions and without a
 // conversion: with 2^23's exponent OR-ed in, the bits read 2^23 + code * 2^S (S + B <= 23 keeps
 // the code in the mantissa), and that times 2^-S, minus 2^(23 - S), is the code.
 template <int B, int S>
 __device__ __forceinline__ float code_in_mantissa(uint32_t w) {
   static_assert(S + B <= 23, "the code must lie within the mantissa");
-  uint32_t bits;  // (w & mask) | 0x4B000000 in one LOP3
-  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(bits) : "r"(w), "n"(((1u << B) - 1u) << S), "n"(0x4B000000u));
-  const float f = __uint_as_float(bits);
+  const float f = __uint_as_float(masked_or<((1u << B) - 1u) << S, 0x4B000000u>(w));
   return fmaf(f, 1.0f / float(1u << S), -float(1u << (23 - S)));
 }
 
