@@ -288,12 +288,13 @@ void expect_lone_rows(const std::vector<float>& many, const std::vector<float>& 
 }
 
 // 2 to 8 tokens of q4 (k-blocks of 64 columns for groups of 64 and 128, of 32 for groups of 32)
-// and q8, BF16 and F16 scales, through the few-token tensor-core path, against the CPU's float32
-// per token: 100 rows (the last block partial), tokens 2^20 larger and smaller than their
-// neighbours (a token scaled wrongly shows), a bias; q, k and v sharing x in one launch.
+// and q8, BF16 and F16 scales, through the few-token tensor-core path, and 9 to 64 tokens through
+// it in passes of up to 8 (lane_tokens), against the CPU's float32 per token: 100 rows (the last
+// block partial), tokens 2^20 larger and smaller than their neighbours (a token scaled wrongly
+// shows), a bias; q, k and v sharing x in one launch.
 TEST_F(Pair, FewTokenTensorCoresEveryQ4AndQ8Layout) {
   for (const std::string fmt : {"q4g32", "q4g64", "q4g128", "q4g64-f16", "q8g64", "q8g128"})
-    for (int64_t T : {2, 5, 8}) {
+    for (int64_t T : {2, 5, 8, 9, 37, 64}) {
       SCOPED_TRACE(fmt + " T=" + std::to_string(T));
       constexpr int64_t rows = 100, cols = 384;
       HostMatrix hm = make_matrix(rows, cols, fmt, 7);
@@ -305,7 +306,8 @@ TEST_F(Pair, FewTokenTensorCoresEveryQ4AndQ8Layout) {
       const TensorView bt{"b", DType::F32, {rows}, bv.data(), bv.size() * 4};
       const Vector bc = cpu->load_vector(bt), bg = gpu->load_vector(bt);
       Buf x = buf(T, cols, xv), out = poisoned(T, rows);
-      ASSERT_TRUE(few_mma(wg, T, x.g));
+      ASSERT_TRUE(few_mma(wg, std::min<int64_t>(T, 8), x.g));
+      ASSERT_TRUE(T <= 8 || T <= cuda::lane_tokens());  // in passes of up to 8
       cpu->linear(x.c, wc, &bc, out.c);
       gpu->linear(x.g, wg, &bg, out.g);
       EXPECT_LT(segment_err(out, rows), 1e-5);
@@ -945,8 +947,9 @@ class HostExperts : public ExpertProvider {
 };
 
 // The MoE layer for experts of every format against the CPU's float32, for one token (the decode
-// kernels), a few, and enough that some experts take more than one pass of 32 tokens (the exact
-// tensor-core kernels for quantized experts, the CUDA-core ones for plain); token rows scaled
+// kernels), a few, 37 (q4 and q8 in work items of 8 rows: lane_tokens), and enough that some
+// experts take more than one pass of 32 tokens (the exact tensor-core kernels for quantized
+// experts, the CUDA-core ones for plain); token rows scaled
 // from 1e-3 to 1e3, widths with a half-empty last step of 64 columns and a partial row tile.
 TEST_F(Pair, MoeEveryExpertFormat) {
   const int E = 8;
@@ -967,7 +970,7 @@ TEST_F(Pair, MoeEveryExpertFormat) {
     p.n_experts = E;
     p.top_k = 2;
     p.norm_topk_prob = true;
-    for (int64_t T : {1, 5, 150}) {
+    for (int64_t T : {1, 5, 37, 150}) {
       std::vector<float> xv = random(size_t(T * dim), 11);
       for (int64_t t = 0; t < T; ++t)
         for (int64_t c = 0; c < dim; ++c) xv[size_t(t * dim + c)] *= std::pow(10.0f, float(t % 7) - 3.0f);

@@ -724,8 +724,12 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
 
 void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   if (b.a_end - b.a_begin <= 0) return;
-  // a batched decode step's experts mostly have one or two rows: work items of 8
-  if (b.few_tokens) experts_exact<kFewTok>(b, s);
+  // a batched decode step's experts mostly have one or two rows: work items of 8; so do the
+  // lane-decoded formats' calls of up to lane_tokens() (linear.h)
+  const bool lanes = few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
+                     few_lanes_take(b.down, b.group_shift, b.inter);
+  if (b.few_tokens || (lanes && b.pairs <= lane_tokens() * b.params->top_k))
+    experts_exact<kFewTok>(b, s);
   else experts_exact<kTok>(b, s);
 }
 

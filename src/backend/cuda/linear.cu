@@ -292,6 +292,14 @@ int64_t gemm_min_tokens() {
   return n;
 }
 
+int64_t lane_tokens() {
+  static const int64_t n = [] {
+    const char* v = std::getenv("MOESTREAM_CUDA_LANE_TOKENS");
+    return v ? std::max<int64_t>(0, std::atoll(v)) : kLaneMaxTokens;
+  }();
+  return n;
+}
+
 bool exact_mma_enabled() {
   static const bool on = [] {
     const char* v = std::getenv("MOESTREAM_CUDA_EXACT_MMA");
@@ -507,6 +515,31 @@ bool dependent_launch_on() {
   return on;
 }
 
+namespace {
+
+// Calls of kGemvMaxTokens < T <= lane_tokens(): the few-token kernels in passes of as even a
+// split as fits 8 tokens (so no pass has fewer than 2). False where a matrix does not fit them,
+// and where the FP16 tensor cores were asked for.
+bool linear_few_passes(std::span<const Matrix* const> w, const float* x, int64_t ldx, int64_t T,
+                       std::span<const float* const> bias, std::span<float* const> out,
+                       std::span<const int64_t> ldo, GemmScratch& scratch, cudaStream_t stream) {
+  if (T <= kGemvMaxTokens || T > lane_tokens() || tensor_cores_for(T)) return false;
+  for (const Matrix* m : w)
+    if (!few_mma_for(*m, kGemvMaxTokens, x, ldx)) return false;
+  const int64_t passes = (T + kGemvMaxTokens - 1) / kGemvMaxTokens;
+  float* o[kMaxShared] = {};
+  for (int64_t p = 0, t0 = 0; p < passes; ++p) {
+    const int64_t n = (T - t0 + (passes - p) - 1) / (passes - p);
+    for (size_t i = 0; i < w.size(); ++i) o[i] = out[i] + t0 * ldo[i];
+    const std::span<float* const> pass_out(o, w.size());
+    linear_few_mma(w, x + t0 * ldx, ldx, n, bias, pass_out, ldo, scratch, stream);
+    t0 += n;
+  }
+  return true;
+}
+
+}  // namespace
+
 void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float* bias, float* out,
             int64_t ldo, GemmScratch& scratch, cudaStream_t stream, GemmMath math) {
   if (T == 0) return;
@@ -527,13 +560,16 @@ void linear(const Matrix& m, const float* x, int64_t ldx, int64_t T, const float
     one.ldo[0] = ldo;
     if (gemv_one(tag, one, x, stream)) return;
   }
-  if (math == GemmMath::Fp16 && T < gemm_min_tokens() && few_mma_for(m, T, x, ldx)) {
+  if (math == GemmMath::Fp16) {
     const Matrix* ms[1] = {&m};
     const float* bs[1] = {bias};
     float* os[1] = {out};
     const int64_t ls[1] = {ldo};
-    linear_few_mma(ms, x, ldx, T, bs, os, ls, scratch, stream);
-    return;
+    if (linear_few_passes(ms, x, ldx, T, bs, os, ls, scratch, stream)) return;
+    if (T < gemm_min_tokens() && few_mma_for(m, T, x, ldx)) {
+      linear_few_mma(ms, x, ldx, T, bs, os, ls, scratch, stream);
+      return;
+    }
   }
   if (T < gemm_min_tokens() && nt_max > 0) {
     dispatch_format(tag, [&]<int KIND, bool SF16>() {
@@ -606,6 +642,10 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
   const FormatTag tag = format_of(*w[0]);
   for (const Matrix* m : w)
     if (!(format_of(*m) == tag) || m->cols != w[0]->cols) return false;
+  int64_t rows[kMaxShared] = {};
+  for (size_t i = 0; i < w.size(); ++i) rows[i] = w[i]->rows;
+  const std::span<const int64_t> ldo_rows(rows, w.size());
+  if (linear_few_passes(w, x, ldx, T, bias, out, ldo_rows, scratch, stream)) return true;
   if (T >= gemm_min_tokens())  // as linear() computes them: the exact path unless FP16 was asked for
     return !tensor_cores_for(T) && linear_exact_mma_shared(w, x, ldx, T, bias, out, scratch, stream);
   if (bf16_few_tokens(tag, T, w[0]->cols, GemmMath::Fp16)) {  // as linear() computes each, x split once
@@ -615,9 +655,7 @@ bool linear_shared_input(std::span<const Matrix* const> w, const float* x, int64
   }
   if (std::all_of(w.begin(), w.end(), [&](const Matrix* m) { return few_mma_for(*m, T, x, ldx); })) {
     // as linear() computes each, x split once
-    int64_t ldo[kMaxShared] = {};
-    for (size_t i = 0; i < w.size(); ++i) ldo[i] = w[i]->rows;
-    linear_few_mma(w, x, ldx, T, bias, out, std::span<const int64_t>(ldo, w.size()), scratch, stream);
+    linear_few_mma(w, x, ldx, T, bias, out, ldo_rows, scratch, stream);
     return true;
   }
   const size_t smem_limit = max_gemv_smem();

@@ -25,6 +25,12 @@ struct FormatTag;  // weights.cuh
 // through cuBLAS in dequantized tiles.
 constexpr int64_t kGemvMaxTokens = 8;
 int64_t gemm_min_tokens();
+// Calls of up to lane_tokens() tokens past kGemvMaxTokens run the few-token kernels too: the
+// linears in passes of at most 8 tokens, the experts in work items of 8 rows (the lane-decoded
+// kernels). Up to 64 tokens they beat the exact kernels' items of 32 (docs/PERFORMANCE.md);
+// MOESTREAM_CUDA_LANE_TOKENS=N moves the bound (0: off).
+constexpr int64_t kLaneMaxTokens = 64;
+int64_t lane_tokens();
 // Whether a call of T tokens takes the FP16 tensor-core paths (GemmMath::Fp16, the expert GEMM
 // of moe.h). Opt-in, since they are lossy: with MOESTREAM_CUDA_TENSOR_CORES=1, from 128 tokens
 // (prefill; MOESTREAM_CUDA_TENSOR_CORE_TOKENS moves the bound, tests force it with 2). Otherwise
