@@ -949,8 +949,8 @@ class HostExperts : public ExpertProvider {
 // The MoE layer for experts of every format against the CPU's float32, for one token (the decode
 // kernels), a few, 37 (q4 and q8 in work items of 8 rows: lane_tokens), and enough that some
 // experts take more than one pass of 32 tokens (the exact tensor-core kernels for quantized
-// experts, the CUDA-core ones for plain); token rows scaled
-// from 1e-3 to 1e3, widths with a half-empty last step of 64 columns and a partial row tile.
+// experts, the CUDA-core ones for plain); token rows scaled from 1e-3 to 1e3, widths with a
+// half-empty last step of 64 columns and a partial row tile.
 TEST_F(Pair, MoeEveryExpertFormat) {
   const int E = 8;
   for (const std::string& fmt : kFormats) {

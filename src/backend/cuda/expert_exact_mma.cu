@@ -665,8 +665,9 @@ bool experts_exact_mma_supported(const ExpertBatch& b) {
 
 namespace {
 
+// lanes: the lane-decoded kernels take both matrices (few_lanes_take), for work items of 8 rows.
 template <int TOK>
-void experts_exact(const ExpertBatch& b, cudaStream_t s) {
+void experts_exact(const ExpertBatch& b, bool lanes, cudaStream_t s) {
   const int n_active = b.a_end - b.a_begin;
   const int k = b.params->top_k;
   const int64_t T = b.pairs / k;
@@ -692,8 +693,7 @@ void experts_exact(const ExpertBatch& b, cudaStream_t s) {
     split_rows(SplitArgs{b.x, b.dim, T, nullptr, nullptr, 0, 0, a.in}, interleaved_of(b.gate_up), s);
   }
   // a batched decode step's q4 and q8 experts: the lane-decoded kernels
-  const bool lanes = TOK == kFewTok && few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
-                     few_lanes_take(b.down, b.group_shift, b.inter);
+  lanes = lanes && TOK == kFewTok;
   if (lanes)
     gate_up_few_lanes(a, b.gate_up, b.group_shift, unsigned(max_work), b.in_place, b.staged_aligned, s);
   else dispatch_format(b.gate_up, [&]<int KIND, bool SF16>() {
@@ -729,8 +729,8 @@ void run_experts_exact_mma(const ExpertBatch& b, cudaStream_t s) {
   const bool lanes = few_lanes_take(b.gate_up, b.group_shift, b.dim) &&
                      few_lanes_take(b.down, b.group_shift, b.inter);
   if (b.few_tokens || (lanes && b.pairs <= lane_tokens() * b.params->top_k))
-    experts_exact<kFewTok>(b, s);
-  else experts_exact<kTok>(b, s);
+    experts_exact<kFewTok>(b, lanes, s);
+  else experts_exact<kTok>(b, lanes, s);
 }
 
 namespace {
