@@ -87,7 +87,10 @@ TEST_P(StreamingFixture, BitIdenticalUnderEveryBudgetPolicyAndIoMode) {
 }
 
 // Lookahead reads guessed experts of the next layer ahead: never a different result, and its
-// counters add up (guesses made on the decode tokens, reads ahead that were then used).
+// counters add up (guesses made on the decode tokens, reads ahead that were then used). Reads
+// ahead by pieces in the gaps (the default, here of 4 KiB so that experts take several, and
+// guesses stop part way) and all at once (--lookahead-pieces 0, whose counts below are the
+// same from run to run: every guess is read whole as soon as a slot is free).
 TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
   const std::string dir = GetParam();
   ModelOptions base;
@@ -95,28 +98,36 @@ TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
   const std::vector<float> reference = run_model(dir, base);
   const PackManifest pack = PackManifest::load(ensure_pack(dir, ""));
   const double one_expert_mb = pack.max_expert_size() / 1e6;
-  uint64_t reads = 0, used = 0;
-  for (double mb : {one_expert_mb * 0.5, one_expert_mb * 2.0, pack.total_expert_bytes() / 2e6}) {
-    ModelOptions opt = base;
-    opt.experts.cache_mb = mb;
-    opt.experts.lookahead = true;
-    ExpertStats s;
-    const std::vector<float> got = run_model(dir, opt, &s);
-    ASSERT_EQ(got.size(), reference.size());
-    EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0) << dir << " budget " << mb;
-    EXPECT_GT(s.predicted, 0u) << "decode tokens with a bounded cache make guesses";
-    EXPECT_LE(s.predicted_right, s.predicted);
-    EXPECT_LE(s.prefetch_hits + s.prefetch_wasted, s.prefetch_reads);
-    reads += s.prefetch_reads;
-    used += s.prefetch_hits;
+  for (int pieces : {0, 1, 2}) {
+    uint64_t reads = 0, used = 0;
+    for (double mb : {one_expert_mb * 0.5, one_expert_mb * 2.0, one_expert_mb * 3.0, pack.total_expert_bytes() / 2e6}) {
+      ModelOptions opt = base;
+      opt.experts.cache_mb = mb;
+      opt.experts.lookahead = true;
+      opt.experts.lookahead_pieces = pieces;
+      if (pieces > 0) opt.experts.read_piece_bytes = 4096;
+      ExpertStats s;
+      const std::vector<float> got = run_model(dir, opt, &s);
+      ASSERT_EQ(got.size(), reference.size());
+      EXPECT_EQ(std::memcmp(got.data(), reference.data(), got.size() * sizeof(float)), 0)
+          << dir << " budget " << mb << ", pieces " << pieces;
+      EXPECT_GT(s.predicted, 0u) << "decode tokens with a bounded cache make guesses";
+      EXPECT_LE(s.predicted_right, s.predicted);
+      EXPECT_LE(s.prefetch_hits + s.prefetch_wasted, s.prefetch_reads);
+      EXPECT_LE(s.bytes_wasted, s.prefetch_wasted * pack.max_expert_size());
+      reads += s.prefetch_reads;
+      used += s.prefetch_hits;
+    }
+    if (pieces > 0) continue;  // whether a gap comes before the next request depends on timing
+    EXPECT_GT(reads, 0u);
+    EXPECT_GT(used, 0u) << "no read ahead was ever used";
   }
-  EXPECT_GT(reads, 0u);
-  EXPECT_GT(used, 0u) << "no read ahead was ever used";
   // --lookahead-k 1: the same guesses (the logits are the same), but only the likeliest guessed
   // expert not in memory is read ahead, so fewer reads than with every guess.
   ModelOptions opt = base;
   opt.experts.cache_mb = one_expert_mb * 2.0;
   opt.experts.lookahead = true;
+  opt.experts.lookahead_pieces = 0;
   ExpertStats all, one;
   run_model(dir, opt, &all);
   opt.experts.lookahead_k = 1;
@@ -404,6 +415,67 @@ TEST(ExpertStore, FailedReadLeavesTheStoreUsable) {
     }
     flip();
     EXPECT_EQ(run_loaded(*model, ids), want);
+  }
+}
+
+// Reads ahead by pieces: a guess starts at once when no read the model waits for is in flight;
+// a request for other experts of its layer stops it part way, and a later request for it reads
+// only the rest (every byte read once, the checksum over all of it). With one slot, a stopped
+// read ahead gives its slot to the request instead of holding it.
+TEST(ExpertStore, ReadAheadStopsPartWayAndResumes) {
+  const PackManifest pack = PackManifest::load(ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), ""));
+  auto backend = make_backend(BackendOptions{});
+  ASSERT_GE(pack.layers.size(), 2u);
+  ASSERT_GE(pack.layers[1].size(), 6u);
+  ASSERT_GT(pack.expert(1, 2).size, 2u * 4096) << "the guess must take several pieces";
+  auto drain = [](ExpertStore& store, std::vector<int> want) {
+    int e;
+    MlpWeights w;
+    std::vector<int> got;
+    while (store.next(e, w)) {
+      got.push_back(e);
+      store.release(e);
+    }
+    std::sort(got.begin(), got.end());
+    std::sort(want.begin(), want.end());
+    EXPECT_EQ(got, want);
+  };
+  ExpertStoreOptions o;
+  o.lookahead = true;
+  o.lookahead_pieces = 1;
+  o.read_piece_bytes = 4096;
+  o.cache_mb = 8.5 * double(pack.max_expert_size()) / 1e6;  // 8 slots: nothing is evicted
+  {
+    auto store = make_expert_store(pack, *backend, o);
+    store->request(0, std::vector<int>{0, 1});
+    drain(*store, {0, 1});
+    store->prefetch(1, std::vector<int>{2});
+    EXPECT_EQ(store->stats().prefetch_reads, 1u) << "no read was in flight: the guess starts at once";
+    store->request(1, std::vector<int>{4, 5});
+    drain(*store, {4, 5});
+    store->request(1, std::vector<int>{2});
+    drain(*store, {2});
+    const ExpertStats s = store->stats();
+    EXPECT_EQ(s.prefetch_hits, 1u);
+    EXPECT_EQ(s.bytes_read, pack.expert(0, 0).size + pack.expert(0, 1).size + pack.expert(1, 4).size +
+                                pack.expert(1, 5).size + pack.expert(1, 2).size)
+        << "the stopped guess was read again instead of resumed";
+  }
+  o.cache_mb = 1.5 * double(pack.max_expert_size()) / 1e6;  // one slot
+  for (int round = 0; round < 20; ++round) {
+    auto store = make_expert_store(pack, *backend, o);
+    store->request(0, std::vector<int>{0});
+    drain(*store, {0});
+    store->prefetch(1, std::vector<int>{2});
+    store->request(1, std::vector<int>{3, 4});  // the slot goes from the guess to the request
+    drain(*store, {3, 4});
+    store->request(1, std::vector<int>{2});
+    drain(*store, {2});
+    const ExpertStats s = store->stats();
+    EXPECT_EQ(s.prefetch_reads, 1u);
+    EXPECT_EQ(s.prefetch_wasted, 1u);
+    EXPECT_GT(s.bytes_wasted, 0u);
+    EXPECT_LE(s.bytes_wasted, pack.expert(1, 2).size);
   }
 }
 

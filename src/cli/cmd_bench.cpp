@@ -309,13 +309,26 @@ void add_bench(CLI::App& app) {
       const ExpertStats after = model->expert_stats();
       const uint64_t hits = after.hits - before.hits, misses = after.misses - before.misses;
       const uint64_t bytes = after.bytes_read - before.bytes_read;
+      // Bytes the decode needed: reads ahead evicted unused were the engine's loss, not the
+      // model's need, so the disk bound does not count them.
+      const uint64_t wasted = after.bytes_wasted - before.bytes_wasted;
+      const uint64_t needed = bytes - std::min(bytes, wasted);
       const double busy = after.io_busy_seconds - before.io_busy_seconds;
       const double read = busy > 0 ? bytes / busy / 1e9 : 0;
+      // The disk's rate drifts within minutes, so a decode that read from it is measured against
+      // the mean of the raw rate before and after it.
+      uint64_t raw_after_bytes = 0;
+      const double raw_after = bytes > 0 && raw > 0
+                                   ? raw_read_gb_per_s(pack, opt.experts, uint64_t(f->raw_mb * 1e6), raw_after_bytes)
+                                   : 0.0;
+      const double raw_tg = raw_after > 0 ? (raw + raw_after) / 2 : raw;
       out["tg"] = {{"tokens", f->n_gen}, {"sequences", n_seq}, {"tok_per_s", tg.mean}, {"tok_per_s_sd", tg.sd}, {"samples", rates},
                    {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
                    {"bytes_read", bytes}, {"bytes_read_per_token", bytes / uint64_t(generated)},
+                   {"bytes_wasted", wasted}, {"bytes_needed_per_token", needed / uint64_t(generated)},
                    {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
-                   {"read_ratio", raw > 0 ? read / raw : 0.0},
+                   {"raw_read_after_gb_per_s", raw_after}, {"raw_read_mean_gb_per_s", raw_tg},
+                   {"read_ratio", raw_tg > 0 ? read / raw_tg : 0.0},
                    // Weights touched per token (non-expert + top-k experts) at this speed,
                    // against the memory read bandwidth measured above.
                    {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
@@ -332,8 +345,8 @@ void add_bench(CLI::App& app) {
       out["tg"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
       if (gpu && tier_before) {
         // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),
-        // PCIe (expert bytes copied up per token over pinned host-to-device), disk (bytes read
-        // per token over the raw read rate).
+        // PCIe (expert bytes copied up per token over pinned host-to-device), disk (bytes needed
+        // per token over the raw read rate, before and after the decode).
         const GpuTierStats t1 = *gpu_tier_stats(model->backend()), &t0s = *tier_before;
         const double tps = generated / secs;
         // Copies and reads in place both cross PCIe.
@@ -341,10 +354,10 @@ void add_bench(CLI::App& app) {
             double(t1.bytes_h2d - t0s.bytes_h2d + t1.bytes_promoted - t0s.bytes_promoted + t1.bytes_in_place -
                    t0s.bytes_in_place) /
             double(generated);
-        const double disk_per_token = double(bytes) / double(generated);
+        const double disk_per_token = double(needed) / double(generated);
         const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
         const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;
-        const double disk_bound = disk_per_token > 0 && raw > 0 ? raw * 1e9 / disk_per_token : 0;
+        const double disk_bound = disk_per_token > 0 && raw_tg > 0 ? raw_tg * 1e9 / disk_per_token : 0;
         const uint64_t vh = t1.hits - t0s.hits, vm = t1.misses - t0s.misses;
         out["tg"]["gpu"] = {
             {"hbm_bound_tok_per_s", hbm_bound}, {"of_hbm_bound", tps / hbm_bound},
@@ -421,16 +434,17 @@ void add_bench(CLI::App& app) {
       std::printf("| %-24s | %9s | %9s | %-7s | %7d | %6s | %18s | %8s | %9s | %8s |\n", model_name, size_text,
                   params.c_str(), backend_name.c_str(), threads, test, t_s(tg).c_str(), hit, read, bound);
       if (tg["bytes_read"].get<uint64_t>() > 0)
-        std::printf("\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same files\n",
+        std::printf("\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same files "
+                    "(before and after)\n",
                     tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
                     100 * tg["read_ratio"].get<double>());
       if (const auto& la = tg["lookahead"]; la["guessed"].get<uint64_t>() > 0)
         std::printf("lookahead: %.1f%% of %llu guessed experts chosen; %llu read ahead, %llu of them used, %llu "
-                    "evicted unused\n",
+                    "evicted unused (%.1f MB)\n",
                     100.0 * la["guessed_right"].get<double>() / la["guessed"].get<double>(),
                     (unsigned long long)la["guessed"].get<uint64_t>(), (unsigned long long)la["reads"].get<uint64_t>(),
                     (unsigned long long)la["reads_used"].get<uint64_t>(),
-                    (unsigned long long)la["reads_wasted"].get<uint64_t>());
+                    (unsigned long long)la["reads_wasted"].get<uint64_t>(), tg["bytes_wasted"].get<double>() / 1e6);
     }
     if (f->repetitions > 1) std::printf("(%d repetitions of each test; t/s is mean ± standard deviation)\n", f->repetitions);
     if (out.contains("tg"))

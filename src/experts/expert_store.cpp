@@ -66,6 +66,7 @@ class StreamingExpertStore final : public ExpertStore {
     total_experts_ = total;
     lookahead_ = o.lookahead;
     lookahead_k_ = o.lookahead_k;
+    ahead_pieces_ = std::max(0, o.lookahead_pieces);
     read_piece_ = read_piece_bytes(o);
     if (o.cache_mb < 0) {
       max_slots_ = size_t(total);
@@ -98,8 +99,10 @@ class StreamingExpertStore final : public ExpertStore {
   }
 
   ~StreamingExpertStore() override {
-    // Reads still in flight (after an error) must finish before the slots go away.
+    // Reads still in flight (after an error) must finish before the slots go away; no read ahead
+    // starts meanwhile.
     std::unique_lock lock(mu_);
+    closing_ = true;
     cv_.wait(lock, [&] { return outstanding_ == 0; });
     lock.unlock();
     reader_.reset();
@@ -134,18 +137,25 @@ class StreamingExpertStore final : public ExpertStore {
         if (slot.read_ahead) ++stats_.prefetch_hits;
         slot.read_ahead = false;
       } else if (s >= 0 && slots_[size_t(s)].state == Slot::Loading && !slots_[size_t(s)].wanted) {
-        Slot& slot = slots_[size_t(s)];  // read ahead, still in flight: on_read hands it out
+        // Read ahead, in flight or stopped part way: its other pieces start now, and on_read
+        // hands it out.
+        Slot& slot = slots_[size_t(s)];
         slot.pins = 1;
         slot.wanted = true;
+        ahead_in_flight_ -= slot.in_flight;
+        if (s == ahead_slot_) ahead_slot_ = -1;
         ++stats_.misses;
         if (slot.read_ahead) ++stats_.prefetch_hits;
         slot.read_ahead = false;
+        issue_pieces(s, int(slot.piece_read.size()));
       } else {
         pending_.push_back(e);
         ++stats_.misses;
       }
     }
     for (auto& g : guessed_[size_t(layer)]) g = 0;  // guesses the layer did not choose
+    // A guess of this layer it did not choose stops where it is.
+    if (ahead_slot_ >= 0 && slots_[size_t(ahead_slot_)].layer == layer) ahead_slot_ = -1;
     start_loads();
   }
 
@@ -227,6 +237,7 @@ class StreamingExpertStore final : public ExpertStore {
       ++stats_.reguessed;
     }
     std::erase_if(prefetch_queue_, [&](const std::pair<int, int>& q) { return q.first == layer; });
+    if (ahead_slot_ >= 0 && slots_[size_t(ahead_slot_)].layer == layer) ahead_slot_ = -1;
     auto at = std::find_if(prefetch_queue_.begin(), prefetch_queue_.end(),
                            [&](const std::pair<int, int>& q) { return q.first > layer; });
     int reads = 0;
@@ -299,6 +310,8 @@ class StreamingExpertStore final : public ExpertStore {
     // them, in order, the checksum has taken so far (one reader thread at a time, `hashing`).
     uint64_t piece_bytes = 0;
     std::vector<char> piece_read;
+    int pieces_issued = 0;  // submitted to the reader so far (in order)
+    int in_flight = 0;      // submitted and not yet returned
     int pieces_hashed = 0;
     bool hashing = false;
     std::unique_ptr<XXH64_state_t, HashFree> hash;
@@ -353,14 +366,15 @@ class StreamingExpertStore final : public ExpertStore {
   // every slot (pins only ever belong to the current request) and forgets what was not handed
   // out. Experts that were read correctly stay cached; a failed one left no trace.
   void abandon(std::unique_lock<std::mutex>& lock) {
+    prefetch_queue_.clear();  // no read ahead starts while the reads in flight finish
+    background_.clear();
+    ahead_slot_ = -1;
     cv_.wait(lock, [&] { return outstanding_ == 0; });
     for (Slot& s : slots_) {
       s.pins = 0;
       s.wanted = false;
     }
     pending_.clear();
-    prefetch_queue_.clear();
-    background_.clear();
     ready_.clear();
     remaining_ = 0;
     error_.reset();
@@ -371,12 +385,16 @@ class StreamingExpertStore final : public ExpertStore {
   void start_loads() {
     while (!pending_.empty()) {
       const int s = acquire_slot();
-      if (s < 0) return;
+      if (s < 0) {
+        ahead_slot_ = -1;  // the read ahead stops, so that its slot can go to the request
+        return;
+      }
       const int e = pending_.front();
       pending_.pop_front();
       start_read(s, layer_, e, true);
     }
-    while (!prefetch_queue_.empty()) {
+    if (ahead_pieces_ > 0) issue_ahead();
+    while (ahead_pieces_ == 0 && !prefetch_queue_.empty()) {
       const auto [layer, e] = prefetch_queue_.front();
       if (where_[size_t(layer)][size_t(e)] >= 0) {  // arrived meanwhile
         prefetch_queue_.pop_front();
@@ -401,12 +419,58 @@ class StreamingExpertStore final : public ExpertStore {
       background_.pop_front();
       use_[size_t(layer)][size_t(e)].last_use = tick_;
       ++stats_.fallback_reads;
-      start_read(s, layer, e, false);
+      start_read(s, layer, e, false, true);
       slots_[size_t(s)].read_ahead = false;  // not a lookahead guess
     }
   }
 
-  void start_read(int s, int layer, int e, bool wanted) {
+  // Reads ahead by pieces (ExpertStoreOptions::lookahead_pieces): while no read the model waits
+  // for is in flight or waiting for a slot, up to ahead_pieces_ pieces of the likeliest guess
+  // not in memory, then of the next. Called with mu_ held, also as each piece returns.
+  void issue_ahead() {
+    while (!closing_ && pending_.empty() && in_flight_ == ahead_in_flight_ && ahead_in_flight_ < ahead_pieces_) {
+      if (ahead_slot_ >= 0) {
+        const Slot& a = slots_[size_t(ahead_slot_)];
+        if (a.state == Slot::Loading && !a.wanted && a.pieces_issued < int(a.piece_read.size())) {
+          issue_pieces(ahead_slot_, a.pieces_issued + 1);
+          continue;
+        }
+        ahead_slot_ = -1;
+      }
+      while (!prefetch_queue_.empty() && where_[size_t(prefetch_queue_.front().first)]
+                                                [size_t(prefetch_queue_.front().second)] >= 0)
+        prefetch_queue_.pop_front();  // arrived meanwhile
+      if (prefetch_queue_.empty()) return;
+      const int s = acquire_slot();
+      if (s < 0) return;
+      const auto [layer, e] = prefetch_queue_.front();
+      prefetch_queue_.pop_front();
+      use_[size_t(layer)][size_t(e)].last_use = tick_;  // kept until used, as below
+      ++stats_.prefetch_reads;
+      start_read(s, layer, e, false, false);
+      ahead_slot_ = s;
+    }
+  }
+
+  // Submits the slot's pieces up to (not including) `upto`, in order.
+  void issue_pieces(int s, int upto) {
+    Slot& slot = slots_[size_t(s)];
+    const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
+    for (; slot.pieces_issued < upto; ++slot.pieces_issued) {
+      const uint64_t at = uint64_t(slot.pieces_issued) * slot.piece_bytes;
+      if (outstanding_ == 0) busy_since_ = clock_type::now();
+      ++outstanding_;
+      ++in_flight_;
+      ++slot.in_flight;
+      if (!slot.wanted) ++ahead_in_flight_;
+      reader_->submit(pe.file, pe.offset + at, std::min(slot.piece_bytes, pe.size - at), slot.mem.get() + at,
+                      read_tag(s, slot.pieces_issued));
+    }
+  }
+
+  // `all`: every piece now (a read the model waits for, or ExpertStoreOptions::lookahead_pieces
+  // 0); else issue_ahead submits them.
+  void start_read(int s, int layer, int e, bool wanted, bool all = true) {
     Slot& slot = slots_[size_t(s)];
     slot.state = Slot::Loading;
     slot.layer = layer;
@@ -421,17 +485,14 @@ class StreamingExpertStore final : public ExpertStore {
     const int pieces = int((pe.size + piece - 1) / piece);
     slot.piece_bytes = piece;
     slot.piece_read.assign(size_t(pieces), 0);
+    slot.pieces_issued = 0;
+    slot.in_flight = 0;
     slot.pieces_hashed = 0;
     slot.hashing = false;
     XXH64_reset(slot.hash.get(), 0);
     slot.bytes_got = 0;
     slot.read_errno = 0;
-    if (outstanding_ == 0) busy_since_ = clock_type::now();
-    outstanding_ += pieces;
-    for (int i = 0; i < pieces; ++i) {
-      const uint64_t at = uint64_t(i) * piece;
-      reader_->submit(pe.file, pe.offset + at, std::min(piece, pe.size - at), slot.mem.get() + at, read_tag(s, i));
-    }
+    if (wanted || all || ahead_pieces_ == 0) issue_pieces(s, pieces);
   }
 
   // A read finished (mu_ held): the store's in-flight count and busy time.
@@ -457,6 +518,10 @@ class StreamingExpertStore final : public ExpertStore {
     const double ticks_per_token = std::max(1, moe_layers_);
     for (size_t i = 0; i < slots_.size(); ++i) {
       const Slot& s = slots_[i];
+      if (stopped(int(i))) {  // a guess not chosen, read part way: the first to go
+        victim = int(i);
+        break;
+      }
       if (s.state != Slot::Ready || s.pins > 0 || s.hot) continue;
       const double p = policy_->priority(use_[size_t(s.layer)][size_t(s.expert)], tick_, ticks_per_token);
       if (victim < 0 || p < best) {
@@ -468,10 +533,29 @@ class StreamingExpertStore final : public ExpertStore {
       Slot& s = slots_[size_t(victim)];
       where_[size_t(s.layer)][size_t(s.expert)] = -1;
       s.state = Slot::Free;
-      if (s.read_ahead) ++stats_.prefetch_wasted;
+      if (s.read_ahead) {
+        ++stats_.prefetch_wasted;
+        stats_.bytes_wasted += s.bytes_got;
+      }
       s.read_ahead = false;
     }
     return victim;
+  }
+
+  // A read ahead stopped part way (its guess was not chosen): no piece in flight or being summed,
+  // and no more to be issued.
+  bool stopped(int i) const {
+    const Slot& s = slots_[size_t(i)];
+    return s.state == Slot::Loading && !s.wanted && s.in_flight == 0 && !s.hashing && i != ahead_slot_ &&
+           s.pieces_issued < int(s.piece_read.size());
+  }
+
+  // Whether slot i just stopped while a request waits for a slot (mu_ held): then next() must
+  // look again, so it counts as a read done.
+  bool frees_a_slot(int i) {
+    if (pending_.empty() || !stopped(i)) return false;
+    ++reads_done_;
+    return true;
   }
 
   // Reader thread: a piece of a load is done. The checksum takes the pieces in order as they
@@ -481,6 +565,7 @@ class StreamingExpertStore final : public ExpertStore {
   void on_read(const ReadDone& d) {
     const int s_index = int(uint32_t(d.tag)), piece = int(d.tag >> 32);
     Slot* slot_ptr;
+    bool wake = false, sums = false;  // sums: this thread takes the checksum on
     {
       std::lock_guard lock(mu_);  // the deque's index may be growing; element addresses are stable
       slot_ptr = &slots_[size_t(s_index)];
@@ -492,8 +577,20 @@ class StreamingExpertStore final : public ExpertStore {
         stats_.bytes_read += uint64_t(d.bytes);
       }
       s.piece_read[size_t(piece)] = 1;
-      if (s.hashing || piece != s.pieces_hashed) return;  // the checksum takes it later
-      s.hashing = true;
+      --in_flight_;
+      --s.in_flight;
+      if (!s.wanted) --ahead_in_flight_;
+      if (s.hashing || piece != s.pieces_hashed) {
+        wake = frees_a_slot(s_index);  // the checksum takes it later
+      } else {
+        s.hashing = true;
+        sums = true;
+      }
+      issue_ahead();  // after the checksum is claimed: a stopped slot may be taken for a new read
+    }
+    if (!sums) {
+      if (wake) cv_.notify_all();
+      return;
     }
     Slot& slot = *slot_ptr;  // pinned and Loading: only its hashing thread reads its memory
     const PackedExpert& pe = pack_.expert(slot.layer, slot.expert);
@@ -502,13 +599,16 @@ class StreamingExpertStore final : public ExpertStore {
       const uint64_t at = uint64_t(slot.pieces_hashed) * slot.piece_bytes;
       XXH64_update(slot.hash.get(), slot.mem.get() + at, std::min(slot.piece_bytes, pe.size - at));
       if (slot.pieces_hashed + 1 == pieces) break;  // this thread finishes the load
-      std::lock_guard lock(mu_);
-      ++slot.pieces_hashed;
-      read_finished();
-      if (!slot.piece_read[size_t(slot.pieces_hashed)]) {  // its thread goes on when it is read
-        slot.hashing = false;
-        return;
+      {
+        std::lock_guard lock(mu_);
+        ++slot.pieces_hashed;
+        read_finished();
+        if (slot.piece_read[size_t(slot.pieces_hashed)]) continue;
+        slot.hashing = false;  // its thread goes on when it is read
+        wake = frees_a_slot(s_index);
       }
+      if (wake) cv_.notify_all();
+      return;
     }
     const std::string& file = pack_.expert_files[size_t(pe.file)];
     std::optional<std::string> err;
@@ -580,6 +680,7 @@ class StreamingExpertStore final : public ExpertStore {
   uint64_t total_experts_ = 0;
   bool lookahead_ = false;
   int lookahead_k_ = 0;  // reads ahead per guess (ExpertStoreOptions::lookahead_k)
+  int ahead_pieces_ = 0;  // ExpertStoreOptions::lookahead_pieces
   int moe_layers_ = 0;
 
   mutable std::mutex mu_;
@@ -597,7 +698,11 @@ class StreamingExpertStore final : public ExpertStore {
   std::vector<std::vector<char>> guessed_;  // [layer][expert]: in the latest guess for the layer
   std::vector<std::vector<char>> hot_;      // [layer][expert]: pinned by the profile
   uint64_t read_piece_ = 0;                 // bytes an expert's reads take each; 0: whole
-  int outstanding_ = 0;                     // reads in flight
+  int outstanding_ = 0;                     // pieces submitted and not yet summed
+  int in_flight_ = 0;                       // pieces submitted and not yet returned
+  int ahead_in_flight_ = 0;                 // of those, pieces of loads nobody waits for
+  int ahead_slot_ = -1;                     // the read ahead issue_ahead is submitting
+  bool closing_ = false;                    // the store is going away: nothing new starts
   uint64_t reads_done_ = 0;
   clock_type::time_point busy_since_;
   std::optional<std::string> error_;

@@ -32,6 +32,12 @@ struct ExpertStoreOptions {
   // Layers guessed ahead: each MoE call guesses the next D MoE layers' experts from its input; a
   // layer's later guess (from nearer) replaces its earlier one.
   int lookahead_depth = 1;
+  // Pieces of reads ahead in flight at a time, started only while no read the model waits for is
+  // in flight, one guessed expert at a time (likeliest first): reads ahead then fill the disk's
+  // gaps between layers instead of sharing its rate with the layer's own reads. A guess the layer
+  // does not choose stops where it is (kept, part read, until evicted or asked for). 0: every
+  // piece of every guess at once, behind the layer's own reads.
+  int lookahead_pieces = 2;
   // A usage profile: profile[layer][expert] counts (e.g. --profile-out of an earlier run). With a
   // bounded cache its hottest experts, up to pin_share of the slots, are never evicted once read;
   // `warmup` reads them when the store is made, before the first token (on the CPU backend with a
@@ -59,6 +65,7 @@ struct ExpertStats {
   // reguessed: guesses a later guess of the same layer replaced (--lookahead-depth above 1).
   uint64_t predicted = 0, predicted_right = 0, reguessed = 0;
   uint64_t prefetch_reads = 0, prefetch_hits = 0, prefetch_wasted = 0;
+  uint64_t bytes_wasted = 0;  // bytes read ahead, then evicted before any use
   uint64_t pinned = 0;  // experts the profile pins (read or not yet)
   // Miss fallback: layer steps that computed without some chosen experts, the experts so skipped,
   // and the background reads started for them (fetch_later).

@@ -307,10 +307,14 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
     std::vector<float> logits;
     ExpertStats store;
   };
-  auto decode = [&](double vram_mb, double host_mb, bool lookahead, int depth = 1) {
+  // pieces 0: every guess read whole at once, so that the counts below do not depend on timing;
+  // the default (reads ahead by pieces in the gaps) is checked for exactness.
+  auto decode = [&](double vram_mb, double host_mb, bool lookahead, int depth = 1, int pieces = 0) {
     ModelOptions o = cuda_options(cache, vram_mb, host_mb);
     o.experts.lookahead = lookahead;
     o.experts.lookahead_depth = depth;
+    o.experts.lookahead_pieces = pieces;
+    o.experts.read_piece_bytes = pieces > 0 ? 4096 : o.experts.read_piece_bytes;
     auto model = load_model(dir, o);
     Result r;
     std::vector<float> logits(size_t(model->info().vocab_size));
@@ -345,6 +349,8 @@ TEST(CudaTier, LookaheadReadsTheNextLayerFromDiskExactly) {
     EXPECT_EQ(on.store.reguessed, 0u);
     EXPECT_GT(deep.store.reguessed, 0u);
     EXPECT_GT(deep.store.prefetch_hits, 0u);
+    EXPECT_EQ(decode(slots * slot_mb, host_mb, true, 1, 2).logits, all.logits);
+    EXPECT_EQ(decode(slots * slot_mb, host_mb, true, 2, 1).logits, all.logits);
   }
   const Result vram_all = decode(-1, 6 * slot_mb, true);  // every expert fits in VRAM
   EXPECT_EQ(vram_all.logits, all.logits);
