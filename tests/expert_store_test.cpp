@@ -477,6 +477,21 @@ TEST(ExpertStore, ReadAheadStopsPartWayAndResumes) {
     EXPECT_GT(s.bytes_wasted, 0u);
     EXPECT_LE(s.bytes_wasted, pack.expert(1, 2).size);
   }
+  // A read ahead in flight when the store goes away, or when a request abandons the one before it
+  // (an expert still held, as after a failed computation): neither waits forever.
+  o.cache_mb = 8.5 * double(pack.max_expert_size()) / 1e6;
+  for (int round = 0; round < 30; ++round) {
+    auto store = make_expert_store(pack, *backend, o);
+    store->request(0, std::vector<int>{0, 1});
+    int e;
+    MlpWeights w;
+    ASSERT_TRUE(store->next(e, w));  // held, never released
+    store->prefetch(1, std::vector<int>{2, 3});
+    store->request(0, std::vector<int>{0});
+    drain(*store, {0});
+    store->prefetch(1, std::vector<int>{2, 3});
+    store.reset();
+  }
 }
 
 // A store that never evicts (unbounded) is lasting: the CUDA tier keeps the addresses it hands

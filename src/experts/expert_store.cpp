@@ -245,7 +245,8 @@ class StreamingExpertStore final : public ExpertStore {
       if (e < 0 || size_t(e) >= where_[size_t(layer)].size()) continue;
       ++stats_.predicted;
       guessed_[size_t(layer)][size_t(e)] = 1;
-      if (where_[size_t(layer)][size_t(e)] >= 0 || (lookahead_k_ > 0 && reads >= lookahead_k_)) continue;
+      const int at_slot = where_[size_t(layer)][size_t(e)];
+      if ((at_slot >= 0 && !resumable(at_slot)) || (lookahead_k_ > 0 && reads >= lookahead_k_)) continue;
       at = std::next(prefetch_queue_.insert(at, {layer, e}));
       ++reads;
     }
@@ -426,8 +427,9 @@ class StreamingExpertStore final : public ExpertStore {
 
   // Reads ahead by pieces (ExpertStoreOptions::lookahead_pieces): while no read the model waits
   // for is in flight or waiting for a slot, up to ahead_pieces_ pieces of the likeliest guess
-  // not in memory, then of the next. Called with mu_ held, also as each piece returns.
-  void issue_ahead() {
+  // not in memory, then of the next. Called with mu_ held, also as each piece returns (on a
+  // reader thread: `grow` false, no slot memory allocated there).
+  void issue_ahead(bool grow = true) {
     while (!closing_ && pending_.empty() && in_flight_ == ahead_in_flight_ && ahead_in_flight_ < ahead_pieces_) {
       if (ahead_slot_ >= 0) {
         const Slot& a = slots_[size_t(ahead_slot_)];
@@ -437,11 +439,18 @@ class StreamingExpertStore final : public ExpertStore {
         }
         ahead_slot_ = -1;
       }
-      while (!prefetch_queue_.empty() && where_[size_t(prefetch_queue_.front().first)]
-                                                [size_t(prefetch_queue_.front().second)] >= 0)
-        prefetch_queue_.pop_front();  // arrived meanwhile
+      while (!prefetch_queue_.empty()) {
+        const int at = where_[size_t(prefetch_queue_.front().first)][size_t(prefetch_queue_.front().second)];
+        if (at < 0) break;
+        prefetch_queue_.pop_front();  // arrived meanwhile, or guessed again part read: read on
+        if (resumable(at)) {
+          ahead_slot_ = at;
+          break;
+        }
+      }
+      if (ahead_slot_ >= 0) continue;
       if (prefetch_queue_.empty()) return;
-      const int s = acquire_slot();
+      const int s = acquire_slot(grow);
       if (s < 0) return;
       const auto [layer, e] = prefetch_queue_.front();
       prefetch_queue_.pop_front();
@@ -501,11 +510,12 @@ class StreamingExpertStore final : public ExpertStore {
       stats_.io_busy_seconds += std::chrono::duration<double>(clock_type::now() - busy_since_).count();
   }
 
-  // A free slot, a new one while under the bound, or the cached expert of lowest priority.
-  int acquire_slot() {
+  // A free slot, a new one while under the bound (`grow`: only on the model's thread, whose
+  // calls report an allocation failure), or the cached expert of lowest priority.
+  int acquire_slot(bool grow = true) {
     for (size_t i = 0; i < slots_.size(); ++i)
       if (slots_[i].state == Slot::Free) return int(i);
-    if (slots_.size() < max_slots_) {
+    if (grow && slots_.size() < max_slots_) {
       Slot& s = slots_.emplace_back();
       s.mem = std::unique_ptr<char, HostFree>(static_cast<char*>(backend_.alloc_host(slot_bytes_)), HostFree{&backend_});
       if (!s.mem) fail("expert store: out of memory allocating a ", slot_bytes_, "-byte slot");
@@ -540,6 +550,14 @@ class StreamingExpertStore final : public ExpertStore {
       s.read_ahead = false;
     }
     return victim;
+  }
+
+  // A read ahead with pieces not yet issued that issue_ahead is not issuing (its guess was not
+  // chosen, or replaced): a new guess of it reads on.
+  bool resumable(int i) const {
+    const Slot& s = slots_[size_t(i)];
+    return s.state == Slot::Loading && !s.wanted && s.read_ahead && i != ahead_slot_ &&
+           s.pieces_issued < int(s.piece_read.size());
   }
 
   // A read ahead stopped part way (its guess was not chosen): no piece in flight or being summed,
@@ -586,7 +604,7 @@ class StreamingExpertStore final : public ExpertStore {
         s.hashing = true;
         sums = true;
       }
-      issue_ahead();  // after the checksum is claimed: a stopped slot may be taken for a new read
+      issue_ahead(false);  // after the checksum is claimed: a stopped slot may be taken for a new read
     }
     if (!sums) {
       if (wake) cv_.notify_all();
@@ -605,7 +623,8 @@ class StreamingExpertStore final : public ExpertStore {
         read_finished();
         if (slot.piece_read[size_t(slot.pieces_hashed)]) continue;
         slot.hashing = false;  // its thread goes on when it is read
-        wake = frees_a_slot(s_index);
+        // Also wakes abandon() and the destructor, which wait for outstanding_ to reach 0.
+        wake = frees_a_slot(s_index) || outstanding_ == 0;
       }
       if (wake) cv_.notify_all();
       return;
@@ -633,6 +652,7 @@ class StreamingExpertStore final : public ExpertStore {
         // A read ahead that failed is forgotten: the request that asks for it reads it again
         // and reports the error then.
         if (slot.wanted && !error_) error_ = *err;
+        if (slot.read_ahead) stats_.bytes_wasted += slot.bytes_got;
         where_[size_t(slot.layer)][size_t(slot.expert)] = -1;
         slot.state = Slot::Free;
         slot.pins = 0;
