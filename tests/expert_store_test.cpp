@@ -100,7 +100,8 @@ TEST_P(StreamingFixture, LookaheadKeepsLogitsBitIdentical) {
   const double one_expert_mb = pack.max_expert_size() / 1e6;
   for (int pieces : {0, 1, 2}) {
     uint64_t reads = 0, used = 0;
-    for (double mb : {one_expert_mb * 0.5, one_expert_mb * 2.0, one_expert_mb * 3.0, pack.total_expert_bytes() / 2e6}) {
+    for (double mb : {one_expert_mb * 0.5, one_expert_mb * 2.0, one_expert_mb * 3.0,
+                      pack.total_expert_bytes() / 2e6}) {
       ModelOptions opt = base;
       opt.experts.cache_mb = mb;
       opt.experts.lookahead = true;
@@ -423,7 +424,8 @@ TEST(ExpertStore, FailedReadLeavesTheStoreUsable) {
 // only the rest (every byte read once, the checksum over all of it). With one slot, a stopped
 // read ahead gives its slot to the request instead of holding it.
 TEST(ExpertStore, ReadAheadStopsPartWayAndResumes) {
-  const PackManifest pack = PackManifest::load(ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), ""));
+  const PackManifest pack =
+      PackManifest::load(ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), ""));
   auto backend = make_backend(BackendOptions{});
   ASSERT_GE(pack.layers.size(), 2u);
   ASSERT_GE(pack.layers[1].size(), 6u);
@@ -450,15 +452,17 @@ TEST(ExpertStore, ReadAheadStopsPartWayAndResumes) {
     store->request(0, std::vector<int>{0, 1});
     drain(*store, {0, 1});
     store->prefetch(1, std::vector<int>{2});
-    EXPECT_EQ(store->stats().prefetch_reads, 1u) << "no read was in flight: the guess starts at once";
+    EXPECT_EQ(store->stats().prefetch_reads, 1u)
+        << "no read was in flight: the guess starts at once";
     store->request(1, std::vector<int>{4, 5});
     drain(*store, {4, 5});
     store->request(1, std::vector<int>{2});
     drain(*store, {2});
     const ExpertStats s = store->stats();
     EXPECT_EQ(s.prefetch_hits, 1u);
-    EXPECT_EQ(s.bytes_read, pack.expert(0, 0).size + pack.expert(0, 1).size + pack.expert(1, 4).size +
-                                pack.expert(1, 5).size + pack.expert(1, 2).size)
+    EXPECT_EQ(s.bytes_read, pack.expert(0, 0).size + pack.expert(0, 1).size +
+                                pack.expert(1, 4).size + pack.expert(1, 5).size +
+                                pack.expert(1, 2).size)
         << "the stopped guess was read again instead of resumed";
   }
   o.cache_mb = 1.5 * double(pack.max_expert_size()) / 1e6;  // one slot

@@ -318,30 +318,42 @@ void add_bench(CLI::App& app) {
       // The disk's rate drifts within minutes, so a decode that read from it is measured against
       // the mean of the raw rate before and after it.
       uint64_t raw_after_bytes = 0;
-      const double raw_after = bytes > 0 && raw > 0
-                                   ? raw_read_gb_per_s(pack, opt.experts, uint64_t(f->raw_mb * 1e6), raw_after_bytes)
-                                   : 0.0;
+      const double raw_after =
+          bytes > 0 && raw > 0
+              ? raw_read_gb_per_s(pack, opt.experts, uint64_t(f->raw_mb * 1e6), raw_after_bytes)
+              : 0.0;
       const double raw_tg = raw_after > 0 ? (raw + raw_after) / 2 : raw;
-      out["tg"] = {{"tokens", f->n_gen}, {"sequences", n_seq}, {"tok_per_s", tg.mean}, {"tok_per_s_sd", tg.sd}, {"samples", rates},
-                   {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
-                   {"bytes_read", bytes}, {"bytes_read_per_token", bytes / uint64_t(generated)},
-                   {"bytes_wasted", wasted}, {"bytes_needed_per_token", needed / uint64_t(generated)},
-                   {"read_gb_per_s", read}, {"io_wait_s", after.wait_seconds - before.wait_seconds},
-                   {"raw_read_after_gb_per_s", raw_after}, {"raw_read_mean_gb_per_s", raw_tg},
-                   {"read_ratio", raw_tg > 0 ? read / raw_tg : 0.0},
-                   // Weights touched per token (non-expert + top-k experts) at this speed,
-                   // against the memory read bandwidth measured above.
-                   {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
-                   {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw},
-                   {"lookahead", {{"guessed", after.predicted - before.predicted},
-                                  {"guessed_right", after.predicted_right - before.predicted_right},
-                                  {"reguessed", after.reguessed - before.reguessed},
-                                  {"reads", after.prefetch_reads - before.prefetch_reads},
-                                  {"reads_used", after.prefetch_hits - before.prefetch_hits},
-                                  {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}},
-                   {"fallback", {{"steps", after.fallbacks - before.fallbacks},
-                                 {"experts_skipped", after.fallback_skipped - before.fallback_skipped},
-                                 {"reads", after.fallback_reads - before.fallback_reads}}}};
+      out["tg"] = {
+          {"tokens", f->n_gen},
+          {"sequences", n_seq},
+          {"tok_per_s", tg.mean},
+          {"tok_per_s_sd", tg.sd},
+          {"samples", rates},
+          {"hit_rate", hits + misses ? double(hits) / double(hits + misses) : 0.0},
+          {"bytes_read", bytes},
+          {"bytes_read_per_token", bytes / uint64_t(generated)},
+          {"bytes_wasted", wasted},
+          {"bytes_needed_per_token", needed / uint64_t(generated)},
+          {"read_gb_per_s", read},
+          {"io_wait_s", after.wait_seconds - before.wait_seconds},
+          {"raw_read_after_gb_per_s", raw_after},
+          {"raw_read_mean_gb_per_s", raw_tg},
+          {"read_ratio", raw_tg > 0 ? read / raw_tg : 0.0},
+          // Weights touched per token (non-expert + top-k experts) at this speed,
+          // against the memory read bandwidth measured above.
+          {"weight_gb_per_s", info.active_bytes_per_token * (generated / secs) / 1e9},
+          {"weight_bw_ratio", info.active_bytes_per_token * (generated / secs) / 1e9 / mem_bw},
+          {"lookahead",
+           {{"guessed", after.predicted - before.predicted},
+            {"guessed_right", after.predicted_right - before.predicted_right},
+            {"reguessed", after.reguessed - before.reguessed},
+            {"reads", after.prefetch_reads - before.prefetch_reads},
+            {"reads_used", after.prefetch_hits - before.prefetch_hits},
+            {"reads_wasted", after.prefetch_wasted - before.prefetch_wasted}}},
+          {"fallback",
+           {{"steps", after.fallbacks - before.fallbacks},
+            {"experts_skipped", after.fallback_skipped - before.fallback_skipped},
+            {"reads", after.fallback_reads - before.fallback_reads}}}};
       out["tg"]["phase_s"] = phase_seconds(phases_before, model->backend().times());
       if (gpu && tier_before) {
         // The three bounds of a GPU run: HBM (weights read per token over the device copy rate),
@@ -357,7 +369,8 @@ void add_bench(CLI::App& app) {
         const double disk_per_token = double(needed) / double(generated);
         const double hbm_bound = gpu->d2d_gb_per_s * 1e9 / double(info.active_bytes_per_token);
         const double pcie_bound = pcie_per_token > 0 ? gpu->h2d_pinned_gb_per_s * 1e9 / pcie_per_token : 0;
-        const double disk_bound = disk_per_token > 0 && raw_tg > 0 ? raw_tg * 1e9 / disk_per_token : 0;
+        const double disk_bound =
+            disk_per_token > 0 && raw_tg > 0 ? raw_tg * 1e9 / disk_per_token : 0;
         const uint64_t vh = t1.hits - t0s.hits, vm = t1.misses - t0s.misses;
         out["tg"]["gpu"] = {
             {"hbm_bound_tok_per_s", hbm_bound}, {"of_hbm_bound", tps / hbm_bound},
@@ -434,17 +447,23 @@ void add_bench(CLI::App& app) {
       std::printf("| %-24s | %9s | %9s | %-7s | %7d | %6s | %18s | %8s | %9s | %8s |\n", model_name, size_text,
                   params.c_str(), backend_name.c_str(), threads, test, t_s(tg).c_str(), hit, read, bound);
       if (tg["bytes_read"].get<uint64_t>() > 0)
-        std::printf("\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same files "
-                    "(before and after)\n",
-                    tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
-                    100 * tg["read_ratio"].get<double>());
+        std::printf(
+            "\nexpert reads: %.2f MB/token at %.2f GB/s, %.0f%% of the raw read rate of the same "
+            "files "
+            "(before and after)\n",
+            tg["bytes_read_per_token"].get<double>() / 1e6, tg["read_gb_per_s"].get<double>(),
+            100 * tg["read_ratio"].get<double>());
       if (const auto& la = tg["lookahead"]; la["guessed"].get<uint64_t>() > 0)
-        std::printf("lookahead: %.1f%% of %llu guessed experts chosen; %llu read ahead, %llu of them used, %llu "
-                    "evicted unused (%.1f MB)\n",
-                    100.0 * la["guessed_right"].get<double>() / la["guessed"].get<double>(),
-                    (unsigned long long)la["guessed"].get<uint64_t>(), (unsigned long long)la["reads"].get<uint64_t>(),
-                    (unsigned long long)la["reads_used"].get<uint64_t>(),
-                    (unsigned long long)la["reads_wasted"].get<uint64_t>(), tg["bytes_wasted"].get<double>() / 1e6);
+        std::printf(
+            "lookahead: %.1f%% of %llu guessed experts chosen; %llu read ahead, %llu of them used, "
+            "%llu "
+            "evicted unused (%.1f MB)\n",
+            100.0 * la["guessed_right"].get<double>() / la["guessed"].get<double>(),
+            (unsigned long long)la["guessed"].get<uint64_t>(),
+            (unsigned long long)la["reads"].get<uint64_t>(),
+            (unsigned long long)la["reads_used"].get<uint64_t>(),
+            (unsigned long long)la["reads_wasted"].get<uint64_t>(),
+            tg["bytes_wasted"].get<double>() / 1e6);
     }
     if (f->repetitions > 1) std::printf("(%d repetitions of each test; t/s is mean ± standard deviation)\n", f->repetitions);
     if (out.contains("tg"))

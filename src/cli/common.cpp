@@ -120,9 +120,10 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
                  "With --lookahead: guess the next D MoE layers' experts from each layer's input, so that "
                  "reads of several layers are in flight at once (default 1)")
       ->check(CLI::Range(1, 8));
-  cmd.add_option("--lookahead-pieces", e.lookahead_pieces,
-                 "With --lookahead: read ahead N pieces at a time, only while no read the model waits for "
-                 "is in flight (default 2; 0: every piece of every guess at once)")
+  cmd.add_option(
+         "--lookahead-pieces", e.lookahead_pieces,
+         "With --lookahead: read ahead N pieces at a time, only while no read the model waits for "
+         "is in flight (default 2; 0: every piece of every guess at once)")
       ->check(kNonNegative);
   cmd.add_option("--profile", profile_in,
                  "Expert usage profile (JSON with counts[layer][expert], e.g. from --profile-out): with "

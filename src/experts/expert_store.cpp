@@ -246,7 +246,8 @@ class StreamingExpertStore final : public ExpertStore {
       ++stats_.predicted;
       guessed_[size_t(layer)][size_t(e)] = 1;
       const int at_slot = where_[size_t(layer)][size_t(e)];
-      if ((at_slot >= 0 && !resumable(at_slot)) || (lookahead_k_ > 0 && reads >= lookahead_k_)) continue;
+      if ((at_slot >= 0 && !resumable(at_slot)) || (lookahead_k_ > 0 && reads >= lookahead_k_))
+        continue;
       at = std::next(prefetch_queue_.insert(at, {layer, e}));
       ++reads;
     }
@@ -430,7 +431,8 @@ class StreamingExpertStore final : public ExpertStore {
   // not in memory, then of the next. Called with mu_ held, also as each piece returns (on a
   // reader thread: `grow` false, no slot memory allocated there).
   void issue_ahead(bool grow = true) {
-    while (!closing_ && pending_.empty() && in_flight_ == ahead_in_flight_ && ahead_in_flight_ < ahead_pieces_) {
+    while (!closing_ && pending_.empty() && in_flight_ == ahead_in_flight_ &&
+           ahead_in_flight_ < ahead_pieces_) {
       if (ahead_slot_ >= 0) {
         const Slot& a = slots_[size_t(ahead_slot_)];
         if (a.state == Slot::Loading && !a.wanted && a.pieces_issued < int(a.piece_read.size())) {
@@ -440,7 +442,8 @@ class StreamingExpertStore final : public ExpertStore {
         ahead_slot_ = -1;
       }
       while (!prefetch_queue_.empty()) {
-        const int at = where_[size_t(prefetch_queue_.front().first)][size_t(prefetch_queue_.front().second)];
+        const int at =
+            where_[size_t(prefetch_queue_.front().first)][size_t(prefetch_queue_.front().second)];
         if (at < 0) break;
         prefetch_queue_.pop_front();  // arrived meanwhile, or guessed again part read: read on
         if (resumable(at)) {
@@ -472,8 +475,8 @@ class StreamingExpertStore final : public ExpertStore {
       ++in_flight_;
       ++slot.in_flight;
       if (!slot.wanted) ++ahead_in_flight_;
-      reader_->submit(pe.file, pe.offset + at, std::min(slot.piece_bytes, pe.size - at), slot.mem.get() + at,
-                      read_tag(s, slot.pieces_issued));
+      reader_->submit(pe.file, pe.offset + at, std::min(slot.piece_bytes, pe.size - at),
+                      slot.mem.get() + at, read_tag(s, slot.pieces_issued));
     }
   }
 
@@ -564,8 +567,8 @@ class StreamingExpertStore final : public ExpertStore {
   // and no more to be issued.
   bool stopped(int i) const {
     const Slot& s = slots_[size_t(i)];
-    return s.state == Slot::Loading && !s.wanted && s.in_flight == 0 && !s.hashing && i != ahead_slot_ &&
-           s.pieces_issued < int(s.piece_read.size());
+    return s.state == Slot::Loading && !s.wanted && s.in_flight == 0 && !s.hashing &&
+           i != ahead_slot_ && s.pieces_issued < int(s.piece_read.size());
   }
 
   // Whether slot i just stopped while a request waits for a slot (mu_ held): then next() must
@@ -604,7 +607,8 @@ class StreamingExpertStore final : public ExpertStore {
         s.hashing = true;
         sums = true;
       }
-      issue_ahead(false);  // after the checksum is claimed: a stopped slot may be taken for a new read
+      issue_ahead(
+          false);  // after the checksum is claimed: a stopped slot may be taken for a new read
     }
     if (!sums) {
       if (wake) cv_.notify_all();
