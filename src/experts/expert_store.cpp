@@ -154,8 +154,7 @@ class StreamingExpertStore final : public ExpertStore {
       }
     }
     for (auto& g : guessed_[size_t(layer)]) g = 0;  // guesses the layer did not choose
-    // A guess of this layer it did not choose stops where it is.
-    if (ahead_slot_ >= 0 && slots_[size_t(ahead_slot_)].layer == layer) ahead_slot_ = -1;
+    stop_guess_of(layer);  // a guess of this layer it did not choose stops where it is
     start_loads();
   }
 
@@ -237,7 +236,7 @@ class StreamingExpertStore final : public ExpertStore {
       ++stats_.reguessed;
     }
     std::erase_if(prefetch_queue_, [&](const std::pair<int, int>& q) { return q.first == layer; });
-    if (ahead_slot_ >= 0 && slots_[size_t(ahead_slot_)].layer == layer) ahead_slot_ = -1;
+    stop_guess_of(layer);
     auto at = std::find_if(prefetch_queue_.begin(), prefetch_queue_.end(),
                            [&](const std::pair<int, int>& q) { return q.first > layer; });
     int reads = 0;
@@ -396,20 +395,9 @@ class StreamingExpertStore final : public ExpertStore {
       start_read(s, layer_, e, true);
     }
     if (ahead_pieces_ > 0) issue_ahead();
-    while (ahead_pieces_ == 0 && !prefetch_queue_.empty()) {
-      const auto [layer, e] = prefetch_queue_.front();
-      if (where_[size_t(layer)][size_t(e)] >= 0) {  // arrived meanwhile
-        prefetch_queue_.pop_front();
-        continue;
+    else
+      while (start_guess(true) >= 0) {
       }
-      const int s = acquire_slot();
-      if (s < 0) return;
-      prefetch_queue_.pop_front();
-      // As recent as the request that made the guess, so the policy keeps it until it is used.
-      use_[size_t(layer)][size_t(e)].last_use = tick_;
-      ++stats_.prefetch_reads;
-      start_read(s, layer, e, false);
-    }
     while (!background_.empty()) {
       const auto [layer, e] = background_.front();
       if (where_[size_t(layer)][size_t(e)] >= 0) {  // arrived meanwhile
@@ -433,35 +421,35 @@ class StreamingExpertStore final : public ExpertStore {
   void issue_ahead(bool grow = true) {
     while (!closing_ && pending_.empty() && in_flight_ == ahead_in_flight_ &&
            ahead_in_flight_ < ahead_pieces_) {
-      if (ahead_slot_ >= 0) {
-        const Slot& a = slots_[size_t(ahead_slot_)];
-        if (a.state == Slot::Loading && !a.wanted && a.pieces_issued < int(a.piece_read.size())) {
-          issue_pieces(ahead_slot_, a.pieces_issued + 1);
-          continue;
-        }
-        ahead_slot_ = -1;
-      }
-      while (!prefetch_queue_.empty()) {
-        const int at =
-            where_[size_t(prefetch_queue_.front().first)][size_t(prefetch_queue_.front().second)];
-        if (at < 0) break;
-        prefetch_queue_.pop_front();  // arrived meanwhile, or guessed again part read: read on
-        if (resumable(at)) {
-          ahead_slot_ = at;
-          break;
-        }
-      }
-      if (ahead_slot_ >= 0) continue;
-      if (prefetch_queue_.empty()) return;
-      const int s = acquire_slot(grow);
-      if (s < 0) return;
+      if (ahead_slot_ < 0 || !unissued(slots_[size_t(ahead_slot_)]))
+        ahead_slot_ = start_guess(grow);
+      if (ahead_slot_ < 0) return;
+      issue_pieces(ahead_slot_, slots_[size_t(ahead_slot_)].pieces_issued + 1);
+    }
+  }
+
+  // The next queued guess not in memory, read in a slot of its own (every piece at once when
+  // lookahead_pieces is 0, else as issue_ahead submits them); or the slot of one read part way
+  // before and guessed again, to read on. -1: none queued, or no slot free (it stays queued).
+  int start_guess(bool grow) {
+    while (!prefetch_queue_.empty()) {
       const auto [layer, e] = prefetch_queue_.front();
+      const int at = where_[size_t(layer)][size_t(e)];
+      if (at >= 0) {  // arrived meanwhile, or read part way
+        prefetch_queue_.pop_front();
+        if (resumable(at)) return at;
+        continue;
+      }
+      const int s = acquire_slot(grow);
+      if (s < 0) return -1;
       prefetch_queue_.pop_front();
-      use_[size_t(layer)][size_t(e)].last_use = tick_;  // kept until used, as below
+      // As recent as the request that made the guess, so the policy keeps it until it is used.
+      use_[size_t(layer)][size_t(e)].last_use = tick_;
       ++stats_.prefetch_reads;
       start_read(s, layer, e, false, false);
-      ahead_slot_ = s;
+      return s;
     }
+    return -1;
   }
 
   // Submits the slot's pieces up to (not including) `upto`, in order.
@@ -555,20 +543,24 @@ class StreamingExpertStore final : public ExpertStore {
     return victim;
   }
 
-  // A read ahead with pieces not yet issued that issue_ahead is not issuing (its guess was not
-  // chosen, or replaced): a new guess of it reads on.
-  bool resumable(int i) const {
-    const Slot& s = slots_[size_t(i)];
-    return s.state == Slot::Loading && !s.wanted && s.read_ahead && i != ahead_slot_ &&
-           s.pieces_issued < int(s.piece_read.size());
+  // issue_ahead stops reading the guess it reads when that guess is of `layer`.
+  void stop_guess_of(int layer) {
+    if (ahead_slot_ >= 0 && slots_[size_t(ahead_slot_)].layer == layer) ahead_slot_ = -1;
   }
 
-  // A read ahead stopped part way (its guess was not chosen): no piece in flight or being summed,
-  // and no more to be issued.
+  // A read ahead with pieces not yet submitted (only guesses read by pieces have them).
+  static bool unissued(const Slot& s) {
+    return s.state == Slot::Loading && !s.wanted && s.pieces_issued < int(s.piece_read.size());
+  }
+
+  // One that issue_ahead is not reading on (its guess was not chosen, or was replaced): a new
+  // guess of it, or a request, reads on.
+  bool resumable(int i) const { return i != ahead_slot_ && unissued(slots_[size_t(i)]); }
+
+  // One of those with no piece in flight or being summed: its slot can be taken.
   bool stopped(int i) const {
     const Slot& s = slots_[size_t(i)];
-    return s.state == Slot::Loading && !s.wanted && s.in_flight == 0 && !s.hashing &&
-           i != ahead_slot_ && s.pieces_issued < int(s.piece_read.size());
+    return resumable(i) && s.in_flight == 0 && !s.hashing;
   }
 
   // Whether slot i just stopped while a request waits for a slot (mu_ held): then next() must
