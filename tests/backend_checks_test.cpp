@@ -114,5 +114,71 @@ TEST(BackendChecks, GreedyRowsFollowTheSampler) {
   EXPECT_NE(error_of([&] { be->greedy_rows(x, too_few); }).find("2 ids for 7 rows"), std::string::npos);
 }
 
+// expert_rows (the CPU's share of a GPU's MoE call, --cpu-experts): each job's output rows are its
+// expert's mlp() of the rows of x it names (in that order), bit for bit, from the row the job
+// starts at; rows
+// outside the output or x are refused by name.
+TEST(BackendChecks, ExpertRowsAreEachExpertsMlpOfItsRows) {
+  auto be = make_cpu_backend(3, true);
+  constexpr int64_t dim = 64, inter = 32;
+  std::vector<std::vector<float>> data;
+  uint32_t state = 12345;
+  auto fill = [&](std::vector<float>& v) {
+    for (float& f : v) {
+      state = state * 1664525u + 1013904223u;
+      f = float(int(state >> 9) % 2001 - 1000) / 4000.0f;
+    }
+  };
+  auto matrix = [&](const char* name, int64_t rows, int64_t cols) {
+    data.emplace_back(size_t(rows * cols));
+    fill(data.back());
+    return be->load_matrix(view(name, DType::F32, {rows, cols}, data.back().data()));
+  };
+  MlpWeights a{matrix("a.gate", inter, dim),
+               matrix("a.up", inter, dim),
+               matrix("a.down", dim, inter),
+               {},
+               {},
+               {}};
+  MlpWeights b{matrix("b.gate", inter, dim),
+               matrix("b.up", inter, dim),
+               matrix("b.down", dim, inter),
+               {},
+               {},
+               {}};
+  Buffer x = be->alloc(3, dim);
+  std::vector<float> xs(3 * dim);
+  fill(xs);
+  std::copy(xs.begin(), xs.end(), x.data);
+  const std::vector<ExpertRows> jobs = {{a, {2, 0}, 1}, {b, {1}, 3}};
+  Buffer y = be->alloc(4, dim);
+  be->expert_rows(x, jobs, MoeParams{}, y);
+  // mlp() of the same rows of x, gathered in the job's order
+  auto mlp_of = [&](const MlpWeights& w, std::vector<int64_t> ts) {
+    Buffer in = be->alloc(int64_t(ts.size()), dim), out = be->alloc(int64_t(ts.size()), dim);
+    for (size_t i = 0; i < ts.size(); ++i)
+      std::copy(x.data + ts[i] * dim, x.data + (ts[i] + 1) * dim, in.data + int64_t(i) * dim);
+    be->mlp(in, w, out);
+    return std::vector<float>(out.data, out.data + out.rows * dim);
+  };
+  auto rows = [&](int64_t r, int64_t n) {
+    return std::vector<float>(y.data + r * dim, y.data + (r + n) * dim);
+  };
+  EXPECT_EQ(rows(0, 1), std::vector<float>(dim, 0.0f));
+  EXPECT_EQ(rows(1, 2), mlp_of(a, {2, 0}));
+  EXPECT_EQ(rows(3, 1), mlp_of(b, {1}));
+  EXPECT_NE(rows(1, 1), rows(3, 1));
+  const std::vector<ExpertRows> past_end = {{a, {0, 1}, 3}};
+  EXPECT_NE(error_of([&] {
+              be->expert_rows(x, past_end, MoeParams{}, y);
+            }).find("expert_rows: rows [3, 5) of [4, 64]"),
+            std::string::npos);
+  const std::vector<ExpertRows> bad_token = {{b, {3}, 0}};
+  EXPECT_NE(error_of([&] {
+              be->expert_rows(x, bad_token, MoeParams{}, y);
+            }).find("expert_rows: row 3 of x [3, 64]"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace moestream

@@ -60,6 +60,10 @@ void Backend::add_rmsnorm(Buffer& x, const Buffer& y, const Vector& w, float eps
   rmsnorm(x, w, eps, x.cols, out);
 }
 
+void Backend::expert_rows(const Buffer&, std::span<const ExpertRows>, const MoeParams&, Buffer&) {
+  fail("expert_rows: the ", name(), " backend does not compute experts apart from a MoE call");
+}
+
 void Backend::gated_mlp_add(const Buffer& x, const MlpWeights& w, const Matrix& gate, Buffer& s, Buffer& g,
                             Buffer& out) {
   mlp(x, w, s);

@@ -142,6 +142,14 @@ struct MlpWeights {  // SwiGLU: down(silu(gate x) * up x)
   Vector gate_bias, up_bias, down_bias;  // empty unless the checkpoint has them (gpt-oss experts)
 };
 
+// One expert's share of a MoE call computed apart from the call (Backend::expert_rows): its
+// weights, the rows of x it takes, and where its output rows start.
+struct ExpertRows {
+  MlpWeights weights;
+  std::vector<int64_t> tokens;  // rows of x, in the order of the output rows
+  int64_t first_row = 0;        // output row of tokens[0]
+};
+
 // Column blocks of a buffer: block g starts at column offset + g * stride (stride 0 repeats one).
 struct ColumnBlocks {
   int64_t offset = 0, stride = 0;
@@ -312,6 +320,11 @@ class Backend {
   virtual void linear_per_head(const Buffer& x, std::span<const Matrix> w, Buffer& out) = 0;
   // out = dense SwiGLU MLP of x
   virtual void mlp(const Buffer& x, const MlpWeights& w, Buffer& out) = 0;
+  // out[job.first_row + i] = expert(x[job.tokens[i]]) for every job (unweighted, with the expert
+  // activation of p; weights in host memory): the CPU's share of a GPU's MoE call
+  // (--cpu-experts). The CPU backend's, bit for bit as its moe() computes each expert; others fail.
+  virtual void expert_rows(const Buffer& x, std::span<const ExpertRows> jobs, const MoeParams& p,
+                           Buffer& out);
   // out = sum over the routed experts of weight * expert(x); router (n_experts, dim). The
   // experts' weights come from `experts` (request / next / release, backend/expert_provider.h).
   virtual void moe(const Buffer& x, const Matrix& router, ExpertProvider& experts,
@@ -334,6 +347,8 @@ class Backend {
 };
 
 // precise: float32 activations everywhere (the default may quantize activations for speed).
-std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise);
+// spin_micros: how long its threads poll for work before they sleep (ThreadPool).
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise,
+                                          int spin_micros = 200);  // ThreadPool::kSpinMicros
 
 }  // namespace moestream

@@ -35,6 +35,8 @@ std::unique_ptr<Backend> make_backend(const BackendOptions& o) {
       c.policy = o.cache_policy;
       c.profile = o.profile;
       c.pin_share = o.pin_share;
+      c.cpu_expert_share = o.cpu_expert_share;
+      c.cpu_threads = o.threads;
       return make_cuda_backend(c);
     }
     if (o.device == "cuda") fail("--device cuda: ", why);

@@ -25,6 +25,8 @@ struct BackendOptions {
   // pin_share of the VRAM slots).
   std::vector<std::vector<double>> profile;
   double pin_share = 0.5;
+  // CUDA: the share of a decode step's experts read in place computed on the CPU (CudaOptions).
+  double cpu_expert_share = 0;
 };
 
 // Fails naming --device when the device is unknown, or is "cuda" and unusable (a build without
@@ -44,6 +46,11 @@ struct GpuTierStats {
   // Decode read in place: MoE calls so run, the experts they read from pinned host memory (each
   // distinct expert of a call counted once), and misses copied into VRAM slots after their call.
   uint64_t in_place_calls = 0, bytes_in_place = 0, promotions = 0;
+  // The CPU's share of those calls (--cpu-experts): experts it computed, their bytes (not in
+  // bytes_in_place).
+  uint64_t cpu_experts = 0, bytes_cpu = 0;
+  double cpu_seconds = 0;         // host time computing them
+  double split_wait_seconds = 0;  // host time waiting for those calls' routing to come back
   uint64_t pinned = 0;          // experts the profile pins in VRAM (loaded or not yet)
   uint64_t bytes_promoted = 0;  // copied by those promotions (not in bytes_h2d, whose time is measured)
   double h2d_seconds = 0;     // GPU time of those copies

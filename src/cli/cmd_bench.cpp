@@ -373,19 +373,34 @@ void add_bench(CLI::App& app) {
             disk_per_token > 0 && raw_tg > 0 ? raw_tg * 1e9 / disk_per_token : 0;
         const uint64_t vh = t1.hits - t0s.hits, vm = t1.misses - t0s.misses;
         out["tg"]["gpu"] = {
-            {"hbm_bound_tok_per_s", hbm_bound}, {"of_hbm_bound", tps / hbm_bound},
-            {"pcie_bytes_per_token", pcie_per_token}, {"pcie_bound_tok_per_s", pcie_bound},
+            {"hbm_bound_tok_per_s", hbm_bound},
+            {"of_hbm_bound", tps / hbm_bound},
+            {"pcie_bytes_per_token", pcie_per_token},
+            {"pcie_bound_tok_per_s", pcie_bound},
             {"of_pcie_bound", pcie_bound > 0 ? tps / pcie_bound : 0.0},
-            {"disk_bound_tok_per_s", disk_bound}, {"of_disk_bound", disk_bound > 0 ? tps / disk_bound : 0.0},
+            {"disk_bound_tok_per_s", disk_bound},
+            {"of_disk_bound", disk_bound > 0 ? tps / disk_bound : 0.0},
             {"vram_hit_rate", vh + vm ? double(vh) / double(vh + vm) : 1.0},
             {"resident_layer_calls", t1.resident_calls - t0s.resident_calls},
             {"in_place_layer_calls", t1.in_place_calls - t0s.in_place_calls},
-            {"in_place_bytes_per_token", double(t1.bytes_in_place - t0s.bytes_in_place) / double(generated)},
+            {"in_place_bytes_per_token",
+             double(t1.bytes_in_place - t0s.bytes_in_place) / double(generated)},
+            {"cpu_expert_bytes_per_token",
+             double(t1.bytes_cpu - t0s.bytes_cpu) / double(generated)},
+            {"cpu_experts", t1.cpu_experts - t0s.cpu_experts},
+            {"cpu_expert_gb_per_s",
+             t1.cpu_seconds > t0s.cpu_seconds
+                 ? double(t1.bytes_cpu - t0s.bytes_cpu) / (t1.cpu_seconds - t0s.cpu_seconds) / 1e9
+                 : 0.0},
+            {"cpu_expert_s_per_token", (t1.cpu_seconds - t0s.cpu_seconds) / double(generated)},
+            {"split_wait_s_per_token",
+             (t1.split_wait_seconds - t0s.split_wait_seconds) / double(generated)},
             {"promotions", t1.promotions - t0s.promotions},
             {"pinned_experts", t1.pinned},
-            {"pcie_gb_per_s_while_copying", t1.h2d_seconds > t0s.h2d_seconds
-                                               ? double(t1.bytes_h2d - t0s.bytes_h2d) / (t1.h2d_seconds - t0s.h2d_seconds) / 1e9
-                                               : 0.0},
+            {"pcie_gb_per_s_while_copying",
+             t1.h2d_seconds > t0s.h2d_seconds
+                 ? double(t1.bytes_h2d - t0s.bytes_h2d) / (t1.h2d_seconds - t0s.h2d_seconds) / 1e9
+                 : 0.0},
             {"vram_expert_bytes", t1.slots * t1.slot_bytes}};
       }
     }

@@ -152,6 +152,12 @@ void ModelFlags::add_to(CLI::App& cmd, bool required) {
   cmd.add_option("--gpu-expert-mb", options.gpu_expert_mb,
                  "CUDA: VRAM for expert weights in MB (default: free VRAM minus a reserve)")
       ->check(kNonNegative);
+  cmd.add_option(
+         "--cpu-experts", options.cpu_expert_share,
+         "CUDA, experts in pinned RAM beyond --gpu-expert-mb: compute this share (0-1) of a decode "
+         "step's missed expert bytes on the CPU (--threads) while the GPU reads the rest over PCIe "
+         "(default 0: none; not bit-identical to the GPU's own sums)")
+      ->check(CLI::Range(0.0, 1.0));
   cmd.add_option("--host-expert-mb", e.cache_mb,
                  "CUDA: pinned RAM for experts between disk and VRAM, in MB (the same budget as --expert-cache-mb)")
       ->check(kNonNegative);
@@ -276,6 +282,10 @@ void report(const ModelFlags& flags, Model& model, const RunCounters& c) {
       j["pcie_gb_per_s"] = g->h2d_seconds > 0 ? double(g->bytes_h2d) / g->h2d_seconds / 1e9 : 0.0;
       j["vram_in_place_layer_calls"] = g->in_place_calls;
       j["pcie_bytes_read_in_place"] = g->bytes_in_place;
+      if (g->cpu_experts) {
+        j["cpu_experts"] = g->cpu_experts;
+        j["cpu_expert_bytes"] = g->bytes_cpu;
+      }
       j["vram_promotions"] = g->promotions;
       j["vram_pinned_experts"] = g->pinned;
       j["pcie_bytes_promoted"] = g->bytes_promoted;

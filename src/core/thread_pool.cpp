@@ -23,7 +23,7 @@ inline uint32_t epoch_of(uint64_t claim) { return uint32_t(claim >> 32); }
 
 }  // namespace
 
-ThreadPool::ThreadPool(int n_threads) {
+ThreadPool::ThreadPool(int n_threads, int spin_micros) : spin_micros_(spin_micros) {
   if (n_threads <= 0) n_threads = int(std::max(1u, std::thread::hardware_concurrency()));
   for (int i = 1; i < n_threads; ++i) workers_.emplace_back([this] { worker_loop(); });
 }
@@ -70,7 +70,7 @@ void ThreadPool::worker_loop() {
       if ((spins & 63) == 63) std::this_thread::yield();
       else cpu_relax();
       if ((spins & 255) == 255 &&
-          std::chrono::steady_clock::now() - start > std::chrono::microseconds(kSpinMicros)) {
+          std::chrono::steady_clock::now() - start > std::chrono::microseconds(spin_micros_)) {
         std::unique_lock lock(mu_);
         sleepers_.fetch_add(1);
         wake_.wait(lock, [&] { return stop_.load() || epoch_of(claim_.load()) != seen; });

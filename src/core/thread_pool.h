@@ -21,7 +21,9 @@ namespace moestream {
 
 class ThreadPool {
  public:
-  explicit ThreadPool(int n_threads);  // n_threads <= 0: one per hardware thread
+  // n_threads <= 0: one per hardware thread; spin_micros: how long a worker polls for the next
+  // job before it sleeps.
+  explicit ThreadPool(int n_threads, int spin_micros = kSpinMicros);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
@@ -38,7 +40,7 @@ class ThreadPool {
   static size_t elementwise_chunk(int64_t values) {
     return size_t(std::max<int64_t>(1, 65536 / std::max<int64_t>(1, values)));
   }
-  // How long a worker polls for the next job before it sleeps.
+  // How long a worker polls for the next job before it sleeps, by default.
   static constexpr int kSpinMicros = 200;
 
  private:
@@ -57,6 +59,7 @@ class ThreadPool {
   void run_chunks(uint32_t epoch);
 
   std::vector<std::thread> workers_;
+  int spin_micros_ = kSpinMicros;
   Job jobs_[2];
   // (epoch << 32) | the next chunk to claim; epoch 0 is "no job yet".
   std::atomic<uint64_t> claim_{0};

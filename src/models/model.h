@@ -22,6 +22,10 @@ struct ModelOptions {
   ExpertStoreOptions experts;  // expert cache budget, eviction policy, I/O method
   std::string device = "cpu";  // auto | cuda | cpu; gpu_expert_mb: VRAM expert slots (< 0: free VRAM minus a reserve)
   double gpu_expert_mb = -1;
+  // CUDA with experts read in place from pinned RAM: the share of a decode step's missed expert
+  // bytes computed on the CPU's `threads` threads while the GPU reads the rest (--cpu-experts;
+  // 0: none). Not bit-identical to the GPU's own products (float32 rounding).
+  double cpu_expert_share = 0;
   // Lossy: > 0 routes each token to at most this many experts (the model's top k at most), their
   // weights renormalized to sum to 1 (--moe-top-k; docs/PERFORMANCE.md has its quality).
   int moe_top_k = 0;

@@ -61,6 +61,7 @@ void DecoderModel::open_pack(const std::string& dir, const HfConfig& hf,
   bo.threads = options.threads;
   bo.precise = options.precise || !options.int8_activations;
   bo.gpu_expert_mb = options.gpu_expert_mb;
+  bo.cpu_expert_share = options.cpu_expert_share;
   bo.max_expert_bytes = pack_.max_expert_size();
   int64_t n_experts = 0;
   for (const auto& layer : pack_.layers) n_experts += int64_t(layer.size());

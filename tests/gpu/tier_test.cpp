@@ -4,6 +4,8 @@
 // tiered budgets (one VRAM slot, a few) and everything resident.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -254,6 +256,102 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
       const Result direct = decode_without("MOESTREAM_CUDA_EXPERT_STAGING", slots * slot_mb);
       EXPECT_EQ(direct.logits, all.logits);
     }
+  }
+}
+
+// --cpu-experts: a decode over a partial VRAM tier whose calls read in place hand a share of each
+// call's misses to the CPU, computed from their pinned host copies while the GPU runs the rest.
+// The logits are those of everything resident within float32 rounding (the CPU sums in another
+// order), with the same greedy token at every step, one token a step and batched steps of three;
+// the steps go through the host (no graph), the CPU takes experts, and at a share of 1 every miss
+// (nothing is read in place over PCIe). The split is for calls that miss many experts: with the
+// default threshold (4 a call, more than these top-2 fixtures miss) the steps stay graphs and the
+// CPU takes none.
+TEST(CudaTier, CpuShareOfTheMissesMatchesResident) {
+  std::string why;
+  if (!cuda_device_available(&why)) GTEST_SKIP() << why;
+  const std::string cache = test::temp_dir("gpu-tier-cpu-share");
+  const std::string q8 = test::temp_dir("gpu-tier-cpu-share-q8") + "/pack";
+  const auto packed = test::run_cli("pack " + test::fixture("models/qwen3moe_gqa_tied") + " " + q8 +
+                                    " --quant q8 --group-size 32");
+  ASSERT_EQ(packed.exit_code, 0) << packed.err;
+  for (const std::string& dir : {ensure_pack(test::fixture("models/qwen3moe_gqa_tied"), cache), q8,
+                                 ensure_pack(test::fixture("models/qwen3moe_mlx_g32"), cache)}) {
+    SCOPED_TRACE(dir);
+    const double slot_mb =
+        double((PackManifest::load(dir).max_expert_size() + 255) / 256 * 256) / 1e6;
+    struct Result {
+      std::vector<std::vector<float>> steps;  // each step's logits of each sequence
+      GpuTierStats stats;
+    };
+    auto decode = [&](double vram_mb, double share) {
+      ModelOptions o = cuda_options(cache, vram_mb, -1);
+      o.threads = 2;
+      o.cpu_expert_share = share;
+      auto model = load_model(dir, o);
+      const int64_t vocab = model->info().vocab_size;
+      Result r;
+      std::vector<float> logits(static_cast<size_t>(vocab));
+      auto seq = model->new_sequence(64);
+      const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+      model->forward(prompt, *seq, logits);
+      const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+      for (int step = 0; step < 16; ++step) {
+        model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
+        r.steps.push_back(logits);
+      }
+      constexpr int kSeqs = 3;
+      std::vector<std::unique_ptr<SequenceState>> states;
+      for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
+      std::vector<int32_t> tokens(kSeqs);
+      std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
+      for (int step = 0; step < 6; ++step) {
+        std::vector<SequenceBatch> items;
+        for (int i = 0; i < kSeqs; ++i) {
+          tokens[size_t(i)] = cycle[(3 * step + i) % 8];
+          items.push_back(
+              {std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
+        }
+        model->forward_batch(items);
+        for (const auto& l : rows) r.steps.push_back(l);
+      }
+      r.stats = *gpu_tier_stats(model->backend());
+      return r;
+    };
+    const Result all = decode(-1, 0);
+    const Result few = decode(3 * slot_mb, 0.5);
+    EXPECT_EQ(few.steps, all.steps);
+    EXPECT_EQ(few.stats.cpu_experts, 0u);
+    EXPECT_GT(few.stats.graph_steps, 0u);
+    EXPECT_GT(few.stats.bytes_in_place, 0u);
+    setenv("MOESTREAM_CPU_EXPERT_MIN_MISSES", "0", 1);
+    for (double share : {0.5, 1.0}) {
+      SCOPED_TRACE("share " + std::to_string(share));
+      const Result split = decode(3 * slot_mb, share);
+      ASSERT_EQ(split.steps.size(), all.steps.size());
+      for (size_t i = 0; i < all.steps.size(); ++i) {
+        SCOPED_TRACE("step " + std::to_string(i));
+        const std::vector<float>& want = all.steps[i];
+        const std::vector<float>& got = split.steps[i];
+        float most = 0, diff = 0;
+        for (size_t v = 0; v < want.size(); ++v) {
+          most = std::max(most, std::abs(want[v]));
+          diff = std::max(diff, std::abs(got[v] - want[v]));
+        }
+        EXPECT_LE(diff, 1e-4f * most);
+        EXPECT_EQ(std::max_element(got.begin(), got.end()) - got.begin(),
+                  std::max_element(want.begin(), want.end()) - want.begin());
+      }
+      EXPECT_GT(split.stats.in_place_calls, 0u);
+      EXPECT_GT(split.stats.cpu_experts, 0u);
+      EXPECT_GT(split.stats.bytes_cpu, 0u);
+      EXPECT_EQ(split.stats.graph_steps, 0u);
+      if (share == 1.0)
+        EXPECT_EQ(split.stats.bytes_in_place, 0u);
+      else
+        EXPECT_GT(split.stats.bytes_in_place, 0u);
+    }
+    unsetenv("MOESTREAM_CPU_EXPERT_MIN_MISSES");
   }
 }
 

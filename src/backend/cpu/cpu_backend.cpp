@@ -49,7 +49,8 @@ size_t gemm_rows_per_chunk(int64_t cols, int64_t tokens, size_t n, size_t thread
 
 class CpuBackend final : public Backend {
  public:
-  CpuBackend(int n_threads, bool precise) : pool_(n_threads), precise_(precise) {}
+  CpuBackend(int n_threads, bool precise, int spin_micros)
+      : pool_(n_threads, spin_micros), precise_(precise) {}
   ~CpuBackend() override {
     for (auto& [p, bytes] : growable_) munmap(p, bytes);
     lent_.clear();  // before the arena's bookkeeping goes: the last references hand ranges back
@@ -582,7 +583,6 @@ class CpuBackend final : public Backend {
   // loops a layer instead of three per expert, and a prompt chunk's 128 experts of a few dozen
   // tokens each are whole panels spread over all threads instead of 128 loops of a few panels.
   void experts_together(const Buffer& x, ExpertProvider& store, const MoeParams& p, Buffer& routed_out) {
-    const int64_t dim = x.cols;
     size_t n = 0;  // together_ keeps its entries (and their names' storage) between calls
     int e;
     MlpWeights w;
@@ -591,11 +591,44 @@ class CpuBackend final : public Backend {
       together_[n].first = e;
       together_[n++].second = w;
     }
+    compute_together(x, n, p, routed_out);
+    for (size_t i = 0; i < n; ++i) store.release(together_[i].first);
+  }
+
+ public:
+  void expert_rows(const Buffer& x, std::span<const ExpertRows> jobs, const MoeParams& p,
+                   Buffer& out) override {
+    const size_t n = jobs.size();
+    if (together_.size() < n) together_.resize(n);
+    by_expert_.assign(n, {});
+    first_row_.assign(n, 0);
+    for (size_t j = 0; j < n; ++j) {  // job j stands for expert j of by_expert_
+      const ExpertRows& job = jobs[j];
+      if (job.first_row < 0 || job.first_row + int64_t(job.tokens.size()) > out.rows ||
+          out.cols != x.cols)
+        fail("expert_rows: rows [", job.first_row, ", ", job.first_row + int64_t(job.tokens.size()),
+             ") of [", out.rows, ", ", out.cols, "] for x [", x.rows, ", ", x.cols, "]");
+      for (int64_t t : job.tokens) {
+        if (t < 0 || t >= x.rows)
+          fail("expert_rows: row ", t, " of x [", x.rows, ", ", x.cols, "]");
+        by_expert_[j].emplace_back(t, 1.0f);
+      }
+      first_row_[j] = job.first_row;
+      together_[j] = {int(j), job.weights};
+    }
+    compute_together(x, n, p, out);
+  }
+
+ private:
+  // together_[0, n) (by_expert_ and first_row_ by their ids) computed as experts_together says.
+  void compute_together(const Buffer& x, size_t n, const MoeParams& p, Buffer& routed_out) {
+    const int64_t dim = x.cols;
     int64_t rows = 0, inter = n ? together_[0].second.gate.rows : 0;
     bool same = true;
     for (size_t i = 0; i < n; ++i) {
       const auto& [id, ew] = together_[i];
-      rows += int64_t(by_expert_[size_t(id)].size());
+      rows = std::max(rows, first_row_[size_t(id)] +
+                                int64_t(by_expert_[size_t(id)].size()));  // rows of xs, g, u
       same = same && ew.gate.rows == inter && ew.up.rows == inter && ew.down.cols == inter &&
              ew.gate.dtype == ew.up.dtype && ew.gate.quant.bits == ew.up.quant.bits &&
              ew.gate.quant.group_size == ew.up.quant.group_size;
@@ -657,7 +690,6 @@ class CpuBackend final : public Backend {
       for (size_t i = 0; i < n; ++i)
         add_bias(routed_out.rows_view(first(i), count(i)), together_[i].second.down_bias);
     }
-    for (size_t i = 0; i < n; ++i) store.release(together_[i].first);
   }
 
   static void gather_rows(const Buffer& x, const std::vector<std::pair<int64_t, float>>& routed, Buffer& xe) {
@@ -826,8 +858,8 @@ class CpuBackend final : public Backend {
 
 }  // namespace
 
-std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise) {
-  return std::make_unique<CpuBackend>(n_threads, precise);
+std::unique_ptr<Backend> make_cpu_backend(int n_threads, bool precise, int spin_micros) {
+  return std::make_unique<CpuBackend>(n_threads, precise, spin_micros);
 }
 
 }  // namespace moestream

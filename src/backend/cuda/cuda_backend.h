@@ -26,6 +26,13 @@ struct CudaOptions {
   // VRAM as soon as their host copies are known and never evicted.
   std::vector<std::vector<double>> profile;
   double pin_share = 0.5;
+  // With experts read in place from the pinned host tier (a decode step over a partial VRAM
+  // tier): the share of each MoE call's missed expert bytes computed on the CPU, on cpu_threads
+  // threads (0: one per hardware thread), while the GPU reads the others over PCIe; the calls
+  // then go through the host (no CUDA graph). 0: none. The CPU's sums are not the GPU's bit for
+  // bit (float32 rounding).
+  double cpu_expert_share = 0;
+  int cpu_threads = 0;
 };
 
 // Whether a CUDA device can be used; when not, `why` says what is missing.

@@ -139,6 +139,14 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   MS_CUDA_CHECK(cudaMalloc(&route_done_, kGemvMaxTokens * sizeof(unsigned)));
   MS_CUDA_CHECK(cudaMemsetAsync(route_done_, 0, kGemvMaxTokens * sizeof(unsigned), compute_));
   MS_CUDA_CHECK(cudaStreamSynchronize(compute_));
+  // Its threads poll between calls for longer than a CPU model's (a MoE call comes every few
+  // hundred us, after the GPU's attention): MOESTREAM_CPU_EXPERT_SPIN_US, default 5,000.
+  if (opt_.cpu_expert_share > 0) {
+    const char* spin = std::getenv("MOESTREAM_CPU_EXPERT_SPIN_US");
+    cpu_ = make_cpu_backend(opt_.cpu_threads, /*precise=*/true, spin ? std::atoi(spin) : 5000);
+    const char* min_misses = std::getenv("MOESTREAM_CPU_EXPERT_MIN_MISSES");
+    if (min_misses) split_min_misses_ = std::atof(min_misses);
+  }
 }
 
 ExpertTier::~ExpertTier() {
@@ -159,6 +167,8 @@ ExpertTier::~ExpertTier() {
 GpuTierStats ExpertTier::stats() {
   digest_log();
   GpuTierStats s = stats_;
+  s.bytes_in_place -=
+      std::min(s.bytes_in_place, s.bytes_cpu);  // digest_log counted the CPU's share too
   s.slot_bytes = slot_bytes_;
   s.slots = n_slots_;
   return s;
@@ -349,7 +359,10 @@ void ExpertTier::moe(const Buffer& x, const Matrix& router, ExpertProvider& expe
   if (prof_.on()) prof_.end(compute_, weight_label("moe router + top-k", router, x.rows), stored_bytes(router));
   ScopedTimer compute(times_.expert_compute);
   if (c.resident) {
-    run_resident(c);
+    if (c.in_place && split_step_)
+      run_split(c);
+    else
+      run_resident(c);
     return;
   }
   finish_promotions(true);  // the host path below finds every slot settled
@@ -490,6 +503,78 @@ void ExpertTier::run_resident(Call& c) {
   cuda::combine(b.y, c.sel_w, c.g.row_of, c.T, c.K, c.dim, c.out, compute_);
   if (prof_.on()) prof_.end(compute_, op_label("moe combine", c.T));
   op_done();
+}
+
+// A call read in place with a CPU share: its ids and x come back to the host. The experts in VRAM
+// and the misses the CPU does not take go to the GPU as one batch (the misses read in place over
+// PCIe); the CPU takes misses in ascending id while their bytes stay within cpu_expert_share of
+// all the misses' (to the nearest expert) and computes them from their pinned host copies while
+// the GPU runs; their rows go up after the GPU's, and the combine sums each token's rows as
+// run_resident's does.
+void ExpertTier::run_split(Call& c) {
+  const int64_t T = c.T, dim = c.dim;
+  float* x_host = staging_.get<float>(kXHost, size_t(T * dim), compute_);
+  MS_CUDA_CHECK(cudaMemcpyAsync(x_host, c.b.x, size_t(T * dim) * sizeof(float),
+                                cudaMemcpyDeviceToHost, compute_));
+  const auto t_wait = std::chrono::steady_clock::now();
+  read_selection(c);  // waits for the copies
+  stats_.split_wait_seconds +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t_wait).count();
+  ++stats_.in_place_calls;
+  const std::vector<int>& where = where_[size_t(c.layer)];
+  const std::vector<HostExpert>& host = host_[size_t(c.layer)];
+  uint64_t miss_bytes = 0, cpu_bytes = 0;
+  int misses = 0;
+  for (int e = 0; e < c.E; ++e)
+    if (!pairs_of_[size_t(e)].empty() && where[size_t(e)] < 0) {
+      miss_bytes += host[size_t(e)].bytes;
+      ++misses;
+    }
+  note_misses(misses);
+  const double cpu_share = opt_.cpu_expert_share * double(miss_bytes);
+  on_gpu_.clear();
+  on_cpu_.clear();
+  for (int e = 0; e < c.E; ++e) {
+    if (pairs_of_[size_t(e)].empty()) continue;
+    const uint64_t bytes = host[size_t(e)].bytes;
+    if (where[size_t(e)] < 0 && double(cpu_bytes) + 0.5 * double(bytes) <= cpu_share) {
+      on_cpu_.push_back(e);
+      cpu_bytes += bytes;
+    } else {
+      on_gpu_.push_back(e);
+    }
+  }
+  HostGroups h = host_groups(c);
+  bind_layer(c);
+  c.b.in_place = staging_on_;
+  for (int e : on_gpu_) append(h, e);
+  launch(c, h);
+  const int cpu_first = h.rows;
+  cpu_jobs_.resize(on_cpu_.size());
+  for (size_t j = 0; j < on_cpu_.size(); ++j) {
+    const int e = on_cpu_[j];
+    ExpertRows& job = cpu_jobs_[j];
+    job.weights = host[size_t(e)].weights;
+    job.first_row = h.rows - cpu_first;
+    job.tokens.clear();
+    for (int i : pairs_of_[size_t(e)]) job.tokens.push_back(i / c.K);
+    append(h, e);
+  }
+  if (!on_cpu_.empty()) {
+    const int64_t rows = h.rows - cpu_first;
+    float* y_host = staging_.get<float>(kCpuYHost, size_t(rows * dim), compute_);
+    Buffer xb{x_host, T, dim}, yb{y_host, rows, dim};
+    const auto t_cpu = std::chrono::steady_clock::now();
+    cpu_->expert_rows(xb, cpu_jobs_, *c.b.params, yb);
+    stats_.cpu_seconds +=
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+    MS_CUDA_CHECK(cudaMemcpyAsync(c.b.y + int64_t(cpu_first) * dim, y_host,
+                                  size_t(rows * dim) * sizeof(float), cudaMemcpyHostToDevice,
+                                  compute_));
+    stats_.cpu_experts += on_cpu_.size();
+    stats_.bytes_cpu += cpu_bytes;
+  }
+  combine_through_host(c, h);
 }
 
 // The chosen experts come back to the host: pairs_of_[e] lists expert e's (token, slot) pairs.
@@ -833,6 +918,7 @@ void ExpertTier::note_host(int layer, int expert, const MlpWeights& w) {
   note_formats(layer, expert, w, lo);
   h = HostExpert{lo, uint64_t(hi - lo), entry_of(w)};
   h.dev.in_host = 1;
+  if (cpu_) h.weights = w;
   if (++host_known_[size_t(layer)] == n_experts_) ++mapped_layers_;
   if (where_[size_t(layer)][size_t(expert)] < 0) {
     table_host_[size_t(layer) * n_experts_ + size_t(expert)] = h.dev;
@@ -868,6 +954,7 @@ void ExpertTier::digest_log() {
   for (const Logged& l : log_) {
     ++call_;
     const int* ids = log_host_ + l.offset;
+    int misses = 0;
     for (int64_t i = 0; i < l.pairs; ++i) {
       const int e = ids[i];
       if (e < 0 || e >= n_experts_ || seen_[size_t(e)]) continue;
@@ -881,12 +968,14 @@ void ExpertTier::digest_log() {
         touch(slot);
       } else {
         ++stats_.misses;
+        ++misses;
         stats_.bytes_in_place += host_[size_t(l.layer)][size_t(e)].bytes;
         candidates_.emplace_back(l.layer, e);
       }
     }
     for (int64_t i = 0; i < l.pairs; ++i)
       if (ids[i] >= 0 && ids[i] < n_experts_) seen_[size_t(ids[i])] = 0;
+    if (!split_step_) note_misses(misses);  // run_split noted its own
   }
   log_.clear();
   log_used_ = 0;
@@ -894,6 +983,7 @@ void ExpertTier::digest_log() {
 
 void ExpertTier::step_begins() {
   digest_log();
+  split_step_ = cpu_ && misses_per_call_ >= split_min_misses_;
   finish_promotions(false);
   start_promotions();
   upload_dirty_rows();

@@ -21,6 +21,12 @@
 //    updates the use counts, and misses that the eviction policy ranks above a VRAM slot's expert
 //    are copied into that slot on the copy stream, their table entries switched once the copy is
 //    done.
+//  - the same decode with a CPU share (CudaOptions::cpu_expert_share), in steps whose calls have
+//    missed at least split_min_misses_ experts a call of late (a moving mean): the chosen ids and
+//    x come back to the host each call; the GPU runs the experts in VRAM and some of those read in
+//    place as one batch, while the CPU computes the others from their pinned host copies; their
+//    rows go up before the combine (run_split). Such a step is not a CUDA graph: its host round
+//    trips cost ~75 us a call, more than a few misses' share saves.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -112,8 +118,9 @@ class ExpertTier {
   // A decode step (at most kGemvMaxTokens tokens) needs no host round trip: every expert in VRAM,
   // or every MoE layer read in place (the step can be captured as CUDA graphs).
   bool graph_ready() const {
-    return all_resident() || (in_place_on_ && lasting_ && host_fit_ == 1 && n_experts_ > 0 && opt_.total_experts > 0 &&
-                              int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
+    return all_resident() ||
+           (!split_step_ && in_place_on_ && lasting_ && host_fit_ == 1 && n_experts_ > 0 &&
+            opt_.total_experts > 0 && int64_t(mapped_layers_) * n_experts_ == opt_.total_experts);
   }
   // Between steps (the compute stream's work so far may still run): the logged routing of the
   // steps read in place updates use counts and statistics, finished promotions take their slots,
@@ -155,6 +162,7 @@ class ExpertTier {
   // --- the steps of moe() ---
   Call route(const Buffer& x, const Matrix& router, const MoeParams& p, Buffer& out, bool in_place);
   void run_resident(Call& c);
+  void run_split(Call& c);
   void read_selection(const Call& c);
   HostGroups host_groups(const Call& c);
   void split_hits_and_misses(const Call& c);
@@ -204,7 +212,16 @@ class ExpertTier {
   }
 
   enum ScratchSlot { kLogits, kSelIds, kSelW, kNActive, kActive, kOffset, kRowToken, kRowOf, kRowChunk, kHidden, kY, kNext };
-  enum StagingSlot { kIdsHost, kActiveHost, kOffsetHost, kRowTokenHost, kRowOfHost, kNextHost };
+  enum StagingSlot {
+    kIdsHost,
+    kActiveHost,
+    kOffsetHost,
+    kRowTokenHost,
+    kRowOfHost,
+    kNextHost,
+    kXHost,
+    kCpuYHost
+  };
 
   CudaOptions opt_;
   cudaStream_t compute_ = nullptr, copy_ = nullptr;  // the backend's
@@ -271,6 +288,7 @@ class ExpertTier {
     uint64_t bytes = 0;
     DevExpert dev{};
     bool promoting = false;  // a copy into a VRAM slot is in flight
+    MlpWeights weights;      // the matrices at lo, for the CPU share (run_split)
   };
   bool in_place_on_ = true;               // MOESTREAM_CUDA_IN_PLACE=0 turns it off
   // Batched steps copy the lines of experts read in place through shared memory
@@ -305,6 +323,19 @@ class ExpertTier {
   std::vector<cudaEvent_t> spare_events_;
   std::vector<char> slot_busy_;           // a promotion's copy into the slot is in flight
   std::vector<int> dirty_rows_;           // layers whose table rows changed on the host since their upload
+
+  // The CPU share of calls read in place (CudaOptions::cpu_expert_share): the CPU backend that
+  // computes it, and a call's experts on each side.
+  std::unique_ptr<Backend> cpu_;
+  std::vector<int> on_gpu_, on_cpu_;
+  // The moving mean of the experts a call read in place missed (of VRAM), and whether this step's
+  // calls split (step_begins: when the mean is at least split_min_misses_,
+  // MOESTREAM_CPU_EXPERT_MIN_MISSES, default 4).
+  void note_misses(int misses) { misses_per_call_ += 0.05 * (double(misses) - misses_per_call_); }
+  double misses_per_call_ = 0;
+  double split_min_misses_ = 4;
+  bool split_step_ = false;
+  std::vector<ExpertRows> cpu_jobs_;
 };
 
 }  // namespace moestream::cuda
