@@ -123,6 +123,88 @@ void PinnedPool::free(void* p) {
   free_[it->second].push_back(p);
 }
 
+// --- the CPU's share
+// ------------------------------------------------------------------------------
+
+namespace {
+
+// Waits until the count at `done` reaches n (in wrapping order).
+__global__ void wait_for_count_kernel(const volatile uint32_t* done, uint32_t n) {
+  while (int32_t(*done - n) < 0) __nanosleep(1000);
+}
+
+}  // namespace
+
+CpuExpertWorker::CpuExpertWorker(std::unique_ptr<Backend> cpu) : cpu_(std::move(cpu)) {
+  MS_CUDA_CHECK(
+      cudaHostAlloc(reinterpret_cast<void**>(&done_host_), sizeof(uint32_t), cudaHostAllocMapped));
+  *done_host_ = 0;
+  MS_CUDA_CHECK(cudaHostGetDevicePointer(reinterpret_cast<void**>(&done_dev_), done_host_, 0));
+  thread_ = std::thread([this] { loop(); });
+}
+
+CpuExpertWorker::~CpuExpertWorker() {
+  {
+    std::lock_guard lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+  cudaFreeHost(done_host_);
+}
+
+void CpuExpertWorker::submit(std::function<void(Backend&)> work, cudaStream_t s) {
+  const uint32_t n = submitted_.load() + 1;
+  {
+    std::lock_guard lock(mu_);
+    work_ = std::move(work);
+    submitted_.store(n);
+  }
+  cv_.notify_one();
+  wait_for_count_kernel<<<1, 1, 0, s>>>(done_dev_, n);
+  MS_CUDA_CHECK(cudaGetLastError());
+}
+
+void CpuExpertWorker::rethrow() {
+  std::exception_ptr e;
+  {
+    std::lock_guard lock(mu_);
+    std::swap(e, error_);
+  }
+  if (e) std::rethrow_exception(e);
+}
+
+// A job is taken while the thread polls for up to 5 ms after the last (a split call comes every few
+// hundred us), else after a wake-up.
+void CpuExpertWorker::loop() {
+  uint32_t taken = 0;
+  for (;;) {
+    const auto idle = std::chrono::steady_clock::now();
+    while (submitted_.load(std::memory_order_acquire) == taken &&
+           std::chrono::steady_clock::now() - idle < std::chrono::milliseconds(5))
+      std::this_thread::yield();
+    std::function<void(Backend&)> work;
+    {
+      std::unique_lock lock(mu_);
+      cv_.wait(lock, [&] { return stop_ || submitted_.load() != taken; });
+      if (submitted_.load() == taken) return;  // stopped with nothing in hand
+      work = std::move(work_);
+      taken = submitted_.load();
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      work(*cpu_);
+    } catch (...) {
+      std::lock_guard lock(mu_);
+      error_ = std::current_exception();
+    }
+    nanos_ +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0)
+            .count();
+    __atomic_store_n(done_host_, taken, __ATOMIC_RELEASE);  // the stream's wait ends
+  }
+}
+
 // --- the tier ------------------------------------------------------------------------------------
 
 ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStream_t copy, GemmScratch& gemm,
@@ -143,13 +225,20 @@ ExpertTier::ExpertTier(const CudaOptions& options, cudaStream_t compute, cudaStr
   // hundred us, after the GPU's attention): MOESTREAM_CPU_EXPERT_SPIN_US, default 5,000.
   if (opt_.cpu_expert_share > 0) {
     const char* spin = std::getenv("MOESTREAM_CPU_EXPERT_SPIN_US");
-    cpu_ = make_cpu_backend(opt_.cpu_threads, /*precise=*/true, spin ? std::atoi(spin) : 5000);
+    // one core left to the host thread when the count is not given
+    const int threads = opt_.cpu_threads > 0
+                            ? opt_.cpu_threads
+                            : std::max(1, int(std::thread::hardware_concurrency()) - 1);
+    cpu_ = std::make_unique<CpuExpertWorker>(
+        make_cpu_backend(threads, /*precise=*/true, spin ? std::atoi(spin) : 5000));
     const char* min_misses = std::getenv("MOESTREAM_CPU_EXPERT_MIN_MISSES");
     if (min_misses) split_min_misses_ = std::atof(min_misses);
   }
 }
 
 ExpertTier::~ExpertTier() {
+  cpu_.reset();  // the job in hand finishes (the compute stream may wait for it)
+  cudaStreamSynchronize(compute_);
   cudaStreamSynchronize(copy_);
   for (auto& [ev, batch] : promoting_) cudaEventDestroy(ev);
   for (cudaEvent_t ev : spare_events_) cudaEventDestroy(ev);
@@ -167,6 +256,7 @@ ExpertTier::~ExpertTier() {
 GpuTierStats ExpertTier::stats() {
   digest_log();
   GpuTierStats s = stats_;
+  if (cpu_) s.cpu_seconds = cpu_->seconds();
   s.bytes_in_place -=
       std::min(s.bytes_in_place, s.bytes_cpu);  // digest_log counted the CPU's share too
   s.slot_bytes = slot_bytes_;
@@ -512,6 +602,7 @@ void ExpertTier::run_resident(Call& c) {
 // the GPU runs; their rows go up after the GPU's, and the combine sums each token's rows as
 // run_resident's does.
 void ExpertTier::run_split(Call& c) {
+  cpu_->rethrow();
   const int64_t T = c.T, dim = c.dim;
   float* x_host = staging_.get<float>(kXHost, size_t(T * dim), compute_);
   MS_CUDA_CHECK(cudaMemcpyAsync(x_host, c.b.x, size_t(T * dim) * sizeof(float),
@@ -563,11 +654,12 @@ void ExpertTier::run_split(Call& c) {
   if (!on_cpu_.empty()) {
     const int64_t rows = h.rows - cpu_first;
     float* y_host = staging_.get<float>(kCpuYHost, size_t(rows * dim), compute_);
-    Buffer xb{x_host, T, dim}, yb{y_host, rows, dim};
-    const auto t_cpu = std::chrono::steady_clock::now();
-    cpu_->expert_rows(xb, cpu_jobs_, *c.b.params, yb);
-    stats_.cpu_seconds +=
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - t_cpu).count();
+    const Buffer xb{x_host, T, dim};
+    Buffer yb{y_host, rows, dim};
+    // x_host, y_host and cpu_jobs_ are not touched again before the stream has waited for the job
+    cpu_->submit([xb, yb, params = *c.b.params, jobs = &cpu_jobs_](
+                     Backend& cpu) mutable { cpu.expert_rows(xb, *jobs, params, yb); },
+                 compute_);
     MS_CUDA_CHECK(cudaMemcpyAsync(c.b.y + int64_t(cpu_first) * dim, y_host,
                                   size_t(rows * dim) * sizeof(float), cudaMemcpyHostToDevice,
                                   compute_));
@@ -983,6 +1075,7 @@ void ExpertTier::digest_log() {
 
 void ExpertTier::step_begins() {
   digest_log();
+  if (cpu_) cpu_->rethrow();  // a CPU share that failed in the last step
   split_step_ = cpu_ && misses_per_call_ >= split_min_misses_;
   finish_promotions(false);
   start_promotions();

@@ -31,8 +31,14 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
+#include <functional>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -93,6 +99,38 @@ class HostStaging {
 
  private:
   std::vector<std::pair<void*, size_t>> areas_;
+};
+
+// The CPU's share of split calls (ExpertTier::run_split) on a thread of its own, so that the host
+// thread goes on launching the step while the CPU computes: the compute stream waits for each job
+// on a count in mapped pinned memory (wait_for), which the thread raises to the job's number once
+// the job's rows are written. One job at a time: the next is submitted after the stream has
+// waited for the last.
+class CpuExpertWorker {
+ public:
+  explicit CpuExpertWorker(std::unique_ptr<Backend> cpu);
+  ~CpuExpertWorker();  // finishes the job in hand
+  CpuExpertWorker(const CpuExpertWorker&) = delete;
+  CpuExpertWorker& operator=(const CpuExpertWorker&) = delete;
+  // Starts work(cpu) on the thread; the stream `s` then waits until it is done.
+  void submit(std::function<void(Backend&)> work, cudaStream_t s);
+  double seconds() const { return double(nanos_.load()) * 1e-9; }  // time spent in jobs
+  // A failed job's error (its rows are left as they were), thrown once.
+  void rethrow();
+
+ private:
+  void loop();
+  std::unique_ptr<Backend> cpu_;
+  uint32_t* done_host_ = nullptr;  // mapped pinned: the number of the last job finished
+  uint32_t* done_dev_ = nullptr;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::function<void(Backend&)> work_;
+  std::atomic<uint32_t> submitted_{0};
+  bool stop_ = false;
+  std::atomic<int64_t> nanos_{0};
+  std::exception_ptr error_;
+  std::thread thread_;
 };
 
 // The VRAM expert tier and the MoE layer that runs on it. Work goes on the backend's compute
@@ -324,9 +362,9 @@ class ExpertTier {
   std::vector<char> slot_busy_;           // a promotion's copy into the slot is in flight
   std::vector<int> dirty_rows_;           // layers whose table rows changed on the host since their upload
 
-  // The CPU share of calls read in place (CudaOptions::cpu_expert_share): the CPU backend that
-  // computes it, and a call's experts on each side.
-  std::unique_ptr<Backend> cpu_;
+  // The CPU share of calls read in place (CudaOptions::cpu_expert_share): the CPU backend's
+  // worker that computes it, and a call's experts on each side.
+  std::unique_ptr<CpuExpertWorker> cpu_;
   std::vector<int> on_gpu_, on_cpu_;
   // The moving mean of the experts a call read in place missed (of VRAM), and whether this step's
   // calls split (step_begins: when the mean is at least split_min_misses_,
