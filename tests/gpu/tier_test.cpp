@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <span>
 #include <utility>
@@ -30,6 +31,37 @@ std::vector<float> run(Model& m, const std::vector<int32_t>& ids) {
   auto seq = m.new_sequence(int64_t(ids.size()) + 1);
   m.forward(ids, *seq, logits);
   return logits;
+}
+
+// The decode the in-place tests run: an 11-token prompt (its logits kept only with keep_prompt),
+// 16 one-token steps, then 6 batched steps of three sequences, each logits row to keep().
+void decode_cycle(Model& model, bool keep_prompt,
+                  const std::function<void(const std::vector<float>&)>& keep) {
+  const int64_t vocab = model.info().vocab_size;
+  std::vector<float> logits(static_cast<size_t>(vocab));
+  auto seq = model.new_sequence(64);
+  const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
+  model.forward(prompt, *seq, logits);
+  if (keep_prompt) keep(logits);
+  const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
+  for (int step = 0; step < 16; ++step) {
+    model.forward(std::span(&cycle[step % 8], 1), *seq, logits);
+    keep(logits);
+  }
+  constexpr int kSeqs = 3;  // batched steps: a few tokens a call
+  std::vector<std::unique_ptr<SequenceState>> states;
+  for (int i = 0; i < kSeqs; ++i) states.push_back(model.new_sequence(8));
+  std::vector<int32_t> tokens(kSeqs);
+  std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
+  for (int step = 0; step < 6; ++step) {
+    std::vector<SequenceBatch> items;
+    for (int i = 0; i < kSeqs; ++i) {
+      tokens[size_t(i)] = cycle[(3 * step + i) % 8];
+      items.push_back({std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
+    }
+    model.forward_batch(items);
+    for (const auto& l : rows) keep(l);
+  }
 }
 
 // CUDA, float32 activations, the pack cache in `cache`, and the two expert tiers' budgets.
@@ -189,33 +221,10 @@ TEST(CudaTier, ReadInPlaceMatchesResident) {
     };
     auto decode = [&](double vram_mb) {
       auto model = load_model(dir, cuda_options(cache, vram_mb, -1));
-      const int64_t vocab = model->info().vocab_size;
       Result r;
-      std::vector<float> logits(static_cast<size_t>(vocab));
-      auto keep = [&](const std::vector<float>& l) { r.logits.insert(r.logits.end(), l.begin(), l.end()); };
-      auto seq = model->new_sequence(64);
-      const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
-      model->forward(prompt, *seq, logits);
-      keep(logits);
-      const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
-      for (int step = 0; step < 16; ++step) {
-        model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
-        keep(logits);
-      }
-      constexpr int kSeqs = 3;  // batched steps: a few tokens a call
-      std::vector<std::unique_ptr<SequenceState>> states;
-      for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
-      std::vector<int32_t> tokens(kSeqs);
-      std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
-      for (int step = 0; step < 6; ++step) {
-        std::vector<SequenceBatch> items;
-        for (int i = 0; i < kSeqs; ++i) {
-          tokens[size_t(i)] = cycle[(3 * step + i) % 8];
-          items.push_back({std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
-        }
-        model->forward_batch(items);
-        for (const auto& l : rows) keep(l);
-      }
+      decode_cycle(*model, true, [&](const std::vector<float>& l) {
+        r.logits.insert(r.logits.end(), l.begin(), l.end());
+      });
       r.stats = *gpu_tier_stats(model->backend());
       return r;
     };
@@ -289,32 +298,8 @@ TEST(CudaTier, CpuShareOfTheMissesMatchesResident) {
       o.threads = 2;
       o.cpu_expert_share = share;
       auto model = load_model(dir, o);
-      const int64_t vocab = model->info().vocab_size;
       Result r;
-      std::vector<float> logits(static_cast<size_t>(vocab));
-      auto seq = model->new_sequence(64);
-      const std::vector<int32_t> prompt = {5, 17, 33, 2, 90, 144, 7, 61, 230, 12, 48};
-      model->forward(prompt, *seq, logits);
-      const int32_t cycle[] = {3, 40, 77, 120, 161, 202, 9, 250};
-      for (int step = 0; step < 16; ++step) {
-        model->forward(std::span(&cycle[step % 8], 1), *seq, logits);
-        r.steps.push_back(logits);
-      }
-      constexpr int kSeqs = 3;
-      std::vector<std::unique_ptr<SequenceState>> states;
-      for (int i = 0; i < kSeqs; ++i) states.push_back(model->new_sequence(8));
-      std::vector<int32_t> tokens(kSeqs);
-      std::vector<std::vector<float>> rows(kSeqs, std::vector<float>(size_t(vocab)));
-      for (int step = 0; step < 6; ++step) {
-        std::vector<SequenceBatch> items;
-        for (int i = 0; i < kSeqs; ++i) {
-          tokens[size_t(i)] = cycle[(3 * step + i) % 8];
-          items.push_back(
-              {std::span(&tokens[size_t(i)], 1), states[size_t(i)].get(), rows[size_t(i)]});
-        }
-        model->forward_batch(items);
-        for (const auto& l : rows) r.steps.push_back(l);
-      }
+      decode_cycle(*model, false, [&](const std::vector<float>& l) { r.steps.push_back(l); });
       r.stats = *gpu_tier_stats(model->backend());
       return r;
     };
